@@ -1,0 +1,2352 @@
+#!/usr/bin/env bun
+/**
+ * aic — a ralph-loop shell agent.
+ *
+ * A language model gets one tool, `execute_bash`. aic runs each command it
+ * proposes in a real terminal (behind the person's approval unless
+ * auto-approve is on), hands the result back, and loops until the model says
+ * TASKCOMPLETE. The whole program lives in this file, in sections ordered the
+ * way data flows through it:
+ *
+ *   constants → CLI/config → events and sinks → token accounting → model
+ *   client → context compression → session store → sandbox → command runner →
+ *   agent loop → web search → TUI → main
+ *
+ * The agent core never touches the terminal: it emits typed events to a sink
+ * and awaits an approval function. Plain text, JSON Lines and the TUI are
+ * sinks. Everything runs on one event loop; nothing blocks it.
+ */
+
+import * as fs from "node:fs";
+import * as os from "node:os";
+import * as path from "node:path";
+
+// ════════════════════════════════════════════════════════════════════════════
+// Constants and defaults
+// Owns: names, limits and fixed strings that more than one section relies on.
+// ════════════════════════════════════════════════════════════════════════════
+
+const VERSION = "0.1.0";
+const MARKER = "TASKCOMPLETE";
+const TRUNCATION_SENTINEL = "output too long: truncated";
+const CONDENSED_TOOL_OUTPUT = "<condensed tool output>";
+const SUMMARY_HEADING = "[Prior conversation summary]";
+const SUMMARY_UNAVAILABLE = "[summary unavailable]";
+const CONTINUE_FALLBACK = "Continue with the current task.";
+const SESSION_RECOVERED = "[SESSION RECOVERED]";
+const SKIPPED_BY_USER = "Command execution skipped by user.";
+const NOT_EXECUTED_STOPPED = "Command not executed: the run was stopped before it could run.";
+/** Headers a browser would send, so sites that block bots still answer the model's fetches. */
+const BROWSER_USER_AGENT =
+  "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0.0.0 Safari/537.36";
+/** Non-gpt models get an output reservation; it is subtracted from the prompt budget. */
+const OUTPUT_RESERVATION_TOKENS = 8000;
+const AGENTS_MD_LIMIT_BYTES = 32 * 1024;
+/** Output past this multiple of --max-output-bytes means a runaway command. */
+const RUNAWAY_FACTOR = 100;
+/** Silence before we look whether a command is blocked reading its terminal. */
+const INPUT_WAIT_SILENCE_MS = 10_000;
+const KILL_GRACE_MS = 500;
+const MAX_MODEL_ATTEMPTS = 5;
+const MAX_CONTEXT_RETRIES = 3;
+const BACKOFF_CAP_MS = 60_000;
+const COMMAND_COLUMNS = 160;
+const COMMAND_ROWS = 50;
+
+const EXIT = {
+  ok: 0,
+  failure: 1,
+  usage: 2,
+  stepLimit: 3,
+  needsApproval: 4,
+  sighup: 129,
+  sigint: 130,
+  sigterm: 143,
+} as const;
+
+/** The one tool the model may call. */
+const EXECUTE_BASH_TOOL = {
+  type: "function",
+  function: {
+    name: "execute_bash",
+    description:
+      "Run one shell command in a pseudo-terminal in the current working directory and return its exit code and output.",
+    parameters: {
+      type: "object",
+      properties: { command: { type: "string", description: "The shell command to run." } },
+      required: ["command"],
+    },
+  },
+} as const;
+
+/** The environment every command gets, so pagers and credential prompts never sit waiting for a person. */
+const COMMAND_ENV: Record<string, string> = {
+  TERM: "xterm-256color",
+  PAGER: "cat",
+  GIT_PAGER: "cat",
+  MANPAGER: "cat",
+  GIT_TERMINAL_PROMPT: "0",
+  DEBIAN_FRONTEND: "noninteractive",
+  GIT_ASKPASS: "",
+  SSH_ASKPASS: "",
+  GH_PROMPT_DISABLED: "1",
+  GCM_INTERACTIVE: "never",
+};
+
+// ════════════════════════════════════════════════════════════════════════════
+// CLI and configuration
+// Owns: turning argv and the environment into a validated Config, or one
+// clear line and exit code 2. Flags live in a table, not an if-chain.
+// ════════════════════════════════════════════════════════════════════════════
+
+type CompressAlg = "context-compressor-llm" | "truncate";
+
+interface Config {
+  apiBase: string;
+  model: string;
+  apiKey: string | undefined;
+  autoApprove: boolean;
+  noThinking: boolean;
+  timeoutSec: number;
+  maxPromptLen: number;
+  maxOutputBytes: number;
+  maxSteps: number;
+  debug: boolean;
+  nogui: boolean;
+  session: string | undefined;
+  noSession: boolean;
+  disableSandbox: boolean;
+  compressAlg: CompressAlg;
+  compressTarget: number;
+  fast: boolean;
+  reasoningEffort: string | undefined;
+  json: boolean;
+  request: string | undefined;
+  /** Warnings found while parsing that are not errors (an unknown algorithm name). */
+  warnings: string[];
+}
+
+type FlagKind = "bool" | "string" | "int" | "fraction";
+interface FlagSpec {
+  name: string;
+  kind: FlagKind;
+  key: keyof Config;
+  env?: string[];
+  default?: string;
+  help: string;
+}
+
+const FLAGS: readonly FlagSpec[] = [
+  { name: "--api-base", kind: "string", key: "apiBase", env: ["AIC_API_BASE", "OPENAI_BASE_URL"], help: "OpenAI-compatible base URL (…/v1). Required." },
+  { name: "--model", kind: "string", key: "model", env: ["AIC_MODEL"], help: "Model name. Required." },
+  { name: "--api-key", kind: "string", key: "apiKey", env: ["AIC_API_KEY", "OPENAI_API_KEY"], help: "API key (local servers need none). Never written to any file." },
+  { name: "--auto-approve", kind: "bool", key: "autoApprove", help: "Run commands without asking." },
+  { name: "--no-thinking", kind: "bool", key: "noThinking", help: "Do not show reasoning tokens." },
+  { name: "--timeout", kind: "int", key: "timeoutSec", default: "120", help: "Per-command timeout in seconds." },
+  { name: "--max-prompt-len", kind: "int", key: "maxPromptLen", default: "80000", help: "Prompt budget in tokens." },
+  { name: "--max-output-bytes", kind: "int", key: "maxOutputBytes", default: "10240", help: "Cap on the command output handed to the model." },
+  { name: "--max-steps", kind: "int", key: "maxSteps", default: "500", help: "Loop steps before giving up (exit 3)." },
+  { name: "--debug", kind: "bool", key: "debug", help: "Write the history to commander-debug.txt before each model call." },
+  { name: "--nogui", kind: "bool", key: "nogui", help: "Plain output, no TUI. No session file unless --session is given." },
+  { name: "--session", kind: "string", key: "session", help: "Session file (TUI default: ./.aicsession)." },
+  { name: "--no-session", kind: "bool", key: "noSession", help: "No session file at all." },
+  { name: "--disable-sandbox", kind: "bool", key: "disableSandbox", help: "Do not confine commands with Landlock." },
+  { name: "--compress-alg", kind: "string", key: "compressAlg", default: "context-compressor-llm", help: "context-compressor-llm (anchored LLM summary) or truncate." },
+  { name: "--compress-target", kind: "fraction", key: "compressTarget", default: "0.4", help: "Fraction of the budget kept after compression, 0 < F < 1." },
+  { name: "--fast", kind: "bool", key: "fast", help: "Force truncate and the short system prompt." },
+  { name: "--reasoning-effort", kind: "string", key: "reasoningEffort", help: "Passed through as reasoning_effort." },
+  { name: "--json", kind: "bool", key: "json", help: "With --nogui: JSON Lines events on stdout." },
+];
+
+class UsageError extends Error {}
+
+function helpText(): string {
+  const lines = [
+    `aic ${VERSION} — a shell agent: a language model runs one command at a time until the task is done.`,
+    "",
+    "Usage:",
+    "  aic [options] [request…]           TUI (default); a lone - reads the request from stdin",
+    "  aic --nogui [options] request…     plain output, for scripts and CI",
+    "  aic search QUERY [--max-results N] web search, prints a JSON array",
+    "",
+    "Options:",
+  ];
+  for (const f of FLAGS) {
+    const arg = f.kind === "bool" ? "" : f.kind === "string" ? " VALUE" : " N";
+    const extras = [f.default ? `default ${f.default}` : "", f.env ? `env ${f.env.join(", then ")}` : ""].filter(Boolean);
+    lines.push(`  ${(f.name + arg).padEnd(26)} ${f.help}${extras.length ? ` (${extras.join("; ")})` : ""}`);
+  }
+  lines.push("  --version                  Print the version and exit.", "  --help                     Print this help and exit.");
+  lines.push("", "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 129/130/143 signals.");
+  return lines.join("\n");
+}
+
+type ParsedArgs =
+  | { kind: "help" }
+  | { kind: "version" }
+  | { kind: "search"; query: string; maxResults: number }
+  | { kind: "run"; config: Config };
+
+function describeFlag(f: FlagSpec): string {
+  return f.env ? `${f.name} (or ${f.env.join(" / ")})` : f.name;
+}
+
+function parseNumberFlag(f: FlagSpec, raw: string): number {
+  const value = Number(raw.trim());
+  if (raw.trim() === "" || !Number.isFinite(value)) throw new UsageError(`${f.name} needs a number, got '${raw}'`);
+  if (f.kind === "int") {
+    if (!Number.isInteger(value) || value <= 0) throw new UsageError(`${f.name} needs a positive whole number, got '${raw}'`);
+  } else if (!(value > 0 && value < 1)) {
+    throw new UsageError(`${f.name} needs a fraction between 0 and 1 (exclusive), got '${raw}'`);
+  }
+  return value;
+}
+
+function parseArgs(argv: string[], env: Record<string, string | undefined>): ParsedArgs {
+  if (argv[0] === "search") return parseSearchArgs(argv.slice(1));
+  const given = new Map<FlagSpec, string>();
+  const words: string[] = [];
+  let onlyWords = false;
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i]!;
+    if (onlyWords || !arg.startsWith("--") || arg === "-") {
+      words.push(arg);
+      continue;
+    }
+    if (arg === "--") { onlyWords = true; continue; }
+    if (arg === "--help") return { kind: "help" };
+    if (arg === "--version") return { kind: "version" };
+    const eq = arg.indexOf("=");
+    const name = eq >= 0 ? arg.slice(0, eq) : arg;
+    const spec = FLAGS.find((f) => f.name === name);
+    if (!spec) throw new UsageError(`unknown option ${name} (see aic --help)`);
+    if (spec.kind === "bool") {
+      if (eq >= 0) throw new UsageError(`${name} takes no value`);
+      given.set(spec, "1");
+    } else {
+      const value = eq >= 0 ? arg.slice(eq + 1) : argv[++i];
+      if (value === undefined) throw new UsageError(`${name} needs a value`);
+      given.set(spec, value);
+    }
+  }
+  const pick = (f: FlagSpec): string | undefined => {
+    if (given.has(f)) return given.get(f);
+    for (const name of f.env ?? []) if (env[name]) return env[name];
+    return f.default;
+  };
+  const config: Record<string, unknown> = { warnings: [] as string[] };
+  for (const f of FLAGS) {
+    const raw = pick(f);
+    if (f.kind === "bool") config[f.key] = raw !== undefined;
+    else if (f.kind === "string") config[f.key] = raw;
+    else config[f.key] = raw === undefined ? undefined : parseNumberFlag(f, raw);
+  }
+  const c = config as unknown as Config;
+  const flag = (name: string) => FLAGS.find((f) => f.name === name)!;
+  if (!c.apiBase) throw new UsageError(`missing the model endpoint: give ${describeFlag(flag("--api-base"))}`);
+  if (!c.model) throw new UsageError(`missing the model name: give ${describeFlag(flag("--model"))}`);
+  if (c.json && !c.nogui) throw new UsageError("--json needs --nogui");
+  if (c.session !== undefined && c.noSession) throw new UsageError("--session and --no-session contradict each other");
+  if (c.session === "") throw new UsageError("--session needs a file path");
+  if (c.compressAlg !== "context-compressor-llm" && c.compressAlg !== "truncate") {
+    c.warnings.push(`unknown --compress-alg '${c.compressAlg}', using truncate`);
+    c.compressAlg = "truncate";
+  }
+  if (c.fast) c.compressAlg = "truncate";
+  c.request = words.length ? words.join(" ") : undefined;
+  if (c.nogui && !c.request) throw new UsageError("--nogui needs a request (the task), or - to read it from stdin");
+  return { kind: "run", config: c };
+}
+
+function parseSearchArgs(argv: string[]): ParsedArgs {
+  let maxResults = 8;
+  const words: string[] = [];
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i]!;
+    if (arg === "--max-results" || arg.startsWith("--max-results=")) {
+      const raw = arg.includes("=") ? arg.slice(arg.indexOf("=") + 1) : argv[++i];
+      const n = Number(raw);
+      if (raw === undefined || !Number.isInteger(n) || n <= 0) throw new UsageError(`--max-results needs a positive whole number, got '${raw ?? ""}'`);
+      maxResults = n;
+    } else if (arg === "--help") {
+      return { kind: "help" };
+    } else {
+      words.push(arg);
+    }
+  }
+  if (!words.length) throw new UsageError("search needs a query: aic search \"QUERY\"");
+  return { kind: "search", query: words.join(" "), maxResults };
+}
+
+/** Budget for the prompt: non-gpt models reserve room for their output inside the context window. */
+function promptBudget(config: Pick<Config, "maxPromptLen" | "model">): number {
+  const reserve = isGptModel(config.model) ? 0 : OUTPUT_RESERVATION_TOKENS;
+  return Math.max(1000, config.maxPromptLen - reserve);
+}
+
+function isGptModel(model: string): boolean {
+  return model.toLowerCase().includes("gpt");
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Events and sinks
+// Owns: the typed events the agent emits, and the plain-text and JSON Lines
+// sinks that print them without the TUI. The TUI is a third sink (below).
+// ════════════════════════════════════════════════════════════════════════════
+
+interface Usage {
+  input_tokens: number;
+  output_tokens: number;
+  cached_tokens: number;
+  billable_tokens: number;
+}
+
+type AgentEvent =
+  | { type: "start"; model: string; api_base: string; cwd: string; sandbox: string; session: string | null; request: string }
+  | { type: "info"; text: string }
+  | { type: "warning"; text: string }
+  | { type: "step"; step: number; max_steps: number }
+  | { type: "assistant_delta"; text: string }
+  | { type: "reasoning_delta"; text: string }
+  | { type: "thinking_complete" }
+  | { type: "assistant"; content: string; tool_calls: { id: string; name: string; arguments: string }[] }
+  | { type: "reasoning"; text: string }
+  | { type: "retry"; attempt: number; wait_ms: number; reason: string }
+  | { type: "command"; id: string; command: string }
+  | { type: "approval"; id: string; decision: "approved" | "auto" | "rejected" | "suggestion" | "no_input"; suggestion?: string }
+  | { type: "command_output"; id: string; data: Uint8Array }
+  | { type: "command_result"; id: string; exit_code: number | null; status: CommandStatus; output: string; saved_to?: string }
+  | { type: "compression"; algorithm: string; before_tokens: number; after_tokens: number; removed: number; detail: string }
+  | { type: "summary_delta"; text: string }
+  | { type: "usage"; prompt_tokens: number; completion_tokens: number; cached_tokens: number; total: Usage; context_estimate: number; budget: number }
+  | { type: "error"; message: string }
+  | { type: "end"; status: RunStatus; exit_code: number; steps: number; usage: Usage };
+
+type AgentEventType = AgentEvent["type"];
+type RunStatus = "completed" | "step_limit" | "stopped" | "needs_approval" | "failed" | "terminal";
+
+interface EventSink {
+  emit(event: AgentEvent): void;
+}
+
+const useColor = (stream: NodeJS.WriteStream) => Boolean(stream.isTTY) && !process.env.NO_COLOR;
+const paint = (on: boolean, code: string, text: string) => (on ? `\x1b[${code}m${text}\x1b[0m` : text);
+
+function writeOut(fd: 1 | 2, text: string | Uint8Array): void {
+  try {
+    if (typeof text === "string") fs.writeSync(fd, text);
+    else fs.writeSync(fd, text);
+  } catch (error) {
+    // A closed pipe (aic … | head) must not crash the agent mid-command.
+    if ((error as NodeJS.ErrnoException).code !== "EPIPE" && (error as NodeJS.ErrnoException).code !== "EAGAIN") throw error;
+  }
+}
+
+/**
+ * Hides the completion marker from what a person reads while it streams:
+ * a chunk may end in the middle of "TASKCOMPLETE", so a possible prefix is
+ * held back until the next chunk shows what it was.
+ */
+class MarkerFilter {
+  private held = "";
+  push(text: string): string {
+    const joined = (this.held + text).split(MARKER).join("");
+    let keep = 0;
+    for (let n = Math.min(MARKER.length - 1, joined.length); n > 0; n--) {
+      if (MARKER.startsWith(joined.slice(joined.length - n))) { keep = n; break; }
+    }
+    this.held = joined.slice(joined.length - keep);
+    return joined.slice(0, joined.length - keep);
+  }
+  flush(): string {
+    const rest = this.held;
+    this.held = "";
+    return rest;
+  }
+}
+
+/** Text output for people and logs: content and command output on stdout, diagnostics on stderr. */
+class PlainSink implements EventSink {
+  private readonly out = useColor(process.stdout);
+  private readonly err = useColor(process.stderr);
+  private readonly marker = new MarkerFilter();
+  private midLine = false;
+  private thinking = false;
+  constructor(private readonly showThinking: boolean) {}
+
+  private stdout(text: string) {
+    if (!text) return;
+    writeOut(1, text);
+    this.midLine = !text.endsWith("\n");
+  }
+  private stderr(text: string) {
+    if (this.midLine) { writeOut(1, "\n"); this.midLine = false; }
+    writeOut(2, text.endsWith("\n") ? text : text + "\n");
+  }
+
+  emit(e: AgentEvent): void {
+    switch (e.type) {
+      case "start":
+        this.stderr(paint(this.err, "2", `aic ${VERSION} · model ${e.model} · ${e.api_base} · ${e.cwd}`));
+        this.stderr(paint(this.err, e.sandbox.startsWith("on") ? "32" : "31", `Sandbox: ${e.sandbox}`));
+        return;
+      case "info": return this.stderr(paint(this.err, "2", e.text));
+      case "warning": return this.stderr(paint(this.err, "33", `warning: ${e.text}`));
+      case "error": return this.stderr(paint(this.err, "31", `error: ${e.message}`));
+      case "step": return;
+      case "reasoning_delta":
+        if (!this.showThinking) return;
+        if (!this.thinking) { this.stderr(paint(this.err, "2", "[THINKING]")); this.thinking = true; }
+        writeOut(2, paint(this.err, "2", e.text));
+        return;
+      case "thinking_complete":
+        if (this.showThinking) this.stderr(paint(this.err, "2", "\n[THINKING COMPLETE]"));
+        this.thinking = false;
+        return;
+      case "assistant_delta": return this.stdout(this.marker.push(e.text));
+      case "assistant":
+        this.stdout(this.marker.flush());
+        if (this.midLine) this.stdout("\n");
+        this.thinking = false;
+        return;
+      case "reasoning": return;
+      case "retry": return this.stderr(paint(this.err, "33", `model request failed (${e.reason}); retry ${e.attempt} in ${(e.wait_ms / 1000).toFixed(1)} s`));
+      case "command": return this.stdout(`${paint(this.out, "1;36", "$")} ${e.command}\n`);
+      case "approval":
+        if (e.decision === "rejected") this.stderr("command rejected");
+        if (e.decision === "suggestion") this.stderr(`command rejected with a suggestion: ${e.suggestion}`);
+        return;
+      case "command_output": writeOut(1, e.data); this.midLine = true; return;
+      case "command_result": {
+        const note = e.status === "exited" ? `exit code ${e.exit_code}` : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
+        if (this.midLine) this.stdout("\n");
+        return this.stdout(paint(this.out, e.exit_code === 0 ? "2" : "33", `[${note}]`) + "\n");
+      }
+      case "compression": return this.stderr(paint(this.err, "35", `[COMPRESSION] ${e.algorithm}: ${e.before_tokens} → ${e.after_tokens} tokens; ${e.detail}`));
+      case "summary_delta": writeOut(2, paint(this.err, "2", e.text)); return;
+      case "usage": return;
+      case "end": {
+        const u = e.usage;
+        this.stderr(paint(this.err, "2", `[${e.status}] ${e.steps} step(s) · ${u.input_tokens} in / ${u.output_tokens} out / ${u.cached_tokens} cached tokens`));
+        return;
+      }
+    }
+  }
+}
+
+/** JSON Lines for machines: one object per line, each with `type` and `ts`; deltas are folded into whole turns. */
+class JsonSink implements EventSink {
+  private static readonly SKIP = new Set<AgentEventType>(["assistant_delta", "reasoning_delta", "thinking_complete", "command_output", "summary_delta"]);
+  emit(e: AgentEvent): void {
+    if (JsonSink.SKIP.has(e.type)) return;
+    const record = Object.assign({ type: e.type, ts: new Date().toISOString() }, e);
+    writeOut(1, JSON.stringify(record) + "\n");
+  }
+}
+
+/** Fans one event stream out to several sinks (the TUI plus a test recorder, say). */
+class TeeSink implements EventSink {
+  constructor(private readonly sinks: EventSink[]) {}
+  emit(e: AgentEvent): void {
+    for (const s of this.sinks) s.emit(e);
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Messages and token accounting
+// Owns: the OpenAI message shape as the agent holds it, and the token
+// estimate that decides when to compress. Counting uses tiktoken (o200k_base),
+// cached per message so a step only pays for its new messages, and scaled by a
+// ratio learnt from the server's own prompt_tokens so the trigger follows the
+// model's real tokenizer.
+// ════════════════════════════════════════════════════════════════════════════
+
+interface ToolCall {
+  id: string;
+  type: "function";
+  function: { name: string; arguments: string };
+}
+
+/** A chat message exactly as stored: loose on purpose, since sessions are hand-edited and unknown keys are kept. */
+interface Message {
+  role: string;
+  content?: unknown;
+  tool_calls?: ToolCall[];
+  tool_call_id?: string;
+  [key: string]: unknown;
+}
+
+const PER_MESSAGE_OVERHEAD = 4;
+
+function contentText(content: unknown): string {
+  if (typeof content === "string") return content;
+  if (content === null || content === undefined) return "";
+  return JSON.stringify(content);
+}
+
+interface Encoder {
+  encode(text: string): Uint32Array;
+}
+
+// Embedded in the compiled binary: tiktoken's default entry would read the
+// WASM from the build machine's node_modules at run time.
+import tiktokenWasmPath from "tiktoken/lite/tiktoken_bg.wasm" with { type: "file" };
+import o200kPath from "tiktoken/encoders/o200k_base.json" with { type: "file" };
+
+let encoderPromise: Promise<Encoder> | undefined;
+/** Loads tiktoken on first use only: `--version`, `--help` and usage errors never pay for it. */
+function loadEncoder(): Promise<Encoder> {
+  encoderPromise ??= (async () => {
+    const { init, Tiktoken } = await import("tiktoken/lite/init");
+    // `with { type: "file" }` imports are paths at run time, whatever the type declarations say.
+    const wasm = await Bun.file(tiktokenWasmPath as unknown as string).arrayBuffer();
+    await init((imports) => WebAssembly.instantiate(wasm, imports));
+    const model = (await Bun.file(o200kPath as unknown as string).json()) as { bpe_ranks: string; special_tokens: Record<string, number>; pat_str: string };
+    const tiktoken = new Tiktoken(model.bpe_ranks, model.special_tokens, model.pat_str);
+    return { encode: (text: string) => tiktoken.encode(text, "all") };
+  })();
+  return encoderPromise;
+}
+
+class TokenCounter {
+  /** Real tokens per estimated token, learnt from the server's prompt_tokens. */
+  ratio = 1;
+  private readonly cache = new WeakMap<Message, { content: unknown; calls: unknown; tokens: number }>();
+  constructor(private readonly encoder: Encoder) {}
+
+  static async create(): Promise<TokenCounter> {
+    return new TokenCounter(await loadEncoder());
+  }
+
+  private tokensOf(text: string): number {
+    return text ? this.encoder.encode(text).length : 0;
+  }
+
+  /** Raw tiktoken count of one message; cached until its content or calls change. */
+  countMessage(m: Message): number {
+    const hit = this.cache.get(m);
+    if (hit && hit.content === m.content && hit.calls === m.tool_calls) return hit.tokens;
+    let tokens = PER_MESSAGE_OVERHEAD + this.tokensOf(contentText(m.content));
+    for (const call of m.tool_calls ?? []) tokens += this.tokensOf(call.function?.name ?? "") + this.tokensOf(call.function?.arguments ?? "");
+    this.cache.set(m, { content: m.content, calls: m.tool_calls, tokens });
+    return tokens;
+  }
+
+  countRaw(messages: readonly Message[]): number {
+    let total = 0;
+    for (const m of messages) total += this.countMessage(m);
+    return total;
+  }
+
+  /** The estimate in the server's units: what the status bar shows and the budget is compared against. */
+  estimate(messages: readonly Message[]): number {
+    return Math.ceil(this.countRaw(messages) * this.ratio);
+  }
+
+  /** Learns the ratio from a finished call; clamped so one odd answer cannot wreck the trigger. */
+  calibrate(rawSent: number, promptTokens: number): void {
+    if (rawSent <= 0 || !(promptTokens > 0)) return;
+    this.ratio = Math.min(4, Math.max(0.25, promptTokens / rawSent));
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Model client
+// Owns: one streamed chat completion through the official openai SDK, its
+// assembly into an assistant turn, and the failure classes of SPEC §3. The
+// SDK's own retries are off so that every wait is shown and can be cut short.
+// ════════════════════════════════════════════════════════════════════════════
+
+interface AssistantTurn {
+  content: string;
+  reasoning: string;
+  toolCalls: ToolCall[];
+  usage: { prompt_tokens: number; completion_tokens: number; cached_tokens: number } | undefined;
+}
+
+type FailureKind = "fatal" | "context" | "retry";
+class ModelError extends Error {
+  constructor(message: string, readonly kind: FailureKind, readonly retryAfterMs?: number) {
+    super(message);
+  }
+}
+class StoppedError extends Error {
+  constructor() {
+    super("stopped");
+  }
+}
+
+const CONTEXT_TOO_LONG = /context[ _-]?(length|window)|too many tokens|maximum context|prompt is too long|too long for|reduce the length|input is too long|exceeds? the (max|limit)|token limit|context_length_exceeded/i;
+
+/** Reads `Retry-After` (seconds or an HTTP date) or `retry-after-ms` from whatever header shape the SDK hands over. */
+function retryAfterMs(headers: unknown): number | undefined {
+  const get = (name: string): string | null | undefined => {
+    if (!headers) return undefined;
+    if (typeof (headers as Headers).get === "function") return (headers as Headers).get(name);
+    return (headers as Record<string, string>)[name];
+  };
+  const ms = Number(get("retry-after-ms"));
+  if (Number.isFinite(ms) && ms > 0) return ms;
+  const raw = get("retry-after");
+  if (!raw) return undefined;
+  const seconds = Number(raw);
+  if (Number.isFinite(seconds)) return Math.max(0, seconds * 1000);
+  const date = Date.parse(raw);
+  return Number.isFinite(date) ? Math.max(0, date - Date.now()) : undefined;
+}
+
+/** Flattens an error body of any shape (error object, flat object, array, text) into one readable line. */
+function errorBodyText(body: unknown): string {
+  if (body === undefined || body === null) return "";
+  if (typeof body === "string") return body;
+  if (Array.isArray(body)) return body.map(errorBodyText).filter(Boolean).join("; ");
+  if (typeof body === "object") {
+    const o = body as Record<string, unknown>;
+    if (o.error !== undefined) return errorBodyText(o.error);
+    const parts = ["message", "detail", "msg", "type", "code"].map((k) => o[k]).filter((v) => typeof v === "string" && v);
+    return parts.length ? (parts as string[]).join(" — ") : JSON.stringify(o);
+  }
+  return String(body);
+}
+
+/** Decides what a failed model call means: give up with a fix to suggest, compress harder, or wait and retry. */
+function classifyModelFailure(status: number | undefined, text: string, headers?: unknown): ModelError {
+  const detail = text.replace(/\s+/g, " ").trim().slice(0, 300) || "no details";
+  if ((status === 400 || status === 413) && CONTEXT_TOO_LONG.test(text)) return new ModelError(`the prompt is too long for the model (HTTP ${status}): ${detail}`, "context");
+  if (status === undefined && CONTEXT_TOO_LONG.test(text)) return new ModelError(`the prompt is too long for the model: ${detail}`, "context");
+  if (status === 401 || status === 403)
+    return new ModelError(`the endpoint refused the API key (HTTP ${status}): ${detail} — check --api-key (or AIC_API_KEY / OPENAI_API_KEY)`, "fatal");
+  if (status === 404)
+    return new ModelError(`the endpoint does not know this model or path (HTTP 404): ${detail} — check --model (AIC_MODEL) and --api-base (AIC_API_BASE)`, "fatal");
+  if (status !== undefined && status >= 400 && status < 500 && status !== 408 && status !== 409 && status !== 429)
+    return new ModelError(`the endpoint rejected the request (HTTP ${status}): ${detail} — check --model, --api-base and --reasoning-effort`, "fatal");
+  const label = status === undefined ? detail : `HTTP ${status}: ${detail}`;
+  return new ModelError(label, "retry", retryAfterMs(headers));
+}
+
+/** Narrows whatever the SDK or fetch threw into a ModelError. */
+function modelErrorFrom(error: unknown): ModelError {
+  if (error instanceof ModelError) return error;
+  const e = error as { status?: unknown; error?: unknown; message?: unknown; headers?: unknown; cause?: unknown; name?: unknown };
+  const status = typeof e?.status === "number" ? e.status : undefined;
+  const body = errorBodyText(e?.error);
+  const message = typeof e?.message === "string" ? e.message : String(error);
+  const cause = e?.cause instanceof Error ? ` (${e.cause.message})` : "";
+  return classifyModelFailure(status, [body, body && message.includes(body) ? "" : message].filter(Boolean).join(" — ") + cause, e?.headers);
+}
+
+/** A sleep that ends early, with StoppedError, when the run is stopped. */
+function abortableSleep(ms: number, signal: AbortSignal): Promise<void> {
+  return new Promise((resolve, reject) => {
+    if (signal.aborted) return reject(new StoppedError());
+    const timer = setTimeout(() => { signal.removeEventListener("abort", onAbort); resolve(); }, ms);
+    const onAbort = () => { clearTimeout(timer); reject(new StoppedError()); };
+    signal.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+interface StreamCallbacks {
+  onContent?(text: string): void;
+  onReasoning?(text: string): void;
+  onThinkingComplete?(): void;
+}
+
+/** Builds tool calls from streamed fragments, by index; tolerates a missing index or a missing id. */
+class ToolCallAssembler {
+  private readonly calls: { id: string; name: string; args: string }[] = [];
+  private last = -1;
+
+  add(delta: { index?: unknown; id?: unknown; function?: { name?: unknown; arguments?: unknown } }): void {
+    let index = typeof delta.index === "number" ? delta.index : undefined;
+    const id = typeof delta.id === "string" && delta.id ? delta.id : undefined;
+    if (index === undefined) {
+      // No index: a new id that differs from the current call's starts the next call.
+      const current = this.calls[this.last];
+      index = current && id && current.id && current.id !== id ? this.last + 1 : Math.max(this.last, 0);
+    }
+    const call = (this.calls[index] ??= { id: "", name: "", args: "" });
+    this.last = index;
+    if (id && !call.id.endsWith(id)) call.id += id;
+    if (typeof delta.function?.name === "string") call.name += delta.function.name;
+    if (typeof delta.function?.arguments === "string") call.args += delta.function.arguments;
+  }
+
+  finish(): ToolCall[] {
+    return this.calls
+      .filter((c): c is { id: string; name: string; args: string } => Boolean(c))
+      .map((c) => ({ id: c.id || `call_${crypto.randomUUID().replace(/-/g, "").slice(0, 24)}`, type: "function" as const, function: { name: c.name, arguments: c.args } }));
+  }
+}
+
+interface CompletionRequest {
+  messages: Message[];
+  tools: boolean;
+  temperature: number;
+}
+
+/**
+ * One model endpoint. `complete` streams a single attempt; `completeWithRetries`
+ * wraps it in the retry policy and reports every wait to the sink.
+ */
+class ModelClient {
+  private clientPromise: Promise<import("openai").OpenAI> | undefined;
+  constructor(private readonly config: Config, private readonly sink: EventSink) {}
+
+  private client(): Promise<import("openai").OpenAI> {
+    this.clientPromise ??= import("openai").then(({ OpenAI }) =>
+      new OpenAI({
+        baseURL: this.config.apiBase,
+        // Local servers need no key, but the SDK insists on one; it is never written anywhere.
+        apiKey: this.config.apiKey || "not-needed",
+        maxRetries: 0,
+        timeout: 10 * 60 * 1000,
+        defaultHeaders: { "User-Agent": BROWSER_USER_AGENT },
+      }),
+    );
+    return this.clientPromise;
+  }
+
+  private params(req: CompletionRequest): Record<string, unknown> {
+    const params: Record<string, unknown> = {
+      model: this.config.model,
+      messages: req.messages,
+      stream: true,
+      stream_options: { include_usage: true },
+      temperature: req.temperature,
+    };
+    if (req.tools) {
+      params.tools = [EXECUTE_BASH_TOOL];
+      params.tool_choice = "auto";
+    }
+    if (this.config.reasoningEffort) params.reasoning_effort = this.config.reasoningEffort;
+    if (!isGptModel(this.config.model)) {
+      params.max_tokens = OUTPUT_RESERVATION_TOKENS;
+      params.chat_template_kwargs = { enable_thinking: true };
+    }
+    return params;
+  }
+
+  /** One streamed attempt. Throws ModelError (classified) or StoppedError. */
+  async complete(req: CompletionRequest, signal: AbortSignal, cb: StreamCallbacks): Promise<AssistantTurn> {
+    const client = await this.client();
+    let content = "";
+    let reasoning = "";
+    let chunks = 0;
+    let usage: AssistantTurn["usage"];
+    const calls = new ToolCallAssembler();
+    try {
+      // The SDK's types do not know chat_template_kwargs; the boundary is narrowed chunk by chunk below.
+      const stream = (await client.chat.completions.create(this.params(req) as never, { signal })) as unknown as AsyncIterable<unknown>;
+      for await (const raw of stream) {
+        chunks++;
+        const chunk = raw as { error?: unknown; choices?: { delta?: Record<string, unknown> }[]; usage?: Record<string, unknown> };
+        if (chunk.error) throw classifyModelFailure(undefined, errorBodyText(chunk.error) || "error inside the stream");
+        if (chunk.usage) usage = readUsage(chunk.usage);
+        const delta = chunk.choices?.[0]?.delta;
+        if (!delta) continue;
+        const thought = [delta.reasoning_content, delta.reasoning, delta.thinking].find((v): v is string => typeof v === "string" && v !== "");
+        if (thought) {
+          reasoning += thought;
+          cb.onReasoning?.(thought);
+        }
+        if (typeof delta.content === "string" && delta.content) {
+          if (reasoning && !content) cb.onThinkingComplete?.();
+          content += delta.content;
+          cb.onContent?.(delta.content);
+        }
+        if (Array.isArray(delta.tool_calls)) for (const tc of delta.tool_calls) calls.add(tc as Parameters<ToolCallAssembler["add"]>[0]);
+      }
+    } catch (error) {
+      if (signal.aborted) throw new StoppedError();
+      throw modelErrorFrom(error);
+    }
+    if (signal.aborted) throw new StoppedError();
+    if (chunks === 0) throw new ModelError("the stream ended without any data", "retry");
+    return { content, reasoning, toolCalls: calls.finish(), usage };
+  }
+
+  /**
+   * The retry policy of SPEC §3: fatal errors surface at once, a context
+   * overflow goes back to the caller (which compresses harder), everything
+   * else waits 1 s, 2 s, 4 s … (or Retry-After) up to five attempts.
+   */
+  async completeWithRetries(req: () => CompletionRequest, signal: AbortSignal, cb: StreamCallbacks & { onDiscard?(): void }): Promise<AssistantTurn> {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await this.complete(req(), signal, cb);
+      } catch (error) {
+        if (!(error instanceof ModelError) || error.kind !== "retry" || attempt >= MAX_MODEL_ATTEMPTS) throw error;
+        cb.onDiscard?.();
+        const backoff = Math.min(BACKOFF_CAP_MS, 1000 * 2 ** (attempt - 1));
+        const wait = Math.min(BACKOFF_CAP_MS, error.retryAfterMs ?? backoff);
+        this.sink.emit({ type: "retry", attempt, wait_ms: wait, reason: error.message });
+        await abortableSleep(wait, signal);
+      }
+    }
+  }
+}
+
+function readUsage(u: Record<string, unknown>): NonNullable<AssistantTurn["usage"]> {
+  const num = (v: unknown) => (typeof v === "number" && Number.isFinite(v) ? v : 0);
+  const details = (u.prompt_tokens_details ?? {}) as Record<string, unknown>;
+  return {
+    prompt_tokens: num(u.prompt_tokens),
+    completion_tokens: num(u.completion_tokens),
+    cached_tokens: num(details.cached_tokens) || num(u.prompt_cache_hit_tokens),
+  };
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Context compression
+// Owns: keeping the history inside the prompt budget (SPEC §5). `truncate`
+// condenses old tool output, then drops the oldest turns; the anchored summary
+// evicts the oldest turns into a running summary kept in the system message.
+// Both keep the system prompt and the first user message, and both cut only
+// at turn boundaries so every tool answer keeps its call.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** Index ranges [start, end) of turns from `from` on: an assistant message travels with its tool answers. */
+function turnsFrom(messages: readonly Message[], from: number): [number, number][] {
+  const turns: [number, number][] = [];
+  let i = from;
+  while (i < messages.length) {
+    let end = i + 1;
+    if (messages[i]!.role === "assistant") while (end < messages.length && messages[end]!.role === "tool") end++;
+    turns.push([i, end]);
+    i = end;
+  }
+  return turns;
+}
+
+/** The system prompt plus, when present, the anchored summary after it: one system message. */
+function systemContent(basePrompt: string, summary: string | undefined): string {
+  return summary ? `${basePrompt}\n\n${SUMMARY_HEADING}\n${summary}` : basePrompt;
+}
+
+/** Splits a stored system message back into its prompt and its summary (the summary survives restarts). */
+function splitSummary(content: string): { base: string; summary: string | undefined } {
+  const at = content.indexOf(`\n\n${SUMMARY_HEADING}\n`);
+  if (at < 0) return { base: content, summary: undefined };
+  return { base: content.slice(0, at), summary: content.slice(at + SUMMARY_HEADING.length + 3) };
+}
+
+interface CompressionResult {
+  messages: Message[];
+  detail: string;
+  removed: number;
+}
+
+/**
+ * `truncate`: condense tool outputs oldest first, one at a time, only until
+ * the history fits; if that is not enough, drop whole turns from index 2 on.
+ */
+function compressTruncate(messages: readonly Message[], counter: TokenCounter, targetRaw: number): CompressionResult {
+  const out = messages.slice();
+  let total = counter.countRaw(out);
+  let condensed = 0;
+  for (let i = 2; i < out.length && total > targetRaw; i++) {
+    const m = out[i]!;
+    if (m.role !== "tool" || contentText(m.content).length <= 30) continue;
+    const before = counter.countMessage(m);
+    const replacement = { ...m, content: CONDENSED_TOOL_OUTPUT };
+    out[i] = replacement;
+    total += counter.countMessage(replacement) - before;
+    condensed++;
+  }
+  let dropped = 0;
+  while (total > targetRaw && out.length > 2) {
+    const [[start, end]] = turnsFrom(out, 2) as [[number, number]];
+    for (let i = start; i < end; i++) total -= counter.countMessage(out[i]!);
+    out.splice(start, end - start);
+    dropped += end - start;
+  }
+  const parts = [condensed ? `condensed ${condensed} tool output(s)` : "", dropped ? `dropped ${dropped} old message(s)` : ""].filter(Boolean);
+  return { messages: out, detail: parts.join(", ") || "nothing to remove", removed: dropped };
+}
+
+/** Renders messages for the summariser as `[role] content`, tool calls spelt out. */
+function transcriptOf(messages: readonly Message[], maxChars: number): string {
+  const lines: string[] = [];
+  let used = 0;
+  for (const m of messages) {
+    let text = contentText(m.content);
+    for (const call of m.tool_calls ?? []) text += `${text ? "\n" : ""}(calls ${call.function.name}: ${call.function.arguments})`;
+    if (text.length > 4000) text = `${text.slice(0, 2000)}\n…\n${text.slice(-1500)}`;
+    if (used + text.length > maxChars) { lines.push("[…] (older part of this segment left out)"); break; }
+    used += text.length;
+    lines.push(`[${m.role}] ${text}`);
+  }
+  return lines.join("\n\n");
+}
+
+const SUMMARISER_SYSTEM = "You are a precise conversation summarizer.";
+
+function summariserRequest(systemPrompt: string, firstUser: string, prior: string | undefined, evicted: string): Message[] {
+  const ask = [
+    "Below is the older part of a conversation between a user and an autonomous shell agent, which is being removed from the agent's context window.",
+    "Write a concise, structured summary of it (5000 characters at most) so the agent can carry on without it. Use these headings:",
+    "1. Primary request and intent",
+    "2. Key technical concepts",
+    "3. Files and code (paths, what changed, important snippets)",
+    "4. Errors and fixes",
+    "5. Problem solving (what was tried, what worked)",
+    "6. All user messages (each one, briefly)",
+    "7. Pending tasks",
+    "8. Current work (what was being done right before this point)",
+    "9. Next step",
+    "Fold the previous summary in, if there is one, so nothing it recorded is lost. This request to summarise is bookkeeping, not a request from the user: do not list it among the user's messages.",
+    "",
+    "=== The agent's system prompt ===",
+    systemPrompt,
+    "",
+    "=== The user's first command ===",
+    firstUser,
+    "",
+    "=== Previous summary ===",
+    prior ?? "(none)",
+    "",
+    "=== Messages being removed ===",
+    evicted,
+  ].join("\n");
+  return [
+    { role: "system", content: SUMMARISER_SYSTEM },
+    { role: "user", content: ask },
+  ];
+}
+
+/**
+ * The anchored summary (in the manner of Factory.ai's compressor): evict the
+ * oldest whole turns so the newest suffix fits the retained target, fold only
+ * the evicted segment and the previous summary into a new summary with one
+ * model call, and keep that summary in the single system message.
+ */
+async function compressAnchored(
+  messages: readonly Message[],
+  basePrompt: string,
+  priorSummary: string | undefined,
+  counter: TokenCounter,
+  targetRaw: number,
+  summarise: (request: Message[]) => Promise<string | undefined>,
+): Promise<CompressionResult & { summary: string }> {
+  const head = messages.slice(0, 2);
+  // Room kept for the summary itself: ~5000 characters is about 1300 tokens.
+  const summaryAllowance = Math.min(1500, Math.floor(targetRaw / 4));
+  const headTokens = counter.countMessage({ role: "system", content: basePrompt }) + (head[1] ? counter.countMessage(head[1]) : 0);
+  const room = targetRaw - headTokens - summaryAllowance;
+  const turns = turnsFrom(messages, 2);
+  let keepFrom = messages.length;
+  let used = 0;
+  for (let t = turns.length - 1; t >= 0; t--) {
+    const [start, end] = turns[t]!;
+    let size = 0;
+    for (let i = start; i < end; i++) size += counter.countMessage(messages[i]!);
+    if (used + size > room) break;
+    used += size;
+    keepFrom = start;
+  }
+  // Always evict something, or compression could never make progress.
+  if (keepFrom === 2 && turns.length) keepFrom = turns.length > 1 ? turns[1]![0] : messages.length;
+  const evicted = messages.slice(2, keepFrom);
+  const firstUser = contentText(head[1]?.content);
+  const request = summariserRequest(basePrompt, firstUser, priorSummary, transcriptOf(evicted, Math.max(20_000, targetRaw * 3)));
+  const fresh = (await summarise(request))?.trim();
+  const summary = fresh ? fresh.slice(0, 6000) : priorSummary ? `${priorSummary}\n${SUMMARY_UNAVAILABLE}` : SUMMARY_UNAVAILABLE;
+  let out: Message[] = [{ ...(head[0] ?? { role: "system" }), role: "system", content: systemContent(basePrompt, summary) }, ...head.slice(1), ...messages.slice(keepFrom)];
+  if (!out.some((m) => m.role === "user")) out.push({ role: "user", content: CONTINUE_FALLBACK });
+  let detail = `summarised ${evicted.length} message(s), kept ${out.length - 2}`;
+  // A summary longer than its allowance or one huge newest turn: condense what is left.
+  if (counter.countRaw(out) > targetRaw) {
+    const squeezed = compressTruncate(out, counter, targetRaw);
+    out = squeezed.messages;
+    detail += `; then ${squeezed.detail}`;
+  }
+  return { messages: out, summary, detail, removed: evicted.length };
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Session store
+// Owns: `.aicsession`, the hand-editable mirror of the conversation (SPEC §7):
+// claiming a file with a kernel flock (released when the process dies, so no
+// lock goes stale), atomic writes, and repairing whatever a crash or a person
+// left in it. It never deletes a user's file: broken JSON is moved aside.
+// ════════════════════════════════════════════════════════════════════════════
+
+interface SessionState {
+  messages: Message[];
+  stepCount: number;
+  usage: Usage;
+}
+
+interface LoadedSession extends Partial<SessionState> {
+  sessionId?: string;
+  reports: string[];
+}
+
+const emptyUsage = (): Usage => ({ input_tokens: 0, output_tokens: 0, cached_tokens: 0, billable_tokens: 0 });
+
+function newSessionId(now = new Date()): string {
+  const p = (n: number) => String(n).padStart(2, "0");
+  return `${now.getFullYear()}${p(now.getMonth() + 1)}${p(now.getDate())}_${p(now.getHours())}${p(now.getMinutes())}${p(now.getSeconds())}`;
+}
+
+function localIsoSeconds(now = new Date()): string {
+  const p = (n: number) => String(n).padStart(2, "0");
+  return `${now.getFullYear()}-${p(now.getMonth() + 1)}-${p(now.getDate())}T${p(now.getHours())}:${p(now.getMinutes())}:${p(now.getSeconds())}`;
+}
+
+type FlockFn = (fd: number, op: number) => number;
+let flockFn: FlockFn | null | undefined;
+/** flock(2) through bun:ffi; undefined when this platform's libc cannot be opened. */
+function loadFlock(): FlockFn | null {
+  if (flockFn !== undefined) return flockFn;
+  flockFn = null;
+  try {
+    const { dlopen, FFIType } = require("bun:ffi") as typeof import("bun:ffi");
+    const libc = process.platform === "darwin" ? "libSystem.B.dylib" : "libc.so.6";
+    const lib = dlopen(libc, { flock: { args: [FFIType.i32, FFIType.i32], returns: FFIType.i32 } });
+    flockFn = (fd, op) => lib.symbols.flock(fd, op) as number;
+  } catch {
+    flockFn = null;
+  }
+  return flockFn;
+}
+const LOCK_EX = 2;
+const LOCK_NB = 4;
+
+/**
+ * Repairs a message list so the API accepts it and nothing is silently lost:
+ * each repair is reported in one line.
+ */
+function repairMessages(raw: unknown[], systemPrompt: string): { messages: Message[]; reports: string[] } {
+  const reports: string[] = [];
+  let messages = raw.filter((m): m is Message => typeof m === "object" && m !== null && !Array.isArray(m) && typeof (m as Message).role === "string");
+  if (messages.length < raw.length) reports.push(`dropped ${raw.length - messages.length} entr${raw.length - messages.length === 1 ? "y" : "ies"} that were not messages (no role)`);
+  if (messages[0]?.role !== "system") {
+    messages.unshift({ role: "system", content: systemPrompt });
+    reports.push("added the missing system prompt");
+  }
+  // Tool answers must follow the assistant call they answer.
+  const kept: Message[] = [];
+  let open = new Set<string>();
+  let orphans = 0;
+  let recovered = 0;
+  const closeOpenCalls = () => {
+    for (const id of open) {
+      kept.push({
+        role: "tool",
+        tool_call_id: id,
+        content: `${SESSION_RECOVERED} The previous aic process ended while this command was running. It was NOT re-executed; do not assume it had any effect. Check the state and run it again if it is still needed.`,
+      });
+      recovered++;
+    }
+    open = new Set();
+  };
+  for (const m of messages) {
+    if (m.role === "tool") {
+      if (typeof m.tool_call_id === "string" && open.has(m.tool_call_id)) {
+        open.delete(m.tool_call_id);
+        kept.push(m);
+      } else orphans++;
+      continue;
+    }
+    closeOpenCalls();
+    kept.push(m);
+    if (m.role === "assistant" && Array.isArray(m.tool_calls)) open = new Set(m.tool_calls.map((c) => c?.id).filter((id): id is string => typeof id === "string"));
+  }
+  closeOpenCalls();
+  messages = kept;
+  if (orphans) reports.push(`dropped ${orphans} tool message(s) that answered no call`);
+  if (recovered) reports.push(`closed ${recovered} unanswered tool call(s) with a ${SESSION_RECOVERED} notice (the command was not re-run)`);
+  let trailing = 0;
+  while (messages.length > 1 && messages[messages.length - 1]!.role === "assistant" && !messages[messages.length - 1]!.tool_calls?.length) {
+    messages.pop();
+    trailing++;
+  }
+  if (trailing) reports.push(`dropped ${trailing} trailing assistant message(s) without tool calls`);
+  return { messages, reports };
+}
+
+/** One claimed session file and its checkpoints. */
+class SessionStore {
+  sessionId = newSessionId();
+  private extra: Record<string, unknown> = {};
+  private failureReported = false;
+  lastReason = "";
+
+  private constructor(
+    readonly path: string,
+    readonly instanceNumber: number,
+    private readonly lockFd: number | undefined,
+    private readonly meta: { model: string; apiBase: string },
+    private readonly sink: EventSink,
+  ) {}
+
+  /**
+   * Claims `base`, or `base2`, `base3`, … when another live process holds it.
+   * The lock lives in a sidecar `.lock` file because the data file is replaced on every write.
+   */
+  static claim(base: string, meta: { model: string; apiBase: string }, sink: EventSink): SessionStore {
+    const absolute = path.resolve(base);
+    const flock = loadFlock();
+    if (!flock) {
+      sink.emit({ type: "warning", text: "cannot lock the session file on this platform; another aic here could share it" });
+      return new SessionStore(absolute, 1, undefined, meta, sink);
+    }
+    for (let n = 1; n < 1000; n++) {
+      const candidate = n === 1 ? absolute : `${absolute}${n}`;
+      let fd: number;
+      try {
+        fd = fs.openSync(`${candidate}.lock`, "a", 0o600);
+      } catch (error) {
+        sink.emit({ type: "warning", text: `cannot create the session lock ${candidate}.lock (${(error as Error).message}); continuing without a lock` });
+        return new SessionStore(candidate, n, undefined, meta, sink);
+      }
+      if (flock(fd, LOCK_EX | LOCK_NB) === 0) {
+        if (n > 1)
+          sink.emit({ type: "warning", text: `another aic is using ${path.basename(absolute)} in this directory; this instance uses ${path.basename(candidate)} instead (instance ${n})` });
+        return new SessionStore(candidate, n, fd, meta, sink);
+      }
+      fs.closeSync(fd);
+    }
+    throw new Error(`could not claim any session file next to ${absolute}`);
+  }
+
+  /** Reads and repairs the file. Never throws for bad content: it is moved aside and the run starts clean. */
+  load(systemPrompt: string): LoadedSession {
+    let text: string;
+    try {
+      text = fs.readFileSync(this.path, "utf8");
+    } catch (error) {
+      if ((error as NodeJS.ErrnoException).code === "ENOENT") return { reports: [`no session yet; this conversation will persist to ${this.path}`] };
+      return { reports: [`cannot read ${this.path} (${(error as Error).message}); starting clean`] };
+    }
+    let parsed: unknown;
+    try {
+      parsed = JSON.parse(text);
+    } catch (error) {
+      return this.moveAside(`it is not valid JSON (${(error as Error).message})`);
+    }
+    let rawMessages: unknown;
+    if (Array.isArray(parsed)) rawMessages = parsed;
+    else if (parsed && typeof parsed === "object") rawMessages = (parsed as Record<string, unknown>).messages;
+    if (!Array.isArray(rawMessages)) return this.moveAside("it has no `messages` list");
+    const doc = Array.isArray(parsed) ? {} : (parsed as Record<string, unknown>);
+    const { messages, reports } = repairMessages(rawMessages, systemPrompt);
+    const known = new Set(["aic_session_version", "session_id", "updated_at", "reason", "model", "api_base", "cwd", "instance_number", "step_count", "usage", "messages"]);
+    this.extra = Object.fromEntries(Object.entries(doc).filter(([k]) => !known.has(k)));
+    if (typeof doc.session_id === "string" && doc.session_id) this.sessionId = doc.session_id;
+    const usage = emptyUsage();
+    const storedUsage = (doc.usage ?? {}) as Record<string, unknown>;
+    for (const key of Object.keys(usage) as (keyof Usage)[]) if (typeof storedUsage[key] === "number") usage[key] = storedUsage[key] as number;
+    const stepCount = typeof doc.step_count === "number" && doc.step_count >= 0 ? Math.floor(doc.step_count) : 0;
+    const nonSystem = messages.length - 1;
+    reports.push(`Restored ${nonSystem} message(s) from ${this.path} (session ${this.sessionId}, step ${stepCount})`);
+    return { messages, stepCount, usage, sessionId: this.sessionId, reports };
+  }
+
+  private moveAside(why: string): LoadedSession {
+    const aside = `${this.path}.corrupt.${newSessionId()}`;
+    try {
+      fs.renameSync(this.path, aside);
+      return { reports: [`${this.path} could not be loaded: ${why}; moved it to ${aside} and started a clean session`] };
+    } catch (error) {
+      return { reports: [`${this.path} could not be loaded: ${why}; could not move it aside (${(error as Error).message}); starting clean and leaving it untouched`] };
+    }
+  }
+
+  /** Writes one checkpoint atomically; a failure is reported once and the run goes on. */
+  save(reason: string, state: SessionState): boolean {
+    this.lastReason = reason;
+    const doc = {
+      aic_session_version: 1,
+      session_id: this.sessionId,
+      updated_at: localIsoSeconds(),
+      reason,
+      model: this.meta.model,
+      api_base: this.meta.apiBase,
+      cwd: process.cwd(),
+      instance_number: this.instanceNumber,
+      step_count: state.stepCount,
+      usage: state.usage,
+      messages: state.messages,
+      ...this.extra,
+    };
+    try {
+      const writeFileAtomic = require("write-file-atomic") as typeof import("write-file-atomic");
+      writeFileAtomic.sync(this.path, JSON.stringify(doc, null, 2) + "\n", { mode: 0o600, fsync: true });
+      return true;
+    } catch (error) {
+      if (!this.failureReported) {
+        this.failureReported = true;
+        this.sink.emit({ type: "warning", text: `cannot write the session file ${this.path} (${(error as Error).message}); the run goes on, the previous file is unchanged` });
+      }
+      return false;
+    }
+  }
+
+  /** Starts a new session id (after /clear). */
+  renew(): void {
+    this.sessionId = newSessionId();
+  }
+
+  release(): void {
+    if (this.lockFd !== undefined) try { fs.closeSync(this.lockFd); } catch { /* already closed */ }
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Sandbox
+// Owns: confining the commands the agent runs (SPEC §8). Filled in by the
+// sandbox work; until then every command runs unconfined and says so.
+// ════════════════════════════════════════════════════════════════════════════
+
+interface Sandbox {
+  /** `on (writes: …)` or `off: <reason>` — shown at start, in the status bar and in the system prompt. */
+  readonly status: string;
+  readonly enabled: boolean;
+  readonly writable: readonly string[];
+  /** The argv that runs `argv` confined (identity when off). */
+  wrap(argv: string[]): string[];
+}
+
+function sandboxOff(reason: string): Sandbox {
+  return { status: `off (${reason})`, enabled: false, writable: [], wrap: (argv) => argv };
+}
+
+function setUpSandbox(config: Config): Sandbox {
+  if (config.disableSandbox) return sandboxOff("--disable-sandbox");
+  return sandboxOff("not implemented yet");
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Command runner
+// Owns: running one command in a PTY (Bun's own; node-pty loses output under
+// Bun), killing its process group, and turning what it printed into what a
+// person would have seen: rendered by @xterm/headless, capped head + tail,
+// the full rendering saved to a file. Memory stays bounded whatever it prints.
+// ════════════════════════════════════════════════════════════════════════════
+
+type CommandStatus = "exited" | "timed_out" | "waiting_for_input" | "runaway" | "stopped";
+
+interface CommandResult {
+  exitCode: number | null;
+  status: CommandStatus;
+  /** What the model receives: rendered, capped, with the sentinel when cut. */
+  output: string;
+  savedTo?: string;
+  rawBytes: number;
+}
+
+interface PtyProcess {
+  proc: Bun.Subprocess;
+  terminal: Bun.Terminal;
+  /** Resolves when the PTY reports end of file (or closes). */
+  eof: Promise<void>;
+}
+
+/** Starts `argv` on a fresh PTY; the child leads its own session and process group. Shared by commands and the Shell tab. */
+function spawnPty(argv: string[], opts: { cwd: string; env: Record<string, string | undefined>; cols: number; rows: number; onData(bytes: Uint8Array): void }): PtyProcess {
+  let eofReached!: () => void;
+  const eof = new Promise<void>((resolve) => (eofReached = resolve));
+  const proc = Bun.spawn(argv, {
+    cwd: opts.cwd,
+    env: opts.env,
+    terminal: {
+      cols: opts.cols,
+      rows: opts.rows,
+      name: "xterm-256color",
+      data: (_term, bytes) => opts.onData(bytes),
+      exit: () => eofReached(),
+    },
+  });
+  return { proc, terminal: proc.terminal!, eof };
+}
+
+const SIGNAL_NUMBERS = os.constants.signals as Record<string, number>;
+
+function exitCodeOf(proc: Bun.Subprocess): number | null {
+  if (typeof proc.exitCode === "number") return proc.exitCode;
+  const signal = proc.signalCode;
+  return signal && SIGNAL_NUMBERS[signal] ? 128 + SIGNAL_NUMBERS[signal] : null;
+}
+
+/** SIGTERM to the whole group, SIGKILL half a second later for whatever is left. */
+async function killProcessGroup(pid: number, exited: Promise<unknown>): Promise<void> {
+  const signalGroup = (sig: NodeJS.Signals) => {
+    try {
+      process.kill(-pid, sig);
+    } catch {
+      /* the group is already gone */
+    }
+  };
+  signalGroup("SIGTERM");
+  await Promise.race([exited, Bun.sleep(KILL_GRACE_MS)]);
+  // Background grandchildren stay in the group after the shell itself died.
+  signalGroup("SIGKILL");
+}
+
+let scratchDir: string | undefined;
+/** A per-process directory under /tmp for full outputs; removed on normal exit. */
+function scratchDirectory(): string {
+  scratchDir ??= fs.mkdtempSync(path.join(os.tmpdir(), `aic-${process.pid}-`));
+  return scratchDir;
+}
+function removeScratchDirectory(): void {
+  if (scratchDir) fs.rmSync(scratchDir, { recursive: true, force: true });
+  scratchDir = undefined;
+}
+
+const utf8 = new TextEncoder();
+const utf8Decoder = new TextDecoder();
+
+/** The first `max` UTF-8 bytes of `text`, never splitting a character. */
+function headBytes(text: string, max: number): string {
+  const bytes = utf8.encode(text);
+  if (bytes.length <= max) return text;
+  let end = max;
+  while (end > 0 && (bytes[end]! & 0xc0) === 0x80) end--;
+  return utf8Decoder.decode(bytes.subarray(0, end));
+}
+
+/** The last `max` UTF-8 bytes of `text`, never splitting a character. */
+function tailBytes(text: string, max: number): string {
+  const bytes = utf8.encode(text);
+  if (bytes.length <= max) return text;
+  let start = bytes.length - max;
+  while (start < bytes.length && (bytes[start]! & 0xc0) === 0x80) start++;
+  return utf8Decoder.decode(bytes.subarray(start));
+}
+
+/**
+ * Keeps the rendered lines of one command: everything while it is small, then
+ * a head, a bounded tail and a file with the whole rendering.
+ */
+class RenderedOutput {
+  private lines: string[] = [];
+  private bytes = 0;
+  private head: string[] = [];
+  private tail: string[] = [];
+  private tailBytes = 0;
+  private linesOut = 0;
+  private file: number | undefined;
+  filePath: string | undefined;
+
+  constructor(private readonly maxBytes: number) {}
+
+  add(line: string): void {
+    const size = utf8.encode(line).length + 1;
+    this.bytes += size;
+    this.linesOut++;
+    if (this.file === undefined) {
+      this.lines.push(line);
+      if (this.bytes > this.maxBytes) this.spill();
+      return;
+    }
+    fs.writeSync(this.file, line + "\n");
+    this.tail.push(line);
+    this.tailBytes += size;
+    while (this.tail.length > 1 && this.tailBytes - (utf8.encode(this.tail[0]!).length + 1) >= this.maxBytes) this.tailBytes -= utf8.encode(this.tail.shift()!).length + 1;
+  }
+
+  /** Past the cap: start the file and keep only a head and a tail in memory. */
+  private spill(): void {
+    this.filePath = path.join(scratchDirectory(), `output-${Date.now()}-${Math.random().toString(36).slice(2, 8)}.txt`);
+    this.file = fs.openSync(this.filePath, "w", 0o600);
+    fs.writeSync(this.file, this.lines.join("\n") + "\n");
+    let headSize = 0;
+    for (const l of this.lines) {
+      if (headSize >= this.maxBytes / 2) break;
+      this.head.push(l);
+      headSize += utf8.encode(l).length + 1;
+    }
+    this.tail = this.lines.slice(this.head.length);
+    this.tailBytes = this.tail.reduce((n, l) => n + utf8.encode(l).length + 1, 0);
+    this.lines = [];
+  }
+
+  /** What the model receives. */
+  finish(): { text: string; savedTo?: string } {
+    if (this.file === undefined) {
+      while (this.lines.length && this.lines[this.lines.length - 1]!.trim() === "") this.lines.pop();
+      const text = this.lines.join("\n");
+      if (utf8.encode(text).length <= this.maxBytes) return { text };
+      this.spill();
+    }
+    fs.closeSync(this.file!);
+    while (this.tail.length && this.tail[this.tail.length - 1]!.trim() === "") this.tail.pop();
+    const half = Math.floor(this.maxBytes / 2);
+    const head = headBytes(this.head.join("\n"), half);
+    const tail = tailBytes(this.tail.join("\n"), this.maxBytes - utf8.encode(head).length);
+    const omitted = this.bytes - utf8.encode(head).length - utf8.encode(tail).length;
+    const text = [
+      head,
+      `[… ${omitted} bytes left out of ${this.bytes} (${this.linesOut} lines). The whole output is saved in ${this.filePath}; read it in slices (sed -n, head -c, tail -c, grep) instead of re-running the command …]`,
+      tail,
+      TRUNCATION_SENTINEL,
+    ].join("\n");
+    return { text, savedTo: this.filePath };
+  }
+}
+
+/**
+ * Feeds raw PTY bytes through a headless xterm and hands each finished line
+ * to RenderedOutput. A line is finished once it scrolls above the screen (no
+ * cursor movement can reach it any more); the rest is read when the command
+ * ends. Input goes in 4 KB slices so the scrollback never overflows between
+ * two reads.
+ */
+class TerminalRenderer {
+  private static readonly SLICE = 4096;
+  private readonly term: import("@xterm/headless").Terminal;
+  private marker: import("@xterm/headless").IMarker | undefined;
+  private pending: string | undefined;
+  private queue: Promise<void> = Promise.resolve();
+
+  constructor(TerminalClass: typeof import("@xterm/headless").Terminal, private readonly sink: RenderedOutput) {
+    this.term = new TerminalClass({ cols: COMMAND_COLUMNS, rows: COMMAND_ROWS, scrollback: 3 * TerminalRenderer.SLICE, allowProposedApi: true, convertEol: false });
+  }
+
+  write(bytes: Uint8Array): void {
+    for (let at = 0; at < bytes.length; at += TerminalRenderer.SLICE) {
+      const slice = bytes.subarray(at, at + TerminalRenderer.SLICE);
+      this.term.write(slice, () => this.extract(false));
+    }
+  }
+
+  /** Waits until everything written is parsed, then reads the screen too. */
+  async finish(): Promise<void> {
+    await new Promise<void>((resolve) => this.term.write("", resolve));
+    this.extract(true);
+    this.term.dispose();
+  }
+
+  private extract(all: boolean): void {
+    const buffer = this.term.buffer.active;
+    const from = this.marker && !this.marker.isDisposed ? this.marker.line : 0;
+    const until = all ? buffer.length : buffer.baseY;
+    for (let i = from; i < until; i++) {
+      const line = buffer.getLine(i);
+      if (!line) continue;
+      const nextWraps = buffer.getLine(i + 1)?.isWrapped ?? false;
+      const text = line.translateToString(!nextWraps);
+      if (line.isWrapped && this.pending !== undefined) this.pending += text;
+      else {
+        if (this.pending !== undefined) this.sink.add(this.pending);
+        this.pending = text;
+      }
+    }
+    if (all) {
+      if (this.pending !== undefined) this.sink.add(this.pending.trimEnd());
+      this.pending = undefined;
+      return;
+    }
+    if (until > from) {
+      this.marker?.dispose();
+      this.marker = this.term.registerMarker(-buffer.cursorY);
+    }
+  }
+}
+
+let xtermClass: Promise<typeof import("@xterm/headless").Terminal> | undefined;
+function loadXterm(): Promise<typeof import("@xterm/headless").Terminal> {
+  xtermClass ??= import("@xterm/headless").then((m) => (m as unknown as { Terminal?: typeof import("@xterm/headless").Terminal; default?: { Terminal: typeof import("@xterm/headless").Terminal } }).Terminal ?? m.default!.Terminal);
+  return xtermClass;
+}
+
+/** Syscall numbers that mean "blocked reading" and "waiting for a child", per architecture. */
+const SYSCALLS: Record<string, { read: number[]; wait: number[] }> = {
+  x64: { read: [0, 17, 19], wait: [61, 247] },
+  arm64: { read: [63, 65, 67], wait: [260, 95] },
+};
+
+/** Every live process whose process group is `pgid`. */
+function processesInGroup(pgid: number): number[] {
+  const pids: number[] = [];
+  for (const entry of fs.readdirSync("/proc")) {
+    if (!/^\d+$/.test(entry)) continue;
+    try {
+      const stat = fs.readFileSync(`/proc/${entry}/stat`, "utf8");
+      const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+      if (Number(fields[2]) === pgid && fields[0] !== "Z") pids.push(Number(entry));
+    } catch {
+      /* gone meanwhile */
+    }
+  }
+  return pids;
+}
+
+/**
+ * True when the whole group is stuck on its terminal: at least one process
+ * blocked reading the PTY and every other one waiting for a child. A command
+ * that is merely slow (sleeping, computing, on the network) is not.
+ */
+function groupWaitsForTerminalInput(pgid: number): boolean {
+  const table = SYSCALLS[process.arch];
+  if (!table || process.platform !== "linux") return false;
+  let readers = 0;
+  for (const pid of processesInGroup(pgid)) {
+    let fields: string[];
+    try {
+      fields = fs.readFileSync(`/proc/${pid}/syscall`, "utf8").trim().split(" ");
+    } catch {
+      return false;
+    }
+    const nr = Number(fields[0]);
+    if (table.wait.includes(nr)) continue;
+    if (!table.read.includes(nr)) return false;
+    let target = "";
+    try {
+      target = fs.readlinkSync(`/proc/${pid}/fd/${Number.parseInt(fields[1] ?? "", 16)}`);
+    } catch {
+      return false;
+    }
+    if (!/^\/dev\/(pts\/|tty)/.test(target)) return false;
+    readers++;
+  }
+  return readers > 0;
+}
+
+interface RunOptions {
+  command: string;
+  cwd: string;
+  timeoutSec: number;
+  maxOutputBytes: number;
+  /** False when nobody can type an answer: then a command stuck on input is stopped. */
+  canAnswerInput: boolean;
+  signal: AbortSignal;
+  sandbox: Sandbox;
+  onData(bytes: Uint8Array): void;
+  /** Lets the caller forward a person's keystrokes to the command; returns a detach function. */
+  attachInput?(write: (data: string | Uint8Array) => void): () => void;
+}
+
+function commandWrapper(command: string): string {
+  const ua = BROWSER_USER_AGENT.replace(/'/g, "");
+  return [
+    `export HTTP_USER_AGENT='${ua}'`,
+    `curl() { command curl -A "$HTTP_USER_AGENT" "$@"; }`,
+    `wget() { command wget -U "$HTTP_USER_AGENT" "$@"; }`,
+    command,
+  ].join("\n");
+}
+
+async function runCommand(opts: RunOptions): Promise<CommandResult> {
+  const Terminal = await loadXterm();
+  const rendered = new RenderedOutput(opts.maxOutputBytes);
+  const renderer = new TerminalRenderer(Terminal, rendered);
+  const runawayLimit = RUNAWAY_FACTOR * opts.maxOutputBytes;
+  let rawBytes = 0;
+  let lastOutputAt = Date.now();
+  let status: CommandStatus = "exited";
+  let stopping: Promise<void> | undefined;
+
+  const env = { ...process.env, ...COMMAND_ENV };
+  const pty = spawnPty(opts.sandbox.wrap(["/bin/sh", "-c", commandWrapper(opts.command)]), {
+    cwd: opts.cwd,
+    env,
+    cols: COMMAND_COLUMNS,
+    rows: COMMAND_ROWS,
+    onData: (bytes) => {
+      if (stopping && status === "runaway") return;
+      lastOutputAt = Date.now();
+      rawBytes += bytes.length;
+      renderer.write(bytes);
+      opts.onData(bytes);
+      if (rawBytes > runawayLimit) stop("runaway");
+    },
+  });
+  const exited = pty.proc.exited;
+  const stop = (why: CommandStatus) => {
+    if (stopping) return;
+    status = why;
+    stopping = killProcessGroup(pty.proc.pid, exited);
+  };
+
+  const timeout = setTimeout(() => stop("timed_out"), opts.timeoutSec * 1000);
+  const onAbort = () => stop("stopped");
+  opts.signal.addEventListener("abort", onAbort, { once: true });
+  if (opts.signal.aborted) onAbort();
+  const watcher = opts.canAnswerInput
+    ? undefined
+    : setInterval(() => {
+        if (!stopping && Date.now() - lastOutputAt >= INPUT_WAIT_SILENCE_MS && groupWaitsForTerminalInput(pty.proc.pid)) stop("waiting_for_input");
+      }, 1000);
+  const detachInput = opts.attachInput?.((data) => pty.terminal.write(data));
+
+  try {
+    await exited;
+    // Output written just before exit can still be in flight.
+    await Promise.race([pty.eof, Bun.sleep(100)]);
+    if (stopping) await stopping;
+  } finally {
+    clearTimeout(timeout);
+    if (watcher) clearInterval(watcher);
+    opts.signal.removeEventListener("abort", onAbort);
+    detachInput?.();
+    pty.terminal.close();
+  }
+  await renderer.finish();
+  const { text, savedTo } = rendered.finish();
+  return { exitCode: exitCodeOf(pty.proc), status, output: text, savedTo, rawBytes };
+}
+
+/** The tool message text for one finished command (SPEC §2, §4). */
+function describeCommandResult(r: CommandResult, timeoutSec: number, maxOutputBytes: number): string {
+  switch (r.status) {
+    case "exited":
+      return `Command executed with exit code ${r.exitCode}.\nOutput:\n${r.output}`;
+    case "timed_out":
+      return `Command timed out after ${timeoutSec} seconds and was killed (exit code ${r.exitCode}). For long jobs run them in the background with nohup … &, split the work, or wrap them in timeout.\nOutput before it was stopped:\n${r.output}`;
+    case "waiting_for_input":
+      return `Command stopped: it was waiting for input from the terminal and nobody can answer it (exit code ${r.exitCode}). Re-run it non-interactively: use flags such as -y/--yes/--non-interactive, pipe answers with yes |, or feed a here-document.\nOutput before it was stopped:\n${r.output}`;
+    case "runaway":
+      return `Command stopped: it printed more than ${RUNAWAY_FACTOR * maxOutputBytes} bytes, the runaway-output limit (exit code ${r.exitCode}). Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`;
+    case "stopped":
+      return `Command stopped by the user before it finished (exit code ${r.exitCode}).\nOutput before it was stopped:\n${r.output}`;
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Agent loop
+// Owns: the ralph loop of SPEC §2 — system prompt, history, steering
+// suggestions, compression at the start of each step, one streamed model turn,
+// the approval gate and the commands — and the checkpoints a session store
+// hooks into. It talks to the outside only through the sink and `approve`.
+// ════════════════════════════════════════════════════════════════════════════
+
+interface PromptFacts {
+  fast: boolean;
+  timeoutSec: number;
+  maxOutputBytes: number;
+  sandbox: Sandbox;
+  /** How to call this very executable, for the search recipe. */
+  selfCommand: string;
+  projectInstructions?: { files: string[]; text: string };
+}
+
+function buildSystemPrompt(f: PromptFacts): string {
+  const sandboxLine = f.sandbox.enabled
+    ? `Commands run inside a Landlock sandbox: they may read and execute anything, but may write only under ${f.sandbox.writable.join(", ")}. A "Permission denied" on a write elsewhere comes from the sandbox; do not try to get around it.`
+    : `No sandbox confines your commands (${f.sandbox.status}); they can change anything this user can, so be careful with destructive commands.`;
+  const search = `To search the web run: ${f.selfCommand} search "QUERY" (it prints a JSON array of {title, href, body}). To read a page, fetch it with curl -sL or wget -qO-.`;
+  const capRule = `Each command's output reaches you capped at ${f.maxOutputBytes} bytes. When it is longer you get its head and tail, a line naming a file that holds the whole output, and the final line "${TRUNCATION_SENTINEL}". When you see that, do not re-run the command: read the saved file in slices (sed -n '100,200p', head -c, tail -c) or search it with grep and wc. For commands you expect to be long, redirect their output to a file yourself and read it the same way.`;
+  const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work in the background (nohup … > log 2>&1 &) and poll it, split it into smaller steps, or bound it with timeout.`;
+  const honesty = "Never invent the output of a command or claim a result you have not seen. Do not write execution metadata (exit codes, timings, tool-call syntax) yourself; aic reports those.";
+  const marker = `When, and only when, the whole task is finished and you have checked the result, answer with the single word ${MARKER} on its own and no tool call. Never write that word earlier, in a plan, or in a message that also calls a tool.`;
+  if (f.fast) {
+    return [
+      "You are a shell agent. You complete the user's task by running shell commands with the execute_bash tool, one at a time, and reading each result before the next step.",
+      marker,
+      capRule,
+      timeoutRule,
+      honesty,
+      search,
+    ].join("\n\n") + projectSection(f.projectInstructions);
+  }
+  return [
+    "You are an autonomous engineer working in a Linux shell. You complete the user's task by running shell commands through the execute_bash tool and judging what each one printed. You keep working until the task is done.",
+    "How to work:\n" +
+      "1. Start by writing a numbered task list: the steps you plan to take. Every five steps or so, restate the list with what is done and what remains.\n" +
+      "2. Run one command per step. Read its exit code and output carefully before deciding the next step; if it failed, find out why and fix it rather than moving on.\n" +
+      "3. Prefer small, checkable steps. Verify your work (run the tests, read back the file, check the service answers) before you call the task finished.\n" +
+      "4. Keep going on your own. Ask the user a question only when you have run out of reasonable options.",
+    marker,
+    capRule,
+    timeoutRule,
+    "Commands run in a pseudo-terminal with no person watching it. Use non-interactive forms: -y / --yes / --non-interactive flags, DEBIAN_FRONTEND=noninteractive, git --no-pager, here-documents for input. A command that waits for input will be stopped.",
+    sandboxLine,
+    honesty,
+    search,
+  ].join("\n\n") + projectSection(f.projectInstructions);
+}
+
+function projectSection(p: PromptFacts["projectInstructions"]): string {
+  if (!p || !p.text) return "";
+  return `\n\n# Project instructions (from ${p.files.join(", ")})\n\n${p.text}`;
+}
+
+/** AGENTS.md files from the git root down to `cwd`, root first, at most 32 KiB together. */
+function readProjectInstructions(cwd: string): PromptFacts["projectInstructions"] {
+  const chain: string[] = [];
+  let dir = path.resolve(cwd);
+  for (;;) {
+    chain.unshift(dir);
+    if (fs.existsSync(path.join(dir, ".git"))) break;
+    const parent = path.dirname(dir);
+    if (parent === dir) {
+      chain.splice(0, chain.length - 1); // no git root: only the cwd itself
+      break;
+    }
+    dir = parent;
+  }
+  const files: string[] = [];
+  const parts: string[] = [];
+  let budget = AGENTS_MD_LIMIT_BYTES;
+  for (const d of chain) {
+    const file = path.join(d, "AGENTS.md");
+    let text: string;
+    try {
+      text = fs.readFileSync(file, "utf8").trim();
+    } catch {
+      continue;
+    }
+    if (!text || budget <= 0) continue;
+    text = headBytes(text, budget);
+    budget -= utf8.encode(text).length;
+    files.push(file);
+    parts.push(text);
+  }
+  return files.length ? { files, text: parts.join("\n\n") } : undefined;
+}
+
+/** How the model should call this executable: the compiled binary itself, or bun plus this script. */
+function selfCommand(): string {
+  const main = Bun.main;
+  const compiled = main.startsWith("/$bunfs/") || main.startsWith("B:/~BUN/");
+  const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
+  return compiled ? quote(process.execPath) : `${quote(process.execPath)} ${quote(main)}`;
+}
+
+type Approval = { kind: "approve" } | { kind: "reject" } | { kind: "suggest"; text: string } | { kind: "no_input" };
+type ApproveFn = (request: { id: string; command: string }) => Promise<Approval>;
+
+const VALID_ROLES = new Set(["system", "user", "assistant", "tool"]);
+
+/**
+ * The copy of the history that is sent: null content becomes "", unknown roles
+ * and tool messages without an id are dropped, of two assistant messages in a
+ * row the older goes. A history that ends in a plain assistant message needs
+ * no call at all (`terminal`).
+ */
+function validateOutgoing(messages: readonly Message[]): { messages: Message[]; terminal: boolean } {
+  const out: Message[] = [];
+  for (const m of messages) {
+    if (!VALID_ROLES.has(m.role)) continue;
+    if (m.role === "tool" && typeof m.tool_call_id !== "string") continue;
+    if (m.role === "assistant" && out[out.length - 1]?.role === "assistant") out.pop();
+    out.push(m.content === null || m.content === undefined ? { ...m, content: "" } : m);
+  }
+  const last = out[out.length - 1];
+  return { messages: out, terminal: last?.role === "assistant" && !last.tool_calls?.length };
+}
+
+function invalidArgumentsMessage(name: string, args: string, error: string): string {
+  return [
+    `Error: the arguments of your ${name || "tool"} call are not valid JSON (${error}).`,
+    `You sent: ${args.length > 500 ? args.slice(0, 500) + "…" : args}`,
+    `Send exactly one JSON object: keys and strings in double quotes, newlines inside strings written as \\n, quotes inside strings escaped as \\", no trailing commas. For example: {"command": "ls -la"}`,
+  ].join("\n");
+}
+
+const CONTINUE_MESSAGE =
+  `You answered without calling a tool. Keep working on the task with execute_bash. When the task is truly finished and verified, reply with ${MARKER} alone.`;
+
+interface AgentOptions {
+  config: Config;
+  sink: EventSink;
+  approve: ApproveFn;
+  sandbox: Sandbox;
+  systemPrompt: string;
+  session?: SessionStore;
+  /** Whether a person can type into a running command (decides the stuck-on-input rule). */
+  canAnswerInput: () => boolean;
+  attachInput?: RunOptions["attachInput"];
+}
+
+interface RunOutcome {
+  status: RunStatus;
+  exitCode: number;
+}
+
+const EXIT_FOR_STATUS: Record<RunStatus, number> = {
+  completed: EXIT.ok,
+  terminal: EXIT.ok,
+  step_limit: EXIT.stepLimit,
+  needs_approval: EXIT.needsApproval,
+  failed: EXIT.failure,
+  stopped: EXIT.sigint,
+};
+
+class Agent {
+  messages: Message[] = [];
+  stepCount = 0;
+  usage: Usage = emptyUsage();
+  autoApprove: boolean;
+  running = false;
+  /** The last estimate of the prompt, in the server's tokens. */
+  contextEstimate = 0;
+  private basePrompt: string;
+  private summary: string | undefined;
+  private suggestions: string[] = [];
+  private abort: AbortController | undefined;
+  private counter: TokenCounter | undefined;
+  private readonly client: ModelClient;
+
+  constructor(private readonly o: AgentOptions) {
+    this.autoApprove = o.config.autoApprove;
+    this.basePrompt = o.systemPrompt;
+    this.client = new ModelClient(o.config, o.sink);
+  }
+
+  get budget(): number {
+    return promptBudget(this.o.config);
+  }
+
+  /** Takes over a restored session; the stored summary stays after the fresh system prompt. */
+  restore(loaded: LoadedSession): void {
+    if (!loaded.messages) return;
+    this.messages = loaded.messages;
+    this.stepCount = loaded.stepCount ?? 0;
+    this.usage = loaded.usage ?? emptyUsage();
+    this.refreshSystemPrompt();
+  }
+
+  private refreshSystemPrompt(): void {
+    const first = this.messages[0];
+    if (first?.role === "system") {
+      this.summary = splitSummary(contentText(first.content)).summary;
+      first.content = systemContent(this.basePrompt, this.summary);
+    } else this.messages.unshift({ role: "system", content: systemContent(this.basePrompt, this.summary) });
+  }
+
+  /** Queues a person's steering text; it joins the history at the start of the next step. */
+  suggest(text: string): void {
+    this.suggestions.push(text);
+  }
+
+  stop(): void {
+    this.abort?.abort();
+  }
+
+  /** Forgets everything (/clear). */
+  clear(): void {
+    this.messages = [];
+    this.summary = undefined;
+    this.stepCount = 0;
+    this.usage = emptyUsage();
+    this.contextEstimate = 0;
+    this.suggestions = [];
+    this.o.session?.renew();
+    this.checkpoint("cleared");
+  }
+
+  checkpoint(reason: string): void {
+    this.o.session?.save(reason, { messages: this.messages, stepCount: this.stepCount, usage: this.usage });
+  }
+
+  private emit(e: AgentEvent): void {
+    this.o.sink.emit(e);
+  }
+
+  private async tokenCounter(): Promise<TokenCounter> {
+    this.counter ??= await TokenCounter.create();
+    return this.counter;
+  }
+
+  async run(request: string): Promise<RunOutcome> {
+    const abort = (this.abort = new AbortController());
+    this.running = true;
+    if (this.messages.length === 0) this.messages.push({ role: "system", content: systemContent(this.basePrompt, this.summary) });
+    else this.refreshSystemPrompt();
+    this.messages.push({ role: "user", content: request });
+    this.checkpoint("user_request");
+    let status: RunStatus = "step_limit";
+    let steps = 0;
+    try {
+      for (;;) {
+        if (abort.signal.aborted) { status = "stopped"; break; }
+        if (steps >= this.o.config.maxSteps) { status = "step_limit"; break; }
+        steps++;
+        this.stepCount++;
+        this.emit({ type: "step", step: steps, max_steps: this.o.config.maxSteps });
+        for (const text of this.suggestions.splice(0)) this.messages.push({ role: "user", content: `[Suggestion from user] ${text}` });
+        await this.compressIfNeeded(abort.signal, this.o.config.compressTarget);
+        const outgoing = validateOutgoing(this.messages);
+        if (outgoing.terminal) { status = "terminal"; break; }
+        const turn = await this.callModel(abort.signal);
+        const outcome = await this.handleTurn(turn, abort.signal);
+        if (outcome) { status = outcome; break; }
+      }
+    } catch (error) {
+      if (error instanceof StoppedError || abort.signal.aborted) status = "stopped";
+      else {
+        status = "failed";
+        this.emit({ type: "error", message: error instanceof ModelError ? error.message : `unexpected failure: ${(error as Error)?.stack ?? error}` });
+      }
+    } finally {
+      this.answerOpenCalls(NOT_EXECUTED_STOPPED);
+      this.running = false;
+      this.abort = undefined;
+      this.checkpoint("loop_terminated");
+    }
+    if (status === "step_limit") this.emit({ type: "warning", text: `stopped after ${this.o.config.maxSteps} steps (--max-steps) without the task being marked complete` });
+    const exitCode = EXIT_FOR_STATUS[status];
+    this.emit({ type: "end", status, exit_code: exitCode, steps, usage: { ...this.usage } });
+    return { status, exitCode };
+  }
+
+  /** Streams one model turn; a context overflow compresses harder and tries again. */
+  private async callModel(signal: AbortSignal): Promise<AssistantTurn> {
+    let fraction = this.o.config.compressTarget;
+    for (let overflow = 0; ; overflow++) {
+      const { messages } = validateOutgoing(this.messages);
+      const counter = await this.tokenCounter();
+      const rawSent = counter.countRaw(messages);
+      this.contextEstimate = Math.ceil(rawSent * counter.ratio);
+      if (this.o.config.debug) writeDebugDump(messages, this.contextEstimate, this.budget);
+      this.checkpoint("before_llm_call");
+      let thinking = false;
+      try {
+        const turn = await this.client.completeWithRetries(() => ({ messages, tools: true, temperature: 0.2 }), signal, {
+          onContent: (text) => this.emit({ type: "assistant_delta", text }),
+          onReasoning: (text) => { thinking = true; this.emit({ type: "reasoning_delta", text }); },
+          onThinkingComplete: () => { if (thinking) this.emit({ type: "thinking_complete" }); thinking = false; },
+          onDiscard: () => this.emit({ type: "warning", text: "the model's partial answer above was discarded; asking again" }),
+        });
+        if (turn.usage) {
+          counter.calibrate(rawSent, turn.usage.prompt_tokens);
+          this.addUsage(turn.usage);
+        }
+        return turn;
+      } catch (error) {
+        if (!(error instanceof ModelError) || error.kind !== "context" || overflow >= MAX_CONTEXT_RETRIES) throw error;
+        fraction /= 2;
+        this.emit({ type: "warning", text: `${error.message}; compressing harder (target ${(fraction * 100).toFixed(0)}% of the budget) and retrying` });
+        // The server disagrees with our estimate: trust it and squeeze below the halved target.
+        await this.compressIfNeeded(signal, fraction, true);
+      }
+    }
+  }
+
+  private addUsage(u: NonNullable<AssistantTurn["usage"]>): void {
+    this.usage.input_tokens += u.prompt_tokens;
+    this.usage.output_tokens += u.completion_tokens;
+    this.usage.cached_tokens += u.cached_tokens;
+    this.usage.billable_tokens = this.usage.input_tokens - this.usage.cached_tokens + this.usage.output_tokens;
+    this.contextEstimate = u.prompt_tokens;
+    this.emit({ type: "usage", prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens, cached_tokens: u.cached_tokens, total: { ...this.usage }, context_estimate: this.contextEstimate, budget: this.budget });
+  }
+
+  /** Stores the assistant turn and acts on it; returns a final status, or undefined to go on. */
+  private async handleTurn(turn: AssistantTurn, signal: AbortSignal): Promise<RunStatus | undefined> {
+    const message: Message = { role: "assistant", content: turn.content || (turn.toolCalls.length ? null : "") };
+    if (turn.toolCalls.length) message.tool_calls = turn.toolCalls;
+    if (this.messages[this.messages.length - 1]?.role === "assistant") this.messages.pop();
+    this.messages.push(message);
+    if (turn.reasoning) this.emit({ type: "reasoning", text: turn.reasoning });
+    this.emit({ type: "assistant", content: turn.content, tool_calls: turn.toolCalls.map((c) => ({ id: c.id, name: c.function.name, arguments: c.function.arguments })) });
+    this.checkpoint("assistant_message");
+    if (!turn.toolCalls.length) {
+      if (turn.content.includes(MARKER)) return "completed";
+      this.messages.push({ role: "user", content: CONTINUE_MESSAGE });
+      return undefined;
+    }
+    let suggestion: string | undefined;
+    for (const call of turn.toolCalls) {
+      if (signal.aborted) break;
+      if (suggestion !== undefined) {
+        this.answer(call.id, "Command not executed: the user rejected an earlier command of this turn with a suggestion.");
+        continue;
+      }
+      const result = await this.executeToolCall(call, signal);
+      if (result.kind === "no_input") {
+        this.answerOpenCalls(NOT_EXECUTED_STOPPED);
+        return "needs_approval";
+      }
+      this.answer(call.id, result.content);
+      if (result.kind === "suggestion") suggestion = result.text;
+    }
+    if (suggestion !== undefined) this.messages.push({ role: "user", content: `I suggest you ${suggestion}` });
+    return signal.aborted ? "stopped" : undefined;
+  }
+
+  private answer(id: string, content: string): void {
+    this.messages.push({ role: "tool", tool_call_id: id, content });
+    this.checkpoint("tool_result");
+  }
+
+  /** Every tool call id gets exactly one answer, also when the run stops halfway through a turn. */
+  private answerOpenCalls(content: string): void {
+    let i = this.messages.length - 1;
+    const answered = new Set<string>();
+    while (i >= 0 && this.messages[i]!.role === "tool") answered.add(this.messages[i--]!.tool_call_id ?? "");
+    const call = this.messages[i];
+    if (call?.role !== "assistant" || !call.tool_calls) return;
+    for (const c of call.tool_calls) if (!answered.has(c.id)) this.messages.push({ role: "tool", tool_call_id: c.id, content });
+  }
+
+  private async executeToolCall(
+    call: ToolCall,
+    signal: AbortSignal,
+  ): Promise<{ kind: "done"; content: string } | { kind: "suggestion"; content: string; text: string } | { kind: "no_input" }> {
+    const name = call.function.name;
+    const rawArgs = call.function.arguments ?? "";
+    let args: unknown = {};
+    if (rawArgs.trim()) {
+      try {
+        args = JSON.parse(rawArgs);
+      } catch (error) {
+        return { kind: "done", content: invalidArgumentsMessage(name, rawArgs, (error as Error).message) };
+      }
+    }
+    if (name !== "execute_bash") return { kind: "done", content: `Unknown function: ${name}` };
+    const command = args && typeof args === "object" ? (args as Record<string, unknown>).command : undefined;
+    if (typeof command !== "string" || !command.trim()) return { kind: "done", content: "No arguments provided for function call" };
+
+    this.emit({ type: "command", id: call.id, command });
+    if (this.autoApprove) this.emit({ type: "approval", id: call.id, decision: "auto" });
+    else {
+      const answer = await this.o.approve({ id: call.id, command });
+      if (answer.kind === "no_input") {
+        this.emit({ type: "approval", id: call.id, decision: "no_input" });
+        return { kind: "no_input" };
+      }
+      if (answer.kind === "reject") {
+        this.emit({ type: "approval", id: call.id, decision: "rejected" });
+        return { kind: "done", content: SKIPPED_BY_USER };
+      }
+      if (answer.kind === "suggest") {
+        this.emit({ type: "approval", id: call.id, decision: "suggestion", suggestion: answer.text });
+        return { kind: "suggestion", content: SKIPPED_BY_USER, text: answer.text };
+      }
+      this.emit({ type: "approval", id: call.id, decision: "approved" });
+    }
+    if (signal.aborted) return { kind: "done", content: NOT_EXECUTED_STOPPED };
+    const result = await runCommand({
+      command,
+      cwd: process.cwd(),
+      timeoutSec: this.o.config.timeoutSec,
+      maxOutputBytes: this.o.config.maxOutputBytes,
+      canAnswerInput: this.o.canAnswerInput() && !this.autoApprove,
+      signal,
+      sandbox: this.o.sandbox,
+      onData: (data) => this.emit({ type: "command_output", id: call.id, data }),
+      attachInput: this.o.attachInput,
+    });
+    const content = describeCommandResult(result, this.o.config.timeoutSec, this.o.config.maxOutputBytes);
+    this.emit({ type: "command_result", id: call.id, exit_code: result.exitCode, status: result.status, output: content, saved_to: result.savedTo });
+    return { kind: "done", content };
+  }
+
+  /** Compression at the start of a step (SPEC §5); a no-op while the history fits the budget. */
+  private async compressIfNeeded(signal: AbortSignal, fraction: number, force = false): Promise<void> {
+    if (this.messages.length <= 2) return;
+    const counter = await this.tokenCounter();
+    const before = counter.estimate(this.messages);
+    this.contextEstimate = before;
+    if (!force && before <= this.budget) return;
+    const targetRaw = Math.floor(Math.floor(this.budget * fraction) / counter.ratio);
+    const alg = this.o.config.compressAlg;
+    let result: CompressionResult;
+    if (alg === "truncate") result = compressTruncate(this.messages, counter, targetRaw);
+    else {
+      const anchored = await compressAnchored(this.messages, this.basePrompt, this.summary, counter, targetRaw, (request) => this.summarise(request, signal));
+      this.summary = anchored.summary;
+      result = anchored;
+    }
+    this.messages = result.messages;
+    const after = counter.estimate(this.messages);
+    this.contextEstimate = after;
+    this.emit({ type: "compression", algorithm: alg, before_tokens: before, after_tokens: after, removed: result.removed, detail: result.detail });
+    this.checkpoint("compressed");
+  }
+
+  /** The summariser call: no tools, temperature 1.0, its text shown as [SESSION SUMMARY] away from the agent's own output. */
+  private async summarise(request: Message[], signal: AbortSignal): Promise<string | undefined> {
+    this.emit({ type: "summary_delta", text: "[SESSION SUMMARY]\n" });
+    try {
+      const turn = await this.client.completeWithRetries(() => ({ messages: request, tools: false, temperature: 1.0 }), signal, {
+        onContent: (text) => this.emit({ type: "summary_delta", text }),
+      });
+      this.emit({ type: "summary_delta", text: "\n" });
+      if (turn.usage) this.addUsage(turn.usage);
+      return turn.content;
+    } catch (error) {
+      if (error instanceof StoppedError) throw error;
+      this.emit({ type: "warning", text: `the summariser failed (${(error as Error).message}); using ${SUMMARY_UNAVAILABLE}` });
+      return undefined;
+    }
+  }
+}
+
+/** --debug: the history as it is about to be sent, for diagnosing prompts and compression. */
+function writeDebugDump(messages: readonly Message[], estimate: number, budget: number): void {
+  const lines = [
+    `time: ${new Date().toISOString()}`,
+    `messages: ${messages.length}`,
+    `estimated_tokens: ${estimate}`,
+    `budget: ${budget}`,
+    "",
+  ];
+  messages.forEach((m, i) => {
+    lines.push(`--- [${i}] role=${m.role}${m.tool_call_id ? ` tool_call_id=${m.tool_call_id}` : ""} content_length=${contentText(m.content).length}`);
+    if (m.tool_calls?.length) lines.push(`tool_calls: ${JSON.stringify(m.tool_calls)}`);
+    lines.push(contentText(m.content));
+  });
+  try {
+    fs.writeFileSync("commander-debug.txt", lines.join("\n") + "\n");
+  } catch {
+    /* a debugging aid must never stop the run */
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Web search
+// Owns: `aic search QUERY`, the model's way to the web: DuckDuckGo through
+// duck-duck-scrape, printed as a JSON array of {title, href, body}.
+// ════════════════════════════════════════════════════════════════════════════
+
+const SEARCH_TIMEOUT_MS = 20_000;
+
+function stripTags(html: string): string {
+  return html
+    .replace(/<[^>]*>/g, "")
+    .replace(/&#x27;|&#39;/g, "'")
+    .replace(/&quot;/g, '"')
+    .replace(/&lt;/g, "<")
+    .replace(/&gt;/g, ">")
+    .replace(/&amp;/g, "&")
+    .trim();
+}
+
+async function runSearch(query: string, maxResults: number): Promise<number> {
+  try {
+    const { search, SafeSearchType } = await import("duck-duck-scrape");
+    const timeout = new Promise<never>((_, reject) => setTimeout(() => reject(new Error(`no answer within ${SEARCH_TIMEOUT_MS / 1000} s`)), SEARCH_TIMEOUT_MS).unref());
+    const found = await Promise.race([search(query, { safeSearch: SafeSearchType.MODERATE }), timeout]);
+    const results = (found.noResults ? [] : found.results).slice(0, maxResults).map((r) => ({
+      title: stripTags(r.title ?? ""),
+      href: r.url ?? "",
+      body: stripTags(r.description ?? ""),
+    }));
+    writeOut(1, JSON.stringify(results, null, 2) + "\n");
+    return EXIT.ok;
+  } catch (error) {
+    const e = error as Error & { code?: string };
+    writeOut(2, `aic search: error: the search failed: ${e.code ? `${e.code} ` : ""}${e.message.split("\n")[0]}\n`);
+    return EXIT.failure;
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI
+// Owns: the split-pane @opentui/core interface (SPEC §10). Loaded only when
+// aic runs without --nogui, so the headless path never pays for OpenTUI.
+// ════════════════════════════════════════════════════════════════════════════
+
+async function runTui(_config: Config): Promise<number> {
+  writeOut(2, "aic: error: the terminal UI is not available in this build yet; run with --nogui\n");
+  return EXIT.usage;
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Main
+// Owns: choosing the mode, wiring sinks, session, signals and stdin, and
+// turning the run's outcome into an exit code with everything saved first.
+// ════════════════════════════════════════════════════════════════════════════
+
+/**
+ * Standard input for --nogui: lines for the approval prompt and, while a
+ * command runs on a terminal, keystrokes passed through to the command.
+ */
+class StdinReader {
+  private buffer = "";
+  private ended = false;
+  private started = false;
+  private waiters: ((line: string | null) => void)[] = [];
+  private forward: ((data: string | Uint8Array) => void) | undefined;
+
+  private start(): void {
+    if (this.started) return;
+    this.started = true;
+    const stdin = process.stdin;
+    stdin.on("data", (chunk: Buffer) => {
+      if (this.forward) return this.forward(chunk);
+      this.buffer += chunk.toString("utf8");
+      this.drain();
+    });
+    const end = () => {
+      this.ended = true;
+      this.drain();
+    };
+    stdin.on("end", end);
+    stdin.on("error", end);
+    stdin.on("close", end);
+  }
+
+  private drain(): void {
+    while (this.waiters.length) {
+      const nl = this.buffer.indexOf("\n");
+      if (nl >= 0) {
+        const line = this.buffer.slice(0, nl).replace(/\r$/, "");
+        this.buffer = this.buffer.slice(nl + 1);
+        this.waiters.shift()!(line);
+      } else if (this.ended) {
+        const rest = this.buffer;
+        this.buffer = "";
+        this.waiters.shift()!(rest ? rest : null);
+      } else break;
+    }
+    if (!this.waiters.length && this.started && !this.forward) process.stdin.pause();
+  }
+
+  /** The next line, or null at end of input. */
+  readLine(): Promise<string | null> {
+    this.start();
+    process.stdin.resume();
+    return new Promise((resolve) => {
+      this.waiters.push(resolve);
+      this.drain();
+    });
+  }
+
+  attach(write: (data: string | Uint8Array) => void): () => void {
+    this.start();
+    this.forward = write;
+    process.stdin.resume();
+    return () => {
+      this.forward = undefined;
+      process.stdin.pause();
+    };
+  }
+}
+
+/** The --nogui approval prompt: y/yes/empty approves, n/no rejects, anything else is a suggestion. */
+function plainApproval(stdin: StdinReader): ApproveFn {
+  return async ({ command }) => {
+    writeOut(2, `Approve command? (y/n/suggestion): ${command}\n> `);
+    const line = await stdin.readLine();
+    if (line === null) return { kind: "no_input" };
+    const answer = line.trim();
+    if (answer === "" || /^(y|yes)$/i.test(answer)) return { kind: "approve" };
+    if (/^(n|no)$/i.test(answer)) return { kind: "reject" };
+    return { kind: "suggest", text: answer };
+  };
+}
+
+const EXIT_SIGNALS = { SIGINT: EXIT.sigint, SIGTERM: EXIT.sigterm, SIGHUP: EXIT.sighup } as const;
+type ExitSignal = keyof typeof EXIT_SIGNALS;
+
+async function runHeadless(config: Config): Promise<number> {
+  const sink: EventSink = config.json ? new JsonSink() : new PlainSink(!config.noThinking);
+  for (const w of config.warnings) sink.emit({ type: "warning", text: w });
+  const stdin = new StdinReader();
+  let request = config.request!;
+  if (request === "-") {
+    request = (await Bun.stdin.text()).trim();
+    if (!request) {
+      writeOut(2, "aic: error: the request read from stdin (-) is empty\n");
+      return EXIT.usage;
+    }
+  }
+  const sandbox = setUpSandbox(config);
+  const systemPrompt = buildSystemPrompt({
+    fast: config.fast,
+    timeoutSec: config.timeoutSec,
+    maxOutputBytes: config.maxOutputBytes,
+    sandbox,
+    selfCommand: selfCommand(),
+    projectInstructions: readProjectInstructions(process.cwd()),
+  });
+  const session = config.session && !config.noSession ? SessionStore.claim(config.session, { model: config.model, apiBase: config.apiBase }, sink) : undefined;
+  const stdinIsTerminal = Boolean(process.stdin.isTTY);
+  const agent = new Agent({
+    config,
+    sink,
+    approve: plainApproval(stdin),
+    sandbox,
+    systemPrompt,
+    session,
+    canAnswerInput: () => stdinIsTerminal,
+    attachInput: stdinIsTerminal ? (write) => stdin.attach(write) : undefined,
+  });
+  if (session) {
+    const loaded = session.load(systemPrompt);
+    for (const line of loaded.reports) sink.emit({ type: "info", text: `[SESSION] ${line}` });
+    agent.restore(loaded);
+  }
+
+  let signalled: ExitSignal | undefined;
+  const finish = (code: number, reason: string) => {
+    agent.checkpoint(reason);
+    session?.release();
+    removeScratchDirectory();
+    return code;
+  };
+  for (const sig of Object.keys(EXIT_SIGNALS) as ExitSignal[]) {
+    process.on(sig, () => {
+      if (signalled) return;
+      signalled = sig;
+      agent.stop();
+      // The loop normally winds down at once; this only guards a wedged shutdown.
+      setTimeout(() => process.exit(finish(EXIT_SIGNALS[sig], `signal_${os.constants.signals[sig]}`)), 3000).unref();
+    });
+  }
+
+  sink.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: sandbox.status, session: session?.path ?? null, request });
+  const outcome = await agent.run(request);
+  if (signalled) return finish(EXIT_SIGNALS[signalled], `signal_${os.constants.signals[signalled]}`);
+  if (outcome.status === "needs_approval")
+    writeOut(2, "aic: a command needs approval but standard input has ended; use --auto-approve for unattended runs\n");
+  return finish(outcome.exitCode, "process_exit");
+}
+
+async function main(argv: string[]): Promise<number> {
+  let parsed: ParsedArgs;
+  try {
+    parsed = parseArgs(argv, process.env);
+  } catch (error) {
+    if (!(error instanceof UsageError)) throw error;
+    writeOut(2, `aic: error: ${error.message}\n`);
+    return EXIT.usage;
+  }
+  switch (parsed.kind) {
+    case "help":
+      writeOut(1, helpText() + "\n");
+      return EXIT.ok;
+    case "version":
+      writeOut(1, `aic ${VERSION}\n`);
+      return EXIT.ok;
+    case "search":
+      return runSearch(parsed.query, parsed.maxResults);
+    case "run":
+      return parsed.config.nogui ? runHeadless(parsed.config) : runTui(parsed.config);
+  }
+}
+
+if (import.meta.main) {
+  main(process.argv.slice(2)).then(
+    (code) => process.exit(code),
+    (error) => {
+      writeOut(2, `aic: internal error: ${(error as Error)?.stack ?? error}\n`);
+      process.exit(EXIT.failure);
+    },
+  );
+}
+
+export {
+  Agent,
+  JsonSink,
+  MarkerFilter,
+  PlainSink,
+  RenderedOutput,
+  SessionStore,
+  TeeSink,
+  TokenCounter,
+  ToolCallAssembler,
+  buildSystemPrompt,
+  classifyModelFailure,
+  compressAnchored,
+  compressTruncate,
+  errorBodyText,
+  loadEncoder,
+  parseArgs,
+  promptBudget,
+  repairMessages,
+  runCommand,
+  spawnPty,
+  splitSummary,
+  systemContent,
+  validateOutgoing,
+};
+export type { AgentEvent, Config, EventSink, Message, Sandbox };

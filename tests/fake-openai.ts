@@ -1,0 +1,433 @@
+/**
+ * A scriptable fake of the OpenAI Chat Completions API for end-to-end tests.
+ *
+ * It is a real HTTP server (Bun.serve on 127.0.0.1) so the compiled agent binary talks to it
+ * exactly as it would to a provider: SSE framing, error statuses, broken streams and hangs are
+ * all produced on the wire rather than mocked inside the process.
+ *
+ * Library use:   const srv = startFakeServer({ turns: [...] }); ... srv.requests; srv.close();
+ * CLI use:       bun tests/fake-openai.ts --script turns.json [--port N] [--inflation X]
+ *                prints the base URL (…/v1) on stdout and rewrites `turns.json.requests.json`
+ *                after every chat request, so tmux-driven tests can inspect what was sent.
+ */
+import { writeFileSync, readFileSync } from "node:fs";
+import { get_encoding, type Tiktoken } from "tiktoken";
+
+export type ToolCallSpec = { id?: string; name?: string; arguments: string };
+
+export type ReplyTurn = {
+  type?: "reply";
+  content?: string;
+  reasoning?: string;
+  reasoningField?: "reasoning_content" | "reasoning" | "thinking";
+  toolCalls?: ToolCallSpec[];
+  /** Split each call's arguments into this many chunks (default 1). */
+  argPieces?: number;
+  /** Leave `index` out of tool-call deltas (some providers do). */
+  omitIndex?: boolean;
+  /** Default true: id/type/name only on the first delta of each call; false repeats them on every delta. */
+  idOnFirstChunkOnly?: boolean;
+  /** Split content into this many chunks (default 1). */
+  contentPieces?: number;
+  /** Split reasoning into this many chunks (default 1). */
+  reasoningPieces?: number;
+  /** Pause between chunks. */
+  delayMs?: number;
+  /** Override the finish_reason (default "tool_calls" when toolCalls is non-empty, else "stop"). */
+  finishReason?: string;
+  usage?: { prompt_tokens?: number; completion_tokens?: number; cached_tokens?: number };
+};
+
+export type Turn =
+  | ReplyTurn
+  | { type: "http_error"; status: number; body: unknown; headers?: Record<string, string> }
+  | { type: "stream_error"; partialContent: string; error: unknown; eventFrame?: boolean }
+  | { type: "empty_stream" }
+  /** 200 stream: role + partial content, then close without finish_reason or [DONE] (dropped connection). */
+  | { type: "truncated_stream"; partialContent: string }
+  | { type: "hang" };
+
+export interface RecordedRequest {
+  path: string;
+  headers: Record<string, string>;
+  body: any;
+  at: number;
+}
+
+export interface FakeServer {
+  /** Base URL ending in /v1, e.g. http://127.0.0.1:PORT/v1 */
+  url: string;
+  /** Every POST /v1/chat/completions body, parsed, in order. */
+  requests: RecordedRequest[];
+  close(): void;
+}
+
+export interface FakeServerOptions {
+  /** Array: served in order, then `{content: "TASKCOMPLETE"}` forever. Function: called per request (index is 0-based). */
+  turns?: Turn[] | ((req: RecordedRequest, index: number) => Turn);
+  /** Default 1.3: reported prompt_tokens = ceil(countPromptTokens(messages) * inflation) unless the turn overrides. */
+  inflation?: number;
+  port?: number;
+  /** Called after each chat request has been recorded (the CLI uses it to dump requests to disk). */
+  onRequest?: (req: RecordedRequest, index: number) => void;
+}
+
+export const DEFAULT_TURN: Turn = { content: "TASKCOMPLETE" };
+
+// ---------------------------------------------------------------------------------------------
+// Token counting
+
+let encoder: Tiktoken | undefined;
+
+/** Encoding setup parses a multi-megabyte BPE table, so do it once and only when needed. */
+function countText(text: unknown): number {
+  if (typeof text !== "string" || text.length === 0) return 0;
+  encoder ??= get_encoding("o200k_base");
+  return encoder.encode(text).length;
+}
+
+/** Message content may be a string or an array of parts ({type: "text", text}); count the text. */
+function contentText(content: unknown): string {
+  if (typeof content === "string") return content;
+  if (Array.isArray(content)) {
+    return content
+      .map((part) => (typeof part === "string" ? part : typeof part?.text === "string" ? part.text : ""))
+      .join("");
+  }
+  return "";
+}
+
+/** tiktoken o200k_base count of each message's content + tool call names/args + 4 per message. */
+export function countPromptTokens(messages: any[]): number {
+  if (!Array.isArray(messages)) return 0;
+  let total = 0;
+  for (const message of messages) {
+    total += 4;
+    total += countText(contentText(message?.content));
+    for (const call of Array.isArray(message?.tool_calls) ? message.tool_calls : []) {
+      total += countText(call?.function?.name) + countText(call?.function?.arguments);
+    }
+  }
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+/** Split into at most `n` near-equal pieces by code point, so surrogate pairs are never cut. */
+export function splitPieces(text: string, n: number | undefined): string[] {
+  const chars = Array.from(text);
+  const count = Math.max(1, Math.min(Math.floor(n ?? 1), chars.length));
+  const size = Math.ceil(chars.length / count);
+  const pieces: string[] = [];
+  for (let i = 0; i < chars.length; i += size) pieces.push(chars.slice(i, i + size).join(""));
+  return pieces.length > 0 ? pieces : [""];
+}
+
+const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
+
+function sseData(payload: unknown): string {
+  return `data: ${JSON.stringify(payload)}\n\n`;
+}
+
+const SSE_HEADERS = {
+  "content-type": "text/event-stream; charset=utf-8",
+  "cache-control": "no-cache",
+  connection: "keep-alive",
+};
+
+function jsonResponse(status: number, payload: unknown, headers: Record<string, string> = {}): Response {
+  return new Response(JSON.stringify(payload), {
+    status,
+    headers: { "content-type": "application/json", ...headers },
+  });
+}
+
+function headersToRecord(headers: Headers): Record<string, string> {
+  const out: Record<string, string> = {};
+  headers.forEach((value, key) => {
+    out[key] = value;
+  });
+  return out;
+}
+
+/**
+ * Stream pre-rendered SSE frames, optionally pausing between them. Stops quietly if the client
+ * goes away (the agent aborting mid-stream must not crash the server).
+ */
+function streamFrames(frames: string[], delayMs: number, signal: AbortSignal): Response {
+  const bytes = new TextEncoder();
+  let cancelled = false;
+  const body = new ReadableStream<Uint8Array>({
+    async start(controller) {
+      try {
+        for (let i = 0; i < frames.length; i++) {
+          if (i > 0 && delayMs > 0) await sleep(delayMs);
+          if (cancelled || signal.aborted) return;
+          controller.enqueue(bytes.encode(frames[i]));
+        }
+        controller.close();
+      } catch {
+        // Client disconnected while we were writing; nothing to do.
+      }
+    },
+    cancel() {
+      cancelled = true;
+    },
+  });
+  return new Response(body, { status: 200, headers: SSE_HEADERS });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reply rendering
+
+interface ReplyContext {
+  requestIndex: number;
+  body: any;
+  inflation: number;
+}
+
+function chunkFactory(ctx: ReplyContext) {
+  const id = `chatcmpl-fake-${ctx.requestIndex}`;
+  const created = Math.floor(Date.now() / 1000);
+  const model = typeof ctx.body?.model === "string" ? ctx.body.model : "fake-model";
+  return (delta: Record<string, unknown>, finishReason: string | null = null) => ({
+    id,
+    object: "chat.completion.chunk",
+    created,
+    model,
+    choices: [{ index: 0, delta, logprobs: null, finish_reason: finishReason }],
+  });
+}
+
+function resolvedToolCalls(turn: ReplyTurn, requestIndex: number) {
+  return (turn.toolCalls ?? []).map((spec, i) => ({
+    id: spec.id ?? `call_${requestIndex}_${i}`,
+    name: spec.name ?? "execute_bash",
+    arguments: spec.arguments,
+  }));
+}
+
+function usageFor(turn: ReplyTurn, ctx: ReplyContext) {
+  const calls = resolvedToolCalls(turn, ctx.requestIndex);
+  const prompt = turn.usage?.prompt_tokens ?? Math.ceil(countPromptTokens(ctx.body?.messages) * ctx.inflation);
+  const completion =
+    turn.usage?.completion_tokens ??
+    countText(turn.content) +
+      countText(turn.reasoning) +
+      calls.reduce((n, c) => n + countText(c.name) + countText(c.arguments), 0);
+  return {
+    prompt_tokens: prompt,
+    completion_tokens: completion,
+    total_tokens: prompt + completion,
+    prompt_tokens_details: { cached_tokens: turn.usage?.cached_tokens ?? 0 },
+  };
+}
+
+/** Render a reply turn as the exact sequence of SSE frames a streaming provider would send. */
+export function renderReplyFrames(turn: ReplyTurn, ctx: ReplyContext): string[] {
+  const chunk = chunkFactory(ctx);
+  const frames: string[] = [sseData(chunk({ role: "assistant" }))];
+
+  if (turn.reasoning) {
+    const field = turn.reasoningField ?? "reasoning_content";
+    for (const piece of splitPieces(turn.reasoning, turn.reasoningPieces)) frames.push(sseData(chunk({ [field]: piece })));
+  }
+  if (turn.content) {
+    for (const piece of splitPieces(turn.content, turn.contentPieces)) frames.push(sseData(chunk({ content: piece })));
+  }
+
+  const calls = resolvedToolCalls(turn, ctx.requestIndex);
+  const idOnce = turn.idOnFirstChunkOnly ?? true;
+  calls.forEach((call, i) => {
+    splitPieces(call.arguments, turn.argPieces).forEach((piece, j) => {
+      const withIdentity = j === 0 || !idOnce;
+      const delta: Record<string, unknown> = {};
+      if (!turn.omitIndex) delta.index = i;
+      if (withIdentity) {
+        delta.id = call.id;
+        delta.type = "function";
+      }
+      delta.function = withIdentity ? { name: call.name, arguments: piece } : { arguments: piece };
+      frames.push(sseData(chunk({ tool_calls: [delta] })));
+    });
+  });
+
+  const finish = turn.finishReason ?? (calls.length > 0 ? "tool_calls" : "stop");
+  frames.push(sseData(chunk({}, finish)));
+
+  // Real OpenAI only sends the usage chunk when asked to; the agent must request it.
+  if (ctx.body?.stream_options?.include_usage) {
+    const last = chunk({});
+    frames.push(sseData({ ...last, choices: [], usage: usageFor(turn, ctx) }));
+  }
+  frames.push("data: [DONE]\n\n");
+  return frames;
+}
+
+/** Non-streaming answer, for completeness (the agent is expected to stream). */
+function renderReplyJson(turn: ReplyTurn, ctx: ReplyContext) {
+  const calls = resolvedToolCalls(turn, ctx.requestIndex);
+  const base = chunkFactory(ctx)({});
+  const message: Record<string, unknown> = { role: "assistant", content: turn.content ?? null, refusal: null };
+  if (turn.reasoning) message[turn.reasoningField ?? "reasoning_content"] = turn.reasoning;
+  if (calls.length > 0) {
+    message.tool_calls = calls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
+  }
+  return {
+    id: base.id,
+    object: "chat.completion",
+    created: base.created,
+    model: base.model,
+    choices: [
+      { index: 0, message, logprobs: null, finish_reason: turn.finishReason ?? (calls.length > 0 ? "tool_calls" : "stop") },
+    ],
+    usage: usageFor(turn, ctx),
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Server
+
+export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
+  const requests: RecordedRequest[] = [];
+  const inflation = opts.inflation ?? 1.3;
+  // Hanging requests are parked here so close() can release them instead of leaking promises.
+  const hanging = new Set<() => void>();
+
+  const pickTurn = (req: RecordedRequest, index: number): Turn => {
+    if (typeof opts.turns === "function") return opts.turns(req, index);
+    return opts.turns?.[index] ?? DEFAULT_TURN;
+  };
+
+  const handleChat = async (req: Request, path: string): Promise<Response> => {
+    const raw = await req.text();
+    let body: any;
+    let parsed = true;
+    try {
+      body = JSON.parse(raw);
+    } catch {
+      body = raw;
+      parsed = false;
+    }
+    const recorded: RecordedRequest = { path, headers: headersToRecord(req.headers), body, at: Date.now() };
+    const index = requests.push(recorded) - 1;
+    opts.onRequest?.(recorded, index);
+
+    if (!parsed) {
+      return jsonResponse(400, { error: { message: "invalid JSON body", type: "invalid_request_error", code: null } });
+    }
+
+    const turn = pickTurn(recorded, index);
+    const ctx: ReplyContext = { requestIndex: index, body, inflation };
+
+    switch (turn.type) {
+      case "http_error": {
+        const headers = turn.headers ?? {};
+        if (typeof turn.body === "string") {
+          return new Response(turn.body, { status: turn.status, headers: { "content-type": "text/plain", ...headers } });
+        }
+        return jsonResponse(turn.status, turn.body, headers);
+      }
+      case "stream_error": {
+        const chunk = chunkFactory(ctx);
+        const frames = [sseData(chunk({ role: "assistant" }))];
+        if (turn.partialContent) frames.push(sseData(chunk({ content: turn.partialContent })));
+        const payload = JSON.stringify({ error: turn.error });
+        frames.push(turn.eventFrame ? `event: error\ndata: ${payload}\n\n` : `data: ${payload}\n\n`);
+        return streamFrames(frames, 0, req.signal);
+      }
+      case "empty_stream":
+        return new Response("", { status: 200, headers: SSE_HEADERS });
+      case "truncated_stream": {
+        const chunk = chunkFactory(ctx);
+        const frames = [sseData(chunk({ role: "assistant" }))];
+        if (turn.partialContent) frames.push(sseData(chunk({ content: turn.partialContent })));
+        return streamFrames(frames, 0, req.signal);
+      }
+      case "hang":
+        return new Promise<Response>((resolve) => {
+          const release = () => {
+            hanging.delete(release);
+            resolve(new Response(null, { status: 499 }));
+          };
+          hanging.add(release);
+          req.signal.addEventListener("abort", release, { once: true });
+        });
+      default: {
+        if (body?.stream !== true) return jsonResponse(200, renderReplyJson(turn, ctx));
+        return streamFrames(renderReplyFrames(turn, ctx), turn.delayMs ?? 0, req.signal);
+      }
+    }
+  };
+
+  const server = Bun.serve({
+    hostname: "127.0.0.1",
+    port: opts.port ?? 0,
+    // Bun's default 10 s idle timeout would cut slow (delayMs) streams and "hang" turns.
+    idleTimeout: 0,
+    async fetch(req) {
+      const path = new URL(req.url).pathname;
+      if (req.method === "POST" && path === "/v1/chat/completions") return handleChat(req, path);
+      if (req.method === "GET" && path === "/v1/models") {
+        return jsonResponse(200, {
+          object: "list",
+          data: ["fake-model", "fake-model-mini"].map((id) => ({ id, object: "model", created: 0, owned_by: "fake-openai" })),
+        });
+      }
+      return jsonResponse(404, {
+        error: { message: `Unknown route: ${req.method} ${path}`, type: "invalid_request_error", code: "not_found" },
+      });
+    },
+  });
+
+  return {
+    url: `http://127.0.0.1:${server.port}/v1`,
+    requests,
+    close() {
+      for (const release of [...hanging]) release();
+      server.stop(true);
+    },
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// CLI: bun tests/fake-openai.ts --script turns.json [--port N] [--inflation X]
+
+/** The script file is either a JSON array of turns or `{turns: [...], inflation?: number}`. */
+export function runCli(argv: string[]): FakeServer {
+  const arg = (name: string) => {
+    const i = argv.indexOf(name);
+    return i >= 0 ? argv[i + 1] : undefined;
+  };
+  const script = arg("--script");
+  if (!script) throw new Error("usage: bun tests/fake-openai.ts --script turns.json [--port N] [--inflation X]");
+
+  const parsed = JSON.parse(readFileSync(script, "utf8"));
+  const turns: Turn[] = Array.isArray(parsed) ? parsed : (parsed.turns ?? []);
+  const inflationArg = arg("--inflation") ?? (Array.isArray(parsed) ? undefined : parsed.inflation);
+  const portArg = arg("--port");
+  const requestsFile = `${script}.requests.json`;
+
+  const server = startFakeServer({
+    turns,
+    inflation: inflationArg === undefined ? undefined : Number(inflationArg),
+    port: portArg === undefined ? undefined : Number(portArg),
+    // Synchronous write: the file is complete before the response starts, so a test that sees
+    // the agent react can immediately read every request up to that point.
+    onRequest: () => writeFileSync(requestsFile, JSON.stringify(server.requests, null, 2)),
+  });
+  writeFileSync(requestsFile, "[]");
+  return server;
+}
+
+if (import.meta.main) {
+  const server = runCli(process.argv.slice(2));
+  console.log(server.url);
+  const shutdown = () => {
+    server.close();
+    process.exit(0);
+  };
+  process.on("SIGINT", shutdown);
+  process.on("SIGTERM", shutdown);
+}

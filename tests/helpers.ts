@@ -1,0 +1,74 @@
+/**
+ * Shared plumbing for the end-to-end tests: they drive the compiled dist/aic
+ * as a user or a CI job would, against the fake OpenAI server in this folder.
+ */
+import { mkdtempSync, realpathSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+
+export const ROOT = resolve(import.meta.dir, "..");
+export const AIC = join(ROOT, "dist", "aic");
+
+export interface AicRun {
+  code: number;
+  stdout: string;
+  stderr: string;
+  ms: number;
+}
+
+export interface AicOptions {
+  cwd?: string;
+  stdin?: string | "inherit-null";
+  env?: Record<string, string | undefined>;
+  /** Kill the process after this long (a guard against hangs, not an assertion). */
+  killAfterMs?: number;
+}
+
+/** A fresh empty directory for one test. */
+export function scratch(prefix = "aic-test-"): string {
+  return realpathSync(mkdtempSync(join(tmpdir(), prefix)));
+}
+
+/** Environment without the developer's own model settings, so tests see only what they pass. */
+export function cleanEnv(extra: Record<string, string | undefined> = {}): Record<string, string> {
+  const env: Record<string, string> = {};
+  for (const [k, v] of Object.entries(process.env)) {
+    if (v === undefined || /^(AIC_|OPENAI_)/.test(k)) continue;
+    env[k] = v;
+  }
+  for (const [k, v] of Object.entries(extra)) if (v !== undefined) env[k] = v;
+  return env;
+}
+
+export async function runAic(args: string[], opts: AicOptions = {}): Promise<AicRun> {
+  const started = performance.now();
+  const proc = Bun.spawn([AIC, ...args], {
+    cwd: opts.cwd ?? scratch(),
+    env: cleanEnv(opts.env),
+    stdin: opts.stdin === undefined ? "ignore" : new Blob([opts.stdin]),
+    stdout: "pipe",
+    stderr: "pipe",
+  });
+  const guard = setTimeout(() => proc.kill("SIGKILL"), opts.killAfterMs ?? 100_000);
+  const [stdout, stderr, code] = await Promise.all([new Response(proc.stdout).text(), new Response(proc.stderr).text(), proc.exited]);
+  clearTimeout(guard);
+  return { code, stdout, stderr, ms: performance.now() - started };
+}
+
+/** The usual flags for a headless run against `url`. */
+export function headless(url: string, model = "test-model", ...more: string[]): string[] {
+  return ["--nogui", "--api-base", url, "--model", model, ...more];
+}
+
+/** A tool-call turn that runs one command. */
+export function bash(command: string, id?: string) {
+  return { toolCalls: [{ id, arguments: JSON.stringify({ command }) }] };
+}
+
+/** Parses JSON Lines output. */
+export function jsonLines(text: string): any[] {
+  return text
+    .split("\n")
+    .filter((l) => l.trim())
+    .map((l) => JSON.parse(l));
+}
