@@ -632,7 +632,8 @@ function modelErrorFrom(error: unknown): ModelError {
   const body = errorBodyText(e?.error);
   const message = typeof e?.message === "string" ? e.message : String(error);
   const cause = e?.cause instanceof Error ? ` (${e.cause.message})` : "";
-  return classifyModelFailure(status, [body, body && message.includes(body) ? "" : message].filter(Boolean).join(" — ") + cause, e?.headers);
+  // The SDK's message repeats the body behind the status; the body alone says it once.
+  return classifyModelFailure(status, (body || message) + cause, e?.headers);
 }
 
 /** A sleep that ends early, with StoppedError, when the run is stopped. */
@@ -732,6 +733,7 @@ class ModelClient {
     let content = "";
     let reasoning = "";
     let chunks = 0;
+    let finished = false;
     let usage: AssistantTurn["usage"];
     const calls = new ToolCallAssembler();
     try {
@@ -739,9 +741,10 @@ class ModelClient {
       const stream = (await client.chat.completions.create(this.params(req) as never, { signal })) as unknown as AsyncIterable<unknown>;
       for await (const raw of stream) {
         chunks++;
-        const chunk = raw as { error?: unknown; choices?: { delta?: Record<string, unknown> }[]; usage?: Record<string, unknown> };
+        const chunk = raw as { error?: unknown; choices?: { delta?: Record<string, unknown>; finish_reason?: unknown }[]; usage?: Record<string, unknown> };
         if (chunk.error) throw classifyModelFailure(undefined, errorBodyText(chunk.error) || "error inside the stream");
         if (chunk.usage) usage = readUsage(chunk.usage);
+        if (chunk.choices?.[0]?.finish_reason) finished = true;
         const delta = chunk.choices?.[0]?.delta;
         if (!delta) continue;
         const thought = [delta.reasoning_content, delta.reasoning, delta.thinking].find((v): v is string => typeof v === "string" && v !== "");
@@ -762,6 +765,8 @@ class ModelClient {
     }
     if (signal.aborted) throw new StoppedError();
     if (chunks === 0) throw new ModelError("the stream ended without any data", "retry");
+    // The SDK ends quietly when a connection drops mid-answer; a turn without finish_reason is not an answer.
+    if (!finished) throw new ModelError("the stream was cut off before the answer finished", "retry");
     return { content, reasoning, toolCalls: calls.finish(), usage };
   }
 
@@ -1196,12 +1201,25 @@ class SessionStore {
 
 // ════════════════════════════════════════════════════════════════════════════
 // Sandbox
-// Owns: confining the commands the agent runs (SPEC §8). Filled in by the
-// sandbox work; until then every command runs unconfined and says so.
+// Owns: confining the commands the agent runs with Landlock (SPEC §8),
+// through bun:ffi since no library does this for Bun.
+//
+// Where the rules apply: Landlock confines the calling thread and whatever
+// it starts afterwards, and Bun runs several threads. Restricting aic's own
+// main thread would both leave Bun's worker threads free and lock aic out of
+// its own files (~/.aic_history, a --session outside the cwd). So aic never
+// confines itself. Each command is started as `aic __sandbox-exec RULES --
+// /bin/sh -c …`: that fresh process, on its main thread, sets no_new_privs,
+// builds the ruleset, restricts itself and then execve()s the shell. execve
+// ends every other thread, and the domain is inherited by the shell and by
+// every process it ever forks, so the whole tree of every command is
+// confined, while aic itself stays free to write its bookkeeping. At start-up
+// aic runs this path once on /bin/true: if anything refuses, the sandbox is
+// off with the reason, never a crash.
 // ════════════════════════════════════════════════════════════════════════════
 
 interface Sandbox {
-  /** `on (writes: …)` or `off: <reason>` — shown at start, in the status bar and in the system prompt. */
+  /** `on (writes: …)` or `off (reason)` — shown at start, in the status bar and in the system prompt. */
   readonly status: string;
   readonly enabled: boolean;
   readonly writable: readonly string[];
@@ -1209,13 +1227,127 @@ interface Sandbox {
   wrap(argv: string[]): string[];
 }
 
+const SANDBOX_EXEC = "__sandbox-exec";
+
 function sandboxOff(reason: string): Sandbox {
   return { status: `off (${reason})`, enabled: false, writable: [], wrap: (argv) => argv };
 }
 
+/** Landlock filesystem rights (linux/landlock.h), with the ABI that introduced each. */
+const LANDLOCK_FS = {
+  WRITE_FILE: [1n << 1n, 1],
+  REMOVE_DIR: [1n << 4n, 1],
+  REMOVE_FILE: [1n << 5n, 1],
+  MAKE_CHAR: [1n << 6n, 1],
+  MAKE_DIR: [1n << 7n, 1],
+  MAKE_REG: [1n << 8n, 1],
+  MAKE_SOCK: [1n << 9n, 1],
+  MAKE_FIFO: [1n << 10n, 1],
+  MAKE_BLOCK: [1n << 11n, 1],
+  MAKE_SYM: [1n << 12n, 1],
+  REFER: [1n << 13n, 2],
+  TRUNCATE: [1n << 14n, 3],
+  IOCTL_DEV: [1n << 15n, 5],
+} as const;
+const SYS_LANDLOCK_CREATE_RULESET = 444;
+const SYS_LANDLOCK_ADD_RULE = 445;
+const SYS_LANDLOCK_RESTRICT_SELF = 446;
+const LANDLOCK_CREATE_RULESET_VERSION = 1;
+const LANDLOCK_RULE_PATH_BENEATH = 1;
+const PR_SET_NO_NEW_PRIVS = 38;
+const O_PATH = 0o10000000;
+const O_CLOEXEC = 0o2000000;
+
+function libc() {
+  const { dlopen, FFIType } = require("bun:ffi") as typeof import("bun:ffi");
+  return dlopen("libc.so.6", {
+    // Every argument as a 64-bit integer: pointers are passed as numbers from ptr().
+    syscall: { args: [FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64], returns: FFIType.i64 },
+    prctl: { args: [FFIType.i32, FFIType.u64, FFIType.u64, FFIType.u64, FFIType.u64], returns: FFIType.i32 },
+    open: { args: [FFIType.cstring, FFIType.i32], returns: FFIType.i32 },
+    close: { args: [FFIType.i32], returns: FFIType.i32 },
+    execve: { args: [FFIType.cstring, FFIType.ptr, FFIType.ptr], returns: FFIType.i32 },
+    __errno_location: { args: [], returns: FFIType.ptr },
+  });
+}
+
+/** The Landlock ABI version the kernel offers, or the reason there is none. */
+function landlockAbi(): number | string {
+  if (process.platform !== "linux") return `not Linux (${process.platform})`;
+  try {
+    const abi = Number(libc().symbols.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0));
+    return abi >= 1 ? abi : "this kernel does not offer Landlock";
+  } catch (error) {
+    return `cannot call the kernel through libc (${(error as Error).message})`;
+  }
+}
+
+/** Every write-side right this ABI knows: what the ruleset handles (reads and execution stay unrestricted). */
+function writeRights(abi: number): bigint {
+  let rights = 0n;
+  for (const [bit, since] of Object.values(LANDLOCK_FS)) if (abi >= since) rights |= bit;
+  return rights;
+}
+
+/**
+ * Runs in the `__sandbox-exec` child: confines this process to `writable`
+ * and replaces it with `argv`. Only returns on failure (exit code 126).
+ */
+function sandboxExec(writable: string[], argv: string[]): number {
+  const fail = (what: string) => {
+    writeOut(2, `aic sandbox: ${what}\n`);
+    return 126;
+  };
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  const c = libc().symbols;
+  const abi = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0));
+  if (abi < 1) return fail("Landlock is not available");
+  const handled = writeRights(abi);
+  const rulesetAttr = new BigUint64Array([handled]);
+  const rulesetFd = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, ptr(rulesetAttr), 8, 0, 0));
+  if (rulesetFd < 0) return fail("landlock_create_ruleset was refused");
+  for (const dir of writable) {
+    const fd = c.open(Buffer.from(dir + "\0"), O_PATH | O_CLOEXEC);
+    if (fd < 0) continue; // a missing directory needs no rule
+    // struct landlock_path_beneath_attr { u64 allowed_access; s32 parent_fd; } __attribute__((packed))
+    const attr = new Uint8Array(12);
+    const view = new DataView(attr.buffer);
+    view.setBigUint64(0, handled, true);
+    view.setInt32(8, fd, true);
+    const rc = Number(c.syscall(SYS_LANDLOCK_ADD_RULE, rulesetFd, LANDLOCK_RULE_PATH_BENEATH, ptr(attr), 0));
+    c.close(fd);
+    if (rc !== 0) return fail(`landlock_add_rule for ${dir} was refused`);
+  }
+  if (c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) !== 0) return fail("prctl(PR_SET_NO_NEW_PRIVS) was refused");
+  if (Number(c.syscall(SYS_LANDLOCK_RESTRICT_SELF, rulesetFd, 0, 0, 0)) !== 0) return fail("landlock_restrict_self was refused");
+  // execve wants NULL-terminated arrays of C strings; the buffers must outlive the call.
+  const cStrings = (items: string[]) => {
+    const buffers = items.map((s) => Buffer.from(s + "\0"));
+    const table = new BigUint64Array(items.length + 1);
+    buffers.forEach((b, i) => (table[i] = BigInt(ptr(b))));
+    return { buffers, table };
+  };
+  const args = cStrings(argv);
+  const env = cStrings(Object.entries(process.env).map(([k, v]) => `${k}=${v ?? ""}`));
+  c.execve(Buffer.from(argv[0] + "\0"), ptr(args.table), ptr(env.table));
+  return fail(`cannot execute ${argv[0]}`);
+}
+
 function setUpSandbox(config: Config): Sandbox {
   if (config.disableSandbox) return sandboxOff("--disable-sandbox");
-  return sandboxOff("not implemented yet");
+  const abi = landlockAbi();
+  if (typeof abi === "string") return sandboxOff(abi);
+  const writable = [...new Set([process.cwd(), "/tmp", "/dev"])];
+  const prefix = [...selfArgv(), SANDBOX_EXEC, JSON.stringify(writable), "--"];
+  // Prove the whole path once (ruleset, restrict, execve) before promising it.
+  const probe = Bun.spawnSync([...prefix, "/bin/true"], { stdout: "ignore", stderr: "pipe" });
+  if (probe.exitCode !== 0) return sandboxOff(probe.stderr.toString().trim().replace(/^aic sandbox: /, "") || `the self-test exited ${probe.exitCode}`);
+  return {
+    status: `on (Landlock ABI ${abi}; writes only under ${writable.join(", ")})`,
+    enabled: true,
+    writable,
+    wrap: (argv) => [...prefix, ...argv],
+  };
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -1699,12 +1831,17 @@ function readProjectInstructions(cwd: string): PromptFacts["projectInstructions"
   return files.length ? { files, text: parts.join("\n\n") } : undefined;
 }
 
-/** How the model should call this executable: the compiled binary itself, or bun plus this script. */
-function selfCommand(): string {
+/** How to start this very program again: the compiled binary itself, or bun plus this script. */
+function selfArgv(): string[] {
   const main = Bun.main;
   const compiled = main.startsWith("/$bunfs/") || main.startsWith("B:/~BUN/");
+  return compiled ? [process.execPath] : [process.execPath, main];
+}
+
+/** The same, as a shell command line for the system prompt's search recipe. */
+function selfCommand(): string {
   const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
-  return compiled ? quote(process.execPath) : `${quote(process.execPath)} ${quote(main)}`;
+  return selfArgv().map(quote).join(" ");
 }
 
 type Approval = { kind: "approve" } | { kind: "reject" } | { kind: "suggest"; text: string } | { kind: "no_input" };
@@ -1877,7 +2014,7 @@ class Agent {
       this.answerOpenCalls(NOT_EXECUTED_STOPPED);
       this.running = false;
       this.abort = undefined;
-      this.checkpoint("loop_terminated");
+      this.checkpoint(status === "stopped" ? "interrupted" : "loop_terminated");
     }
     if (status === "step_limit") this.emit({ type: "warning", text: `stopped after ${this.o.config.maxSteps} steps (--max-steps) without the task being marked complete` });
     const exitCode = EXIT_FOR_STATUS[status];
@@ -1996,7 +2133,8 @@ class Agent {
     this.emit({ type: "command", id: call.id, command });
     if (this.autoApprove) this.emit({ type: "approval", id: call.id, decision: "auto" });
     else {
-      const answer = await this.o.approve({ id: call.id, command });
+      const answer = await untilAborted(this.o.approve({ id: call.id, command }), signal);
+      if (!answer) return { kind: "done", content: NOT_EXECUTED_STOPPED };
       if (answer.kind === "no_input") {
         this.emit({ type: "approval", id: call.id, decision: "no_input" });
         return { kind: "no_input" };
@@ -2069,6 +2207,19 @@ class Agent {
   }
 }
 
+/** Resolves with `promise`, or with undefined as soon as the run is stopped. */
+function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T | undefined> {
+  if (signal.aborted) return Promise.resolve(undefined);
+  return new Promise((resolve, reject) => {
+    const onAbort = () => resolve(undefined);
+    signal.addEventListener("abort", onAbort, { once: true });
+    promise.then(
+      (value) => { signal.removeEventListener("abort", onAbort); resolve(value); },
+      (error) => { signal.removeEventListener("abort", onAbort); reject(error); },
+    );
+  });
+}
+
 /** --debug: the history as it is about to be sent, for diagnosing prompts and compression. */
 function writeDebugDump(messages: readonly Message[], estimate: number, budget: number): void {
   const lines = [
@@ -2109,8 +2260,20 @@ function stripTags(html: string): string {
     .trim();
 }
 
+function lookupHost(host: string): Promise<void> {
+  return new Promise((resolve, reject) =>
+    (require("node:dns") as typeof import("node:dns")).lookup(host, (error) =>
+      error ? reject(new Error(`cannot resolve ${host} (${error.code ?? error.message}); is the network reachable?`)) : resolve(),
+    ),
+  );
+}
+
 async function runSearch(query: string, maxResults: number): Promise<number> {
   try {
+    // duck-duck-scrape's HTTP client still calls url.parse(); its deprecation notice would be noise on stderr.
+    process.noDeprecation = true;
+    // The library reports any network failure as "Failed to get the VQD"; name the real cause first.
+    await lookupHost("duckduckgo.com");
     const { search, SafeSearchType } = await import("duck-duck-scrape");
     const timeout = new Promise<never>((_, reject) => setTimeout(() => reject(new Error(`no answer within ${SEARCH_TIMEOUT_MS / 1000} s`)), SEARCH_TIMEOUT_MS).unref());
     const found = await Promise.race([search(query, { safeSearch: SafeSearchType.MODERATE }), timeout]);
@@ -2134,7 +2297,136 @@ async function runSearch(query: string, maxResults: number): Promise<number> {
 // aic runs without --nogui, so the headless path never pays for OpenTUI.
 // ════════════════════════════════════════════════════════════════════════════
 
-async function runTui(_config: Config): Promise<number> {
+const HISTORY_LIMIT = 1000;
+
+/** One prompt per line: backslashes and newlines escaped so a multi-line prompt stays one entry. */
+function escapeHistoryLine(prompt: string): string {
+  return prompt.replace(/\\/g, "\\\\").replace(/\n/g, "\\n").replace(/\r/g, "\\r");
+}
+function unescapeHistoryLine(line: string): string {
+  return line.replace(/\\(\\|n|r)/g, (_, c: string) => (c === "n" ? "\n" : c === "r" ? "\r" : "\\"));
+}
+
+/** Adds `prompt` unless it repeats the newest entry, keeping the newest HISTORY_LIMIT. */
+function appendHistoryEntry(entries: string[], prompt: string): string[] {
+  const next = entries[entries.length - 1] === prompt ? entries.slice() : [...entries, prompt];
+  return next.slice(-HISTORY_LIMIT);
+}
+
+function readHistoryFile(file: string): string[] {
+  try {
+    return fs
+      .readFileSync(file, "utf8")
+      .split("\n")
+      .filter((l) => l !== "")
+      .map(unescapeHistoryLine)
+      .slice(-HISTORY_LIMIT);
+  } catch {
+    return [];
+  }
+}
+
+/**
+ * The prompt history in ~/.aic_history. Several aic processes may save at
+ * once: each save locks the file (proper-lockfile), re-reads it, appends and
+ * replaces it atomically (write-file-atomic), so no process drops another's
+ * entries.
+ */
+class PromptHistory {
+  entries: string[];
+  constructor(readonly file: string) {
+    this.entries = readHistoryFile(file);
+  }
+
+  async add(prompt: string): Promise<void> {
+    if (!prompt.trim()) return;
+    this.entries = appendHistoryEntry(this.entries, prompt);
+    const lockfile = require("proper-lockfile") as typeof import("proper-lockfile");
+    const writeFileAtomic = require("write-file-atomic") as typeof import("write-file-atomic");
+    if (!fs.existsSync(this.file)) fs.writeFileSync(this.file, "", { mode: 0o600, flag: "a" });
+    const release = await lockfile.lock(this.file, { realpath: false, stale: 5000, retries: { retries: 200, minTimeout: 2, maxTimeout: 50, randomize: true } });
+    try {
+      const merged = appendHistoryEntry(readHistoryFile(this.file), prompt);
+      writeFileAtomic.sync(this.file, merged.map(escapeHistoryLine).join("\n") + "\n", { mode: 0o600 });
+    } finally {
+      await release();
+    }
+  }
+}
+
+/** Readline-style Up/Down walking of the history that keeps the line in progress. */
+class HistoryCursor {
+  private index: number;
+  private draft = "";
+  constructor(private readonly history: () => readonly string[]) {
+    this.index = history().length;
+  }
+  reset(): void {
+    this.index = this.history().length;
+    this.draft = "";
+  }
+  /** The entry before the current one, or undefined at the oldest. */
+  older(current: string): string | undefined {
+    const entries = this.history();
+    if (this.index > entries.length) this.index = entries.length;
+    if (this.index === 0) return undefined;
+    if (this.index === entries.length) this.draft = current;
+    return entries[--this.index];
+  }
+  /** The entry after the current one; past the newest, the line that was in progress. */
+  newer(): string | undefined {
+    const entries = this.history();
+    if (this.index >= entries.length) return undefined;
+    this.index++;
+    return this.index === entries.length ? this.draft : entries[this.index];
+  }
+}
+
+/** Ctrl+R: newest-first, case-insensitive substring search; Ctrl+R again steps to the next older match. */
+class ReverseSearch {
+  query = "";
+  /** Index in the history of the current match, or -1. */
+  match = -1;
+  constructor(private readonly history: () => readonly string[]) {}
+
+  private find(before: number): number {
+    const entries = this.history();
+    const q = this.query.toLowerCase();
+    for (let i = Math.min(before, entries.length) - 1; i >= 0; i--) if (entries[i]!.toLowerCase().includes(q)) return i;
+    return -1;
+  }
+  /** The query changed: search again from the newest entry. */
+  setQuery(query: string): void {
+    this.query = query;
+    this.match = this.find(this.history().length);
+  }
+  /** Ctrl+R pressed again: the next older match (stays put when there is none). */
+  next(): void {
+    const older = this.find(this.match < 0 ? this.history().length : this.match);
+    if (older >= 0) this.match = older;
+  }
+  get text(): string | undefined {
+    return this.match >= 0 ? this.history()[this.match] : undefined;
+  }
+}
+
+/** Tokens per second over the last second of streaming; 0 once the stream has been idle for 2 s. */
+class TokenRate {
+  private samples: { at: number; tokens: number }[] = [];
+  add(tokens: number, now = Date.now()): void {
+    this.samples.push({ at: now, tokens });
+  }
+  rate(now = Date.now()): number {
+    this.samples = this.samples.filter((s) => now - s.at <= 2000);
+    const last = this.samples[this.samples.length - 1];
+    if (!last || now - last.at > 2000) return 0;
+    const window = this.samples.filter((s) => now - s.at <= 1000);
+    return window.reduce((n, s) => n + s.tokens, 0);
+  }
+}
+
+async function runTui(config: Config): Promise<number> {
+  void config;
   writeOut(2, "aic: error: the terminal UI is not available in this build yet; run with --nogui\n");
   return EXIT.usage;
 }
@@ -2292,6 +2584,10 @@ async function runHeadless(config: Config): Promise<number> {
 }
 
 async function main(argv: string[]): Promise<number> {
+  if (argv[0] === SANDBOX_EXEC) {
+    const separator = argv.indexOf("--");
+    return sandboxExec(JSON.parse(argv[1] ?? "[]") as string[], argv.slice(separator + 1));
+  }
   let parsed: ParsedArgs;
   try {
     parsed = parseArgs(argv, process.env);

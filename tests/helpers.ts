@@ -72,3 +72,36 @@ export function jsonLines(text: string): any[] {
     .filter((l) => l.trim())
     .map((l) => JSON.parse(l));
 }
+
+/**
+ * What makes `messages` an invalid OpenAI chat sequence, as readable strings (empty when valid):
+ * one system message and it comes first; no two assistant messages in a row; every tool message
+ * answers a call of the assistant message right before its run of tool messages, once; every
+ * assistant call is answered before the next non-tool message (or the end).
+ */
+export function sequenceProblems(messages: any[]): string[] {
+  const problems: string[] = [];
+  if (messages[0]?.role !== "system") problems.push(`[0] is ${messages[0]?.role}, not system`);
+  let open: Set<string> | undefined; // ids of the current assistant turn's calls not yet answered
+  let answered = new Set<string>();
+  messages.forEach((m, i) => {
+    if (!["system", "user", "assistant", "tool"].includes(m?.role)) problems.push(`[${i}] unknown role ${m?.role}`);
+    if (m.role === "system" && i > 0) problems.push(`[${i}] a second system message`);
+    if (m.role === "tool") {
+      if (!open) problems.push(`[${i}] tool message ${m.tool_call_id} without an assistant call right before it`);
+      else if (answered.has(m.tool_call_id)) problems.push(`[${i}] tool message ${m.tool_call_id} answers a call twice`);
+      else if (!open.has(m.tool_call_id)) problems.push(`[${i}] tool message ${m.tool_call_id} answers no call of the preceding assistant`);
+      else {
+        open.delete(m.tool_call_id);
+        answered.add(m.tool_call_id);
+      }
+      return;
+    }
+    if (open?.size) problems.push(`[${i}] ${m.role} message before call(s) ${[...open].join(", ")} were answered`);
+    if (m.role === "assistant" && messages[i - 1]?.role === "assistant") problems.push(`[${i}] two assistant messages in a row`);
+    open = m.role === "assistant" && m.tool_calls?.length ? new Set(m.tool_calls.map((c: any) => c.id)) : undefined;
+    answered = new Set();
+  });
+  if (open?.size) problems.push(`end: call(s) ${[...open].join(", ")} never answered`);
+  return problems;
+}
