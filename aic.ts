@@ -1465,7 +1465,19 @@ class RenderedOutput {
 
   constructor(private readonly maxBytes: number) {}
 
+  /** Blank lines are held back until something follows them, so trailing blanks never reach the model or the file. */
+  private blanks = 0;
+
   add(line: string): void {
+    if (line.trim() === "") {
+      this.blanks++;
+      return;
+    }
+    for (; this.blanks > 0; this.blanks--) this.store("");
+    this.store(line);
+  }
+
+  private store(line: string): void {
     const size = utf8.encode(line).length + 1;
     this.bytes += size;
     this.linesOut++;
@@ -1528,14 +1540,15 @@ class RenderedOutput {
  * two reads.
  */
 class TerminalRenderer {
-  private static readonly SLICE = 4096;
+  /** A slice can hold at most this many line feeds, so a scrollback this deep never loses an unread line. */
+  private static readonly SLICE = 1024;
   private readonly term: import("@xterm/headless").Terminal;
   private marker: import("@xterm/headless").IMarker | undefined;
   private pending: string | undefined;
   private queue: Promise<void> = Promise.resolve();
 
   constructor(TerminalClass: typeof import("@xterm/headless").Terminal, private readonly sink: RenderedOutput) {
-    this.term = new TerminalClass({ cols: COMMAND_COLUMNS, rows: COMMAND_ROWS, scrollback: 3 * TerminalRenderer.SLICE, allowProposedApi: true, convertEol: false });
+    this.term = new TerminalClass({ cols: COMMAND_COLUMNS, rows: COMMAND_ROWS, scrollback: TerminalRenderer.SLICE + COMMAND_ROWS, allowProposedApi: true, convertEol: false });
   }
 
   write(bytes: Uint8Array): void {
