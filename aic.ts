@@ -518,7 +518,7 @@ class TokenCounter {
     return new TokenCounter(await loadEncoder());
   }
 
-  private tokensOf(text: string): number {
+  tokensOf(text: string): number {
     return text ? this.encoder.encode(text).length : 0;
   }
 
@@ -869,19 +869,29 @@ function compressTruncate(messages: readonly Message[], counter: TokenCounter, t
   return { messages: out, detail: parts.join(", ") || "nothing to remove", removed: dropped };
 }
 
-/** Renders messages for the summariser as `[role] content`, tool calls spelt out. */
-function transcriptOf(messages: readonly Message[], maxChars: number): string {
+/**
+ * Renders messages for the summariser as `[role] content`, tool calls spelt
+ * out. When the segment is larger than `maxTokens`, the newest messages are
+ * kept (they matter most for "current work" and "next step").
+ */
+function transcriptOf(messages: readonly Message[], counter: TokenCounter, maxTokens: number): string {
   const lines: string[] = [];
   let used = 0;
-  for (const m of messages) {
+  for (let i = messages.length - 1; i >= 0; i--) {
+    const m = messages[i]!;
     let text = contentText(m.content);
     for (const call of m.tool_calls ?? []) text += `${text ? "\n" : ""}(calls ${call.function.name}: ${call.function.arguments})`;
     if (text.length > 4000) text = `${text.slice(0, 2000)}\n…\n${text.slice(-1500)}`;
-    if (used + text.length > maxChars) { lines.push("[…] (older part of this segment left out)"); break; }
-    used += text.length;
-    lines.push(`[${m.role}] ${text}`);
+    const line = `[${m.role}] ${text}`;
+    const tokens = counter.tokensOf(line) + 2;
+    if (used + tokens > maxTokens) {
+      lines.push(`[…] (${i + 1} older message(s) of this segment left out)`);
+      break;
+    }
+    used += tokens;
+    lines.push(line);
   }
-  return lines.join("\n\n");
+  return lines.reverse().join("\n\n");
 }
 
 const SUMMARISER_SYSTEM = "You are a precise conversation summarizer.";
@@ -932,6 +942,8 @@ async function compressAnchored(
   counter: TokenCounter,
   targetRaw: number,
   summarise: (request: Message[]) => Promise<string | undefined>,
+  /** The whole prompt budget in raw tokens: the summariser's own request must fit in it too. */
+  budgetRaw = targetRaw / 0.4,
 ): Promise<CompressionResult & { summary: string }> {
   const head = messages.slice(0, 2);
   // Room kept for the summary itself: ~5000 characters is about 1300 tokens.
@@ -951,9 +963,13 @@ async function compressAnchored(
   }
   // Always evict something, or compression could never make progress.
   if (keepFrom === 2 && turns.length) keepFrom = turns.length > 1 ? turns[1]![0] : messages.length;
+  // Always keep the newest turn, so the model still sees the result it is acting on; the fallback below condenses it if needed.
+  if (keepFrom === messages.length && turns.length > 1) keepFrom = turns[turns.length - 1]![0];
   const evicted = messages.slice(2, keepFrom);
   const firstUser = contentText(head[1]?.content);
-  const request = summariserRequest(basePrompt, firstUser, priorSummary, transcriptOf(evicted, Math.max(20_000, targetRaw * 3)));
+  const fixedPart = summariserRequest(basePrompt, firstUser, priorSummary, "");
+  const transcriptRoom = Math.max(500, Math.floor(budgetRaw - counter.countRaw(fixedPart) - 200));
+  const request = summariserRequest(basePrompt, firstUser, priorSummary, transcriptOf(evicted, counter, transcriptRoom));
   const fresh = (await summarise(request))?.trim();
   const summary = fresh ? fresh.slice(0, 6000) : priorSummary ? `${priorSummary}\n${SUMMARY_UNAVAILABLE}` : SUMMARY_UNAVAILABLE;
   let out: Message[] = [{ ...(head[0] ?? { role: "system" }), role: "system", content: systemContent(basePrompt, summary) }, ...head.slice(1), ...messages.slice(keepFrom)];
@@ -2063,7 +2079,7 @@ class Agent {
         fraction /= 2;
         this.emit({ type: "warning", text: `${error.message}; compressing harder (target ${(fraction * 100).toFixed(0)}% of the budget) and retrying` });
         // The server disagrees with our estimate: trust it and squeeze below the halved target.
-        await this.compressIfNeeded(signal, fraction, true);
+        await this.compressIfNeeded(signal, fraction, true, Math.ceil(rawSent * counter.ratio));
       }
     }
   }
@@ -2179,19 +2195,24 @@ class Agent {
     return { kind: "done", content };
   }
 
-  /** Compression at the start of a step (SPEC §5); a no-op while the history fits the budget. */
-  private async compressIfNeeded(signal: AbortSignal, fraction: number, force = false): Promise<void> {
+  /**
+   * Compression at the start of a step (SPEC §5); a no-op while the history
+   * fits. After a context overflow `ceiling` is the refused prompt's size, so
+   * the retry is smaller than what the server refused even when the budget
+   * overstates the server's real window.
+   */
+  private async compressIfNeeded(signal: AbortSignal, fraction: number, force = false, ceiling = Infinity): Promise<void> {
     if (this.messages.length <= 2) return;
     const counter = await this.tokenCounter();
     const before = counter.estimate(this.messages);
     this.contextEstimate = before;
     if (!force && before <= this.budget) return;
-    const targetRaw = Math.floor(Math.floor(this.budget * fraction) / counter.ratio);
+    const targetRaw = Math.floor(Math.floor(Math.min(this.budget, ceiling) * fraction) / counter.ratio);
     const alg = this.o.config.compressAlg;
     let result: CompressionResult;
     if (alg === "truncate") result = compressTruncate(this.messages, counter, targetRaw);
     else {
-      const anchored = await compressAnchored(this.messages, this.basePrompt, this.summary, counter, targetRaw, (request) => this.summarise(request, signal));
+      const anchored = await compressAnchored(this.messages, this.basePrompt, this.summary, counter, targetRaw, (request) => this.summarise(request, signal), Math.floor(this.budget / counter.ratio));
       this.summary = anchored.summary;
       result = anchored;
     }
