@@ -1,0 +1,84 @@
+/**
+ * Peak memory: the high-water resident set (VmHWM) of dist/aic during a long
+ * run and during a command that prints far more than the output cap. SPEC §4
+ * promises that memory stays bounded whatever a command prints.
+ *
+ * The peak depends on when the garbage collector happens to run, so every
+ * case runs REPEATS times and the worst peak is the figure (the others are in
+ * the note). A 1-step run gives the baseline every run pays.
+ */
+import { type Benchmark, type Metric, expectRun, lastToolMessage, scriptedCommands, timeAic, unattended } from "./lib.ts";
+
+const TARGET_MB = 150;
+const POLL_MS = 10;
+const REPEATS = 3;
+const STEPS = 200;
+const SEQ = "seq 1 2000000"; // 14.9 MB of text, 16.9 MB through the PTY (\n becomes \r\n)
+/** Large enough that the runaway limit (100 × cap = 20 MB) lets the whole `seq` stream through. */
+const FULL_RENDER_CAP = 200_000;
+
+interface Case {
+  label: string;
+  /** The command for request i, or undefined for TASKCOMPLETE. */
+  commands: (i: number) => string | undefined;
+  requests: number;
+  flags: string[];
+  target?: number;
+}
+
+const CASES: Case[] = [
+  { label: "1-step run (baseline)", commands: (i) => (i < 1 ? "true" : undefined), requests: 2, flags: [] },
+  { label: `${STEPS}-step run`, commands: (i) => (i < STEPS ? "true" : undefined), requests: STEPS + 1, flags: [], target: TARGET_MB },
+  // Default cap 10240: the runaway limit (1 MB) stops `seq` early.
+  { label: `\`${SEQ}\`, default cap`, commands: (i) => (i === 0 ? SEQ : undefined), requests: 2, flags: [], target: TARGET_MB },
+  // The whole stream rendered and truncated; a prompt budget far above the 200 kB result keeps compression out of it.
+  {
+    label: `\`${SEQ}\`, cap ${FULL_RENDER_CAP}`,
+    commands: (i) => (i === 0 ? SEQ : undefined),
+    requests: 2,
+    flags: ["--max-output-bytes", String(FULL_RENDER_CAP), "--max-prompt-len", "10000000"],
+    target: TARGET_MB,
+  },
+];
+
+/** What became of the command, read from the tool message aic sent back. */
+function outcome(toolMessage: string | undefined): string {
+  if (toolMessage === undefined) return "no tool message";
+  const parts: string[] = [];
+  if (/runaway/i.test(toolMessage)) parts.push("stopped as runaway");
+  if (toolMessage.trimEnd().endsWith("output too long: truncated")) parts.push("truncated");
+  parts.push(`${toolMessage.length} chars to the model`);
+  return parts.join(", ");
+}
+
+async function peakOnce(c: Case) {
+  const srv = scriptedCommands(c.commands);
+  try {
+    const run = await timeAic(unattended(srv.url, ...c.flags, c.label), { pollRssMs: POLL_MS, keepStdoutChars: 0 });
+    expectRun(c.label, run, srv, { code: 0, requests: c.requests });
+    if (run.peakRssKb === 0) throw new Error(`${c.label}: never read VmHWM from /proc (exited within ${run.ms.toFixed(0)} ms?)`);
+    return { mb: run.peakRssKb / 1024, ms: run.ms, stdoutBytes: run.stdoutBytes, tool: lastToolMessage(srv) };
+  } finally {
+    srv.close();
+  }
+}
+
+export const memory: Benchmark = {
+  name: "memory",
+  description: `peak RSS of dist/aic (last VmHWM seen, polled every ${POLL_MS} ms), worst of ${REPEATS} runs`,
+  async run(ctx) {
+    const metrics: Metric[] = [];
+    for (const c of CASES) {
+      const runs = [];
+      for (let r = 1; r <= REPEATS; r++) {
+        ctx.log(`memory: ${c.label} (${r}/${REPEATS})`);
+        runs.push(await peakOnce(c));
+      }
+      const worst = runs.reduce((a, b) => (b.mb > a.mb ? b : a));
+      const details = [`runs ${runs.map((x) => x.mb.toFixed(0)).join(", ")} MB`, `${(worst.ms / 1000).toFixed(1)} s`];
+      if (c.commands(0) !== "true") details.push(outcome(worst.tool), `${(worst.stdoutBytes / 1048576).toFixed(1)} MB on stdout`);
+      metrics.push({ name: `peak RSS, ${c.label}`, value: worst.mb, unit: "MB", target: c.target, note: details.join("; ") });
+    }
+    return metrics;
+  },
+};

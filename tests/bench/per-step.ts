@@ -1,0 +1,148 @@
+/**
+ * Per-step overhead: what one loop step costs aic itself (model request and
+ * stream handling, sandbox and PTY spawn, rendering, history bookkeeping) when
+ * the model answers instantly and the command does nothing.
+ *
+ * overhead = (time of a 200-step run − time of a 1-step run) / 199, each step
+ * running `true` under `--nogui --auto-approve`. Start-up cancels out. The
+ * default configuration (sandbox on where the kernel offers it) carries the
+ * target; the same figure with --disable-sandbox shows what confinement costs.
+ */
+import { type Benchmark, type Metric, expectRun, median, scriptedCommands, timeAic, unattended } from "./lib.ts";
+
+const STEPS = 200;
+const REPEATS = 3;
+const TARGET_MS = 20;
+/** How many steps to compare at the start and the end of the long run (growth shows a cost that rises with history). */
+const WINDOW = 50;
+
+interface StepRun {
+  ms: number;
+  /** Spawn to the first model request reaching the fake server. */
+  firstRequestMs: number;
+  /** Milliseconds between consecutive model requests (one per step). */
+  intervals: number[];
+  /** The "Sandbox: …" line aic printed. */
+  sandbox: string;
+}
+
+async function runSteps(steps: number, flags: string[]): Promise<StepRun> {
+  const srv = scriptedCommands((i) => (i < steps ? "true" : undefined));
+  try {
+    const run = await timeAic(unattended(srv.url, ...flags, `run true ${steps} times`));
+    // One request per step plus the one answered with TASKCOMPLETE.
+    expectRun(`${steps}-step run ${flags.join(" ")}`, run, srv, { code: 0, requests: steps + 1 });
+    const at = srv.requests.map((r) => r.at);
+    return {
+      ms: run.ms,
+      firstRequestMs: at[0]! - run.spawnedAtEpochMs,
+      intervals: at.slice(1).map((t, i) => t - at[i]!),
+      sandbox: /Sandbox: (.*)/.exec(run.stderr)?.[1]?.trim() ?? "?",
+    };
+  } finally {
+    srv.close();
+  }
+}
+
+interface Variant {
+  label: string;
+  flags: string[];
+  overheads: number[];
+  short: StepRun[];
+  long: StepRun[];
+}
+
+/**
+ * The floor under each step's command: Bun's PTY spawning `/bin/sh -c true`
+ * in this process, waited for as aic waits (exit, then end of PTY output).
+ */
+async function commandFloor(times: number): Promise<number[]> {
+  const out: number[] = [];
+  for (let i = 0; i < times; i++) {
+    const started = performance.now();
+    let ended!: () => void;
+    const eof = new Promise<void>((resolve) => (ended = resolve));
+    const proc = Bun.spawn(["/bin/sh", "-c", "true"], {
+      terminal: { cols: 160, rows: 50, name: "xterm-256color", data() {}, exit: () => ended() },
+    });
+    await proc.exited;
+    await Promise.race([eof, Bun.sleep(100)]);
+    out.push(performance.now() - started);
+    proc.terminal?.close();
+  }
+  return out;
+}
+
+/** The floor under each step's model call: one streamed completion from the fake server, fetched from this process. */
+async function httpFloor(times: number): Promise<number[]> {
+  const srv = scriptedCommands(() => "true");
+  const out: number[] = [];
+  try {
+    const body = JSON.stringify({ model: "bench-model", stream: true, stream_options: { include_usage: true }, messages: [{ role: "user", content: "x" }] });
+    for (let i = 0; i < times; i++) {
+      const started = performance.now();
+      const res = await fetch(`${srv.url}/chat/completions`, { method: "POST", headers: { "content-type": "application/json" }, body });
+      await res.text();
+      out.push(performance.now() - started);
+    }
+  } finally {
+    srv.close();
+  }
+  return out;
+}
+
+export const perStep: Benchmark = {
+  name: "per-step",
+  description: `(${STEPS}-step run − 1-step run) / ${STEPS - 1}, every step the command \`true\`, ${REPEATS} repeats, sandbox default and off`,
+  async run(ctx) {
+    const variants: Variant[] = [
+      { label: "default", flags: [], overheads: [], short: [], long: [] },
+      { label: "--disable-sandbox", flags: ["--disable-sandbox"], overheads: [], short: [], long: [] },
+    ];
+    for (let r = 1; r <= REPEATS; r++) {
+      // Interleaved so every size and variant sees the same background load.
+      for (const v of variants) {
+        ctx.log(`per-step: repeat ${r}/${REPEATS} (${v.label}): 1-step and ${STEPS}-step runs`);
+        const one = await runSteps(1, v.flags);
+        const many = await runSteps(STEPS, v.flags);
+        v.short.push(one);
+        v.long.push(many);
+        v.overheads.push((many.ms - one.ms) / (STEPS - 1));
+      }
+    }
+    ctx.log(`per-step: floors (${STEPS} PTY spawns of /bin/sh -c true, ${STEPS} fake-server requests)`);
+    const floor = median(await commandFloor(STEPS));
+    const http = median(await httpFloor(STEPS));
+
+    const metrics: Metric[] = [];
+    for (const v of variants) {
+      const overhead = median(v.overheads);
+      const early = median(v.long.flatMap((run) => run.intervals.slice(1, 1 + WINDOW)));
+      const late = median(v.long.flatMap((run) => run.intervals.slice(-WINDOW)));
+      const tag = `[${v.label}]`;
+      metrics.push(
+        {
+          name: `${tag} per-step overhead`,
+          value: overhead,
+          unit: "ms",
+          target: v.flags.length === 0 ? TARGET_MS : undefined,
+          note: `median of ${v.overheads.map((x) => x.toFixed(1)).join(", ")} ms; sandbox ${v.long[0]!.sandbox.split(";")[0]}`,
+        },
+        { name: `${tag} ${STEPS}-step run total`, value: median(v.long.map((x) => x.ms)), unit: "ms" },
+        { name: `${tag} 1-step run total`, value: median(v.short.map((x) => x.ms)), unit: "ms" },
+        { name: `${tag} spawn → first model request`, value: median([...v.short, ...v.long].map((x) => x.firstRequestMs)), unit: "ms", note: "start-up of a real run" },
+        { name: `${tag} step interval, steps 2–${WINDOW + 1}`, value: early, unit: "ms", note: "median time between model requests" },
+        { name: `${tag} step interval, last ${WINDOW} steps`, value: late, unit: "ms", note: `${(late / early).toFixed(2)}× the early steps (growth = cost rising with history)` },
+      );
+    }
+    const withSandbox = median(variants[0]!.overheads);
+    const without = median(variants[1]!.overheads);
+    metrics.push(
+      { name: "sandbox cost per step (default − disabled)", value: withSandbox - without, unit: "ms" },
+      { name: "floor: PTY spawn of /bin/sh -c true", value: floor, unit: "ms", note: "median, Bun.spawn with terminal in the bench process" },
+      { name: "floor: one fake-server completion", value: http, unit: "ms", note: "median, fetch from the bench process" },
+      { name: "[--disable-sandbox] overhead above both floors", value: without - floor - http, unit: "ms", note: "aic's own work per step" },
+    );
+    return metrics;
+  },
+};

@@ -1,0 +1,17 @@
+/**
+ * Every benchmark the runner knows, in the order they run by default.
+ *
+ * To add one (session checkpoint cost, token accounting cost, TUI
+ * responsiveness, …): write `tests/bench/<name>.ts` exporting a `Benchmark`
+ * (see lib.ts: a name, a description and `run(ctx)` returning metrics, each
+ * with an optional target), and append it here. Do not name files *.test.ts:
+ * benchmarks must not run under `bun test`.
+ */
+import { coldStart } from "./cold-start.ts";
+import type { Benchmark } from "./lib.ts";
+import { memory } from "./memory.ts";
+import { perStep } from "./per-step.ts";
+import { sessionCheckpoint } from "./session.ts";
+import { tokens } from "./tokens.ts";
+
+export const BENCHMARKS: readonly Benchmark[] = [coldStart, perStep, memory, tokens, sessionCheckpoint];

@@ -1,0 +1,590 @@
+/**
+ * End-to-end tests of session persistence (SPEC §7, with the exit codes of §9): the compiled
+ * dist/aic in `--nogui` with `--session PATH`, against the fake OpenAI server, with real
+ * commands, real signals, real kernel locks and real files in scratch directories.
+ *
+ * Every test that can see the session file while aic runs reads it (the fake server reads it on
+ * every model request; some commands copy it; some tests poll it) and records what it found in
+ * `snapshots`; the last test checks that every one of those reads was a complete JSON document
+ * and that, between them, they saw every checkpoint reason the SPEC names (`cleared` is covered
+ * by tests/session-unit.test.ts, since /clear only exists in the TUI).
+ */
+import { afterAll, afterEach, describe, expect, test } from "bun:test";
+import { existsSync, readFileSync, readdirSync, statSync, writeFileSync } from "node:fs";
+import { constants } from "node:os";
+import { join } from "node:path";
+import type { Subprocess } from "bun";
+import { startFakeServer, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
+import { AIC, bash, cleanEnv, headless, runAic, scratch } from "./helpers.ts";
+
+// ---------------------------------------------------------------------------------------------
+// Plumbing
+
+interface Snapshot {
+  source: string;
+  valid: boolean;
+  reason?: string;
+  error?: string;
+}
+
+/** Every read of a session file made while (or right after) aic wrote it. */
+const snapshots: Snapshot[] = [];
+
+/** Reads a session file and records whether it parsed and its reason; undefined if it does not exist yet. */
+function observe(file: string, source: string): any {
+  let text: string;
+  try {
+    text = readFileSync(file, "utf8");
+  } catch {
+    return undefined;
+  }
+  try {
+    const doc = JSON.parse(text);
+    snapshots.push({ source, valid: true, reason: doc?.reason });
+    return doc;
+  } catch (error) {
+    snapshots.push({ source, valid: false, error: `${(error as Error).message}: ${text.slice(0, 200)}` });
+    return undefined;
+  }
+}
+
+const servers: FakeServer[] = [];
+const processes: Subprocess[] = [];
+const groups: number[] = [];
+afterEach(() => {
+  for (const p of processes.splice(0)) if (p.exitCode === null && p.signalCode === null) p.kill("SIGKILL");
+  for (const g of groups.splice(0)) killGroup(g);
+  for (const s of servers.splice(0)) s.close();
+});
+
+type Turns = Turn[] | ((req: RecordedRequest, index: number) => Turn);
+
+/** A fake server for one test that reads `sessionFile` whenever aic asks the model something. */
+function serve(sessionFile: string | undefined, turns: Turns = []): FakeServer {
+  const pick = (req: RecordedRequest, i: number): Turn => (typeof turns === "function" ? turns(req, i) : (turns[i] ?? { content: "TASKCOMPLETE" }));
+  const srv = startFakeServer({
+    turns: (req, i) => {
+      if (sessionFile) observe(sessionFile, `model request ${i}`);
+      return pick(req, i);
+    },
+  });
+  servers.push(srv);
+  return srv;
+}
+
+const messagesOf = (req: RecordedRequest | undefined): any[] => req?.body?.messages ?? [];
+const lastUser = (req: RecordedRequest): string => messagesOf(req).findLast((m) => m.role === "user")?.content ?? "";
+const sessionArgs = (url: string, session: string, ...more: string[]) => [...headless(url, "test-model", "--auto-approve", "--session", session), ...more];
+const readJson = (file: string) => JSON.parse(readFileSync(file, "utf8"));
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+async function waitFor<T>(what: string, probe: () => T | undefined | false, timeoutMs = 30_000): Promise<T> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = probe();
+    if (value) return value;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await sleep(20);
+  }
+}
+
+interface Live {
+  proc: Subprocess;
+  stdout(): string;
+  stderr(): string;
+  /** Exit code (128 + n when killed by signal n) with the full output. */
+  done: Promise<{ code: number; stdout: string; stderr: string }>;
+}
+
+/** Starts dist/aic (or `argv[0]` when `wrapped`) in the background, collecting its output as it comes. */
+function startAic(args: string[], cwd: string, opts: { env?: Record<string, string>; prefix?: string[] } = {}): Live {
+  const proc = Bun.spawn([...(opts.prefix ?? []), AIC, ...args], { cwd, env: cleanEnv(opts.env), stdin: "ignore", stdout: "pipe", stderr: "pipe" });
+  processes.push(proc);
+  let out = "";
+  let err = "";
+  const pump = async (stream: ReadableStream<Uint8Array>, add: (s: string) => void) => {
+    const decoder = new TextDecoder();
+    for await (const chunk of stream) add(decoder.decode(chunk, { stream: true }));
+  };
+  const done = Promise.all([pump(proc.stdout, (s) => (out += s)), pump(proc.stderr, (s) => (err += s)), proc.exited]).then(() => ({
+    code: proc.exitCode ?? 128 + (constants.signals[proc.signalCode as keyof typeof constants.signals] ?? 0),
+    stdout: out,
+    stderr: err,
+  }));
+  return { proc, stdout: () => out, stderr: () => err, done };
+}
+
+/** Whether any live (non-zombie) process is in process group `pgid`. */
+function groupAlive(pgid: number): boolean {
+  for (const entry of readdirSync("/proc")) {
+    if (!/^\d+$/.test(entry)) continue;
+    try {
+      const stat = readFileSync(`/proc/${entry}/stat`, "utf8");
+      const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+      if (Number(fields[2]) === pgid && fields[0] !== "Z") return true;
+    } catch {
+      /* the process went away while we looked */
+    }
+  }
+  return false;
+}
+
+function killGroup(pgid: number): void {
+  try {
+    process.kill(-pgid, "SIGKILL");
+  } catch {
+    /* already gone */
+  }
+}
+
+/** The command's shell writes its pid (= its process group, the PTY child leads one) here first. */
+const PID_FILE = "cmd.pid";
+async function commandGroup(cwd: string): Promise<number> {
+  const text = await waitFor("the command to start", () => {
+    const file = join(cwd, PID_FILE);
+    return existsSync(file) && /^\d+\n/.test(readFileSync(file, "utf8")) && readFileSync(file, "utf8");
+  });
+  const pgid = Number(text.trim());
+  groups.push(pgid);
+  return pgid;
+}
+
+/** The message-sequence invariant aic promises after loading: tools answer the preceding call, every call answered. */
+function expectWellFormed(messages: any[]) {
+  expect(messages[0]?.role).toBe("system");
+  let open = new Set<string>();
+  for (const m of messages) {
+    if (m.role === "tool") {
+      expect(open.has(m.tool_call_id)).toBe(true);
+      open.delete(m.tool_call_id);
+      continue;
+    }
+    expect([...open]).toEqual([]);
+    open = new Set(m.role === "assistant" && Array.isArray(m.tool_calls) ? m.tool_calls.map((c: any) => c.id) : []);
+  }
+}
+
+afterAll(() => {
+  for (const s of servers.splice(0)) s.close();
+});
+
+// ---------------------------------------------------------------------------------------------
+
+describe("checkpoints (SPEC §7: written atomically at each named moment)", () => {
+  // Every checkpoint leaves a whole JSON file, in the documented order. strace holds aic for
+  // 250 ms after each rename(2) so that each version stays on disk long enough for the poll
+  // below to read it; without that, checkpoints a few microseconds apart could not be told apart.
+  test("each checkpoint of a run with compression is a complete file, in order", async () => {
+    const cwd = scratch();
+    const session = join(cwd, "sess.json");
+    const PRINT = "seq 1 2000"; // ~9 KB, a few thousand tokens: two of these overflow a 9000-token budget
+    const srv = serve(session, [
+      // Two calls in one turn: each copies the file as it is when that command runs.
+      { toolCalls: [{ id: "c_first", arguments: JSON.stringify({ command: `cp sess.json snap-first.json; ${PRINT}` }) }, { id: "c_second", arguments: JSON.stringify({ command: "cp sess.json snap-second.json" }) }] },
+      bash(PRINT, "c_2"),
+      bash(PRINT, "c_3"),
+      bash(PRINT, "c_4"),
+      { content: "TASKCOMPLETE" },
+    ]);
+
+    const versions: { reason: string; text: string }[] = [];
+    const poll = setInterval(() => {
+      let text: string;
+      try {
+        text = readFileSync(session, "utf8");
+      } catch {
+        return;
+      }
+      if (text === versions.at(-1)?.text) return;
+      const doc = observe(session, "poll under strace");
+      versions.push({ reason: doc?.reason ?? "<invalid JSON>", text });
+    }, 5);
+
+    if (!Bun.which("strace")) throw new Error("this test needs strace (apt-get install strace) to hold aic after each rename");
+    const strace = ["strace", "-qq", "-o", "/dev/null", "-e", "trace=rename,renameat,renameat2", "-e", "inject=rename,renameat,renameat2:delay_exit=250000"];
+    const live = startAic([...headless(srv.url, "gpt-x", "--auto-approve", "--session", "sess.json", "--compress-alg", "truncate", "--max-prompt-len", "9000"), "print numbers"], cwd, { prefix: strace });
+    const run = await live.done;
+    await sleep(50);
+    clearInterval(poll);
+
+    expect(run.stderr).not.toContain("strace:");
+    expect(run.code).toBe(0);
+    expect(run.stderr).toContain("[COMPRESSION]");
+    expect(srv.requests.some((r) => messagesOf(r).some((m) => m.content === "<condensed tool output>"))).toBe(true);
+
+    const reasons = versions.map((v) => v.reason);
+    expect(reasons).not.toContain("<invalid JSON>");
+    expect(reasons[0]).toBe("user_request");
+    expect(reasons[1]).toBe("before_llm_call");
+    expect(reasons.slice(-2)).toEqual(["loop_terminated", "process_exit"]);
+    for (const r of ["assistant_message", "tool_result", "compressed"]) expect(reasons).toContain(r);
+    // A compression is always followed by the call it made room for.
+    expect(reasons[reasons.indexOf("compressed") + 1]).toBe("before_llm_call");
+    // The model's answer is saved before any command of it runs, each result before the next call.
+    expect(reasons.slice(2, 6)).toEqual(["assistant_message", "tool_result", "tool_result", "before_llm_call"]);
+
+    // What the two commands of the first turn saw: the assistant turn, then the first result as well.
+    const first = observe(join(cwd, "snap-first.json"), "command snapshot");
+    const second = observe(join(cwd, "snap-second.json"), "command snapshot");
+    expect(first.reason).toBe("assistant_message");
+    expect(first.messages.at(-1).tool_calls.map((c: any) => c.id)).toEqual(["c_first", "c_second"]);
+    expect(second.reason).toBe("tool_result");
+    expect(second.messages.at(-1)).toMatchObject({ role: "tool", tool_call_id: "c_first" });
+
+    // Every model request saw the file as saved just before the call.
+    expect(srv.requests).toHaveLength(5);
+    const atRequests = snapshots.filter((s) => s.source.startsWith("model request")).slice(-5);
+    expect(atRequests.map((s) => s.reason)).toEqual(Array(5).fill("before_llm_call"));
+  }, 90_000);
+
+  // The summariser of the anchored compression is called after the request is saved and before
+  // `compressed`: the file it can see is the one saved at `user_request`.
+  test("a restored over-budget history is saved at user_request before the summariser runs", async () => {
+    const cwd = scratch();
+    const session = join(cwd, "sess.json");
+    const bulk = Array.from({ length: 6 }, (_, i) => [
+      { role: "assistant", content: null, tool_calls: [{ id: `old_${i}`, type: "function", function: { name: "execute_bash", arguments: `{"command":"seq 1 1500"}` } }] },
+      { role: "tool", tool_call_id: `old_${i}`, content: `Command executed with exit code 0.\nOutput:\n${Array.from({ length: 1500 }, (_, n) => n + 1).join("\n")}` },
+    ]).flat();
+    writeFileSync(session, JSON.stringify({ messages: [{ role: "system", content: "old" }, { role: "user", content: "first task" }, ...bulk] }));
+    const summariserSaw: string[] = [];
+    const srv = serve(session, (req) => {
+      // The server wrapper has just read the file for this request.
+      if (!req.body.tools) {
+        summariserSaw.push(snapshots.at(-1)!.reason!);
+        return { content: "Summary: printed numbers six times." };
+      }
+      return { content: "TASKCOMPLETE" };
+    });
+
+    const run = await runAic(sessionArgs(srv.url, "sess.json", "--max-prompt-len", "12000", "next task"), { cwd });
+
+    expect(run.code).toBe(0);
+    expect(summariserSaw).toEqual(["user_request"]);
+    const final = observe(session, "after exit");
+    expect(final.reason).toBe("process_exit");
+    expect(final.messages[0].content).toContain("[Prior conversation summary]");
+  });
+});
+
+describe("file format (SPEC §7)", () => {
+  // Field for field, with a known usage so the totals can be checked; local time; mode 0600; no key.
+  test("the saved document has every documented field, local timestamps, mode 0600 and no API key", async () => {
+    const cwd = scratch();
+    const session = join(cwd, "sess.json");
+    const usage = { prompt_tokens: 100, completion_tokens: 10, cached_tokens: 30 };
+    const srv = serve(session, [{ ...bash("echo hi", "c_hi"), usage }, { content: "TASKCOMPLETE", usage }]);
+    const KEY = "sk-test-NEVER-WRITE-ME-0123456789";
+    const before = Date.now();
+    // A fixed +05:30 zone, so local time cannot be mistaken for UTC.
+    const run = await runAic([...sessionArgs(srv.url, "sess.json", "--api-key", KEY), "say hi"], { cwd, env: { TZ: "Asia/Kolkata" } });
+    const after = Date.now();
+
+    expect(run.code).toBe(0);
+    const text = readFileSync(session, "utf8");
+    const doc = observe(session, "after exit");
+    expect(text).toStartWith('{\n  "aic_session_version": 1,');
+    expect(Object.keys(doc).sort()).toEqual(
+      ["aic_session_version", "session_id", "updated_at", "reason", "model", "api_base", "cwd", "instance_number", "step_count", "usage", "messages"].sort(),
+    );
+    expect(doc.aic_session_version).toBe(1);
+    expect(doc.session_id).toMatch(/^\d{8}_\d{6}$/);
+    expect(doc.updated_at).toMatch(/^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}$/);
+    // Read as +05:30 wall-clock time, both stamps fall inside the run.
+    const asKolkata = (s: string) => Date.parse(`${s}+05:30`);
+    const idStamp = doc.session_id.replace(/^(\d{4})(\d{2})(\d{2})_(\d{2})(\d{2})(\d{2})$/, "$1-$2-$3T$4:$5:$6");
+    for (const stamp of [doc.updated_at, idStamp]) {
+      expect(asKolkata(stamp)).toBeGreaterThanOrEqual(Math.floor(before / 1000) * 1000);
+      expect(asKolkata(stamp)).toBeLessThanOrEqual(after);
+    }
+    expect(doc.reason).toBe("process_exit");
+    expect(doc.model).toBe("test-model");
+    expect(doc.api_base).toBe(srv.url);
+    expect(doc.cwd).toBe(cwd);
+    expect(doc.instance_number).toBe(1);
+    expect(doc.step_count).toBe(2);
+    expect(doc.usage).toEqual({ input_tokens: 200, output_tokens: 20, cached_tokens: 60, billable_tokens: 160 });
+    expect(doc.messages.map((m: any) => m.role)).toEqual(["system", "user", "assistant", "tool", "assistant"]);
+    expect(doc.messages[1]).toEqual({ role: "user", content: "say hi" });
+    expect(doc.messages[2].tool_calls[0].id).toBe("c_hi");
+    expect(doc.messages[3]).toEqual({ role: "tool", tool_call_id: "c_hi", content: "Command executed with exit code 0.\nOutput:\nhi" });
+    expect(doc.messages[4].content).toBe("TASKCOMPLETE");
+    expect(doc.messages[0].content).toBe(srv.requests[0]!.body.messages[0].content);
+
+    expect(statSync(session).mode & 0o777).toBe(0o600);
+    for (const name of readdirSync(cwd)) expect(readFileSync(join(cwd, name), "latin1")).not.toContain(KEY);
+  });
+
+  // Keys a person added by hand are kept, unchanged, when aic rewrites the file.
+  test("unknown extra keys survive a rewrite", async () => {
+    const cwd = scratch();
+    const session = join(cwd, "sess.json");
+    const extras = { note: "ticket 42: keep this", tags: ["a", "b"], my_tool: { nested: { depth: [1, { two: 2 }] }, flag: true } };
+    writeFileSync(session, JSON.stringify({ aic_session_version: 1, session_id: "20240102_030405", reason: "process_exit", step_count: 7, messages: [{ role: "system", content: "s" }, { role: "user", content: "old task" }], ...extras }, null, 2));
+    const srv = serve(session, [bash("true"), { content: "TASKCOMPLETE" }]);
+
+    const run = await runAic(sessionArgs(srv.url, "sess.json", "new task"), { cwd });
+
+    expect(run.code).toBe(0);
+    const doc = observe(session, "after exit");
+    expect(doc).toMatchObject(extras);
+    expect(doc.session_id).toBe("20240102_030405");
+    expect(doc.step_count).toBe(9);
+    expect(doc.reason).toBe("process_exit");
+    expect(doc.messages.filter((m: any) => m.role === "user").map((m: any) => m.content)).toEqual(["old task", "new task"]);
+  });
+});
+
+describe("crashes and signals (SPEC §7 crash table, §9 exit codes)", () => {
+  // kill -9 mid-command: the finished assistant turn survives; the restarted aic closes the
+  // in-flight call with a [SESSION RECOVERED] notice and never re-runs the command.
+  test("kill -9 during a command: restart recovers the call without re-running it", async () => {
+    const cwd = scratch();
+    const session = join(cwd, "sess.json");
+    const command = `echo $$ > ${PID_FILE}; echo run >> counter.txt; sleep 300`;
+    const srv = serve(session, (req) => (lastUser(req) === "first task" ? bash(command, "call_sleep") : { content: "TASKCOMPLETE" }));
+
+    const first = startAic(sessionArgs(srv.url, "sess.json", "first task"), cwd);
+    const pgid = await commandGroup(cwd);
+    await waitFor("counter.txt", () => existsSync(join(cwd, "counter.txt")) && readFileSync(join(cwd, "counter.txt"), "utf8").includes("run"));
+    const atKill = observe(session, "while a command runs");
+    expect(atKill.reason).toBe("assistant_message");
+    first.proc.kill("SIGKILL");
+    await first.done;
+    killGroup(pgid);
+    await waitFor("the orphaned command to go", () => !groupAlive(pgid), 10_000);
+
+    const second = await runAic(sessionArgs(srv.url, "sess.json", "second task"), { cwd });
+
+    expect(second.code).toBe(0);
+    expect(readFileSync(join(cwd, "counter.txt"), "utf8")).toBe("run\n");
+    const sent = messagesOf(srv.requests.at(-1));
+    expect(sent.map((m) => m.role)).toEqual(["system", "user", "assistant", "tool", "user"]);
+    expect(sent[1].content).toBe("first task");
+    expect(sent[2].tool_calls.map((c: any) => c.id)).toEqual(["call_sleep"]);
+    expect(sent[3].tool_call_id).toBe("call_sleep");
+    expect(sent[3].content).toStartWith("[SESSION RECOVERED]");
+    expect(sent[3].content).toMatch(/not re-?(executed|run)/i);
+    expect(sent[4]).toEqual({ role: "user", content: "second task" });
+    expect(second.stderr).toMatch(/SESSION RECOVERED|unanswered/);
+    expect(second.stderr).toContain(`Restored 3 message(s) from ${session} (session ${atKill.session_id}, step 1)`);
+  });
+
+  for (const [signal, number, code] of [
+    ["SIGTERM", 15, 143],
+    ["SIGHUP", 1, 129],
+    ["SIGINT", 2, 130],
+  ] as const) {
+    // The signal handler saves the session (reason signal_<n>), kills the command's group and exits 128+n.
+    test(`${signal} during a command saves signal_${number}, exits ${code} and kills the command`, async () => {
+      const cwd = scratch();
+      const session = join(cwd, "sess.json");
+      const srv = serve(session, [bash(`echo $$ > ${PID_FILE}; sleep 300`, "call_long")]);
+
+      const live = startAic(sessionArgs(srv.url, "sess.json", "wait a long time"), cwd);
+      const pgid = await commandGroup(cwd);
+      expect(groupAlive(pgid)).toBe(true);
+      live.proc.kill(signal);
+      const run = await live.done;
+
+      expect(run.code).toBe(code);
+      const doc = observe(session, `after ${signal}`);
+      expect(signal === "SIGINT" ? ["signal_2", "interrupted"] : [`signal_${number}`]).toContain(doc.reason);
+      // The interrupted call still has its one answer, so the file resumes cleanly.
+      expect(doc.messages.filter((m: any) => m.role === "tool" && m.tool_call_id === "call_long")).toHaveLength(1);
+      expectWellFormed(doc.messages);
+      await waitFor("the command's process group to be gone", () => !groupAlive(pgid), 3000);
+    });
+  }
+});
+
+describe("one file per live instance (SPEC §7 locking)", () => {
+  // A second and third aic in the same directory get .aicsession2 and .aicsession3 and say so;
+  // the kernel drops a kill -9'd holder's lock, so the next aic gets .aicsession back.
+  test("concurrent instances number their files; a killed holder frees its file at once", async () => {
+    const cwd = scratch();
+    const srv = serve(undefined, (req) => (lastUser(req) === "task D" ? { content: "TASKCOMPLETE" } : { type: "hang" }));
+    const waiting = (task: string) => () => srv.requests.some((r) => lastUser(r) === task);
+
+    const a = startAic(sessionArgs(srv.url, ".aicsession", "task A"), cwd);
+    await waitFor("A's model request", waiting("task A"));
+    const b = startAic(sessionArgs(srv.url, ".aicsession", "task B"), cwd);
+    await waitFor("B's model request", waiting("task B"));
+    const c = startAic(sessionArgs(srv.url, ".aicsession", "task C"), cwd);
+    await waitFor("C's model request", waiting("task C"));
+
+    expect(a.stderr()).not.toMatch(/instance \d/);
+    expect(b.stderr()).toContain(".aicsession2");
+    expect(b.stderr()).toMatch(/instance 2\b/);
+    expect(c.stderr()).toContain(".aicsession3");
+    expect(c.stderr()).toMatch(/instance 3\b/);
+    const fileOf = (n: string, task: string, instance: number) => {
+      const doc = observe(join(cwd, n), `instance ${instance} waiting`);
+      expect(doc.instance_number).toBe(instance);
+      expect(doc.messages.at(-1)).toEqual({ role: "user", content: task });
+    };
+    fileOf(".aicsession", "task A", 1);
+    fileOf(".aicsession2", "task B", 2);
+    fileOf(".aicsession3", "task C", 3);
+
+    a.proc.kill("SIGKILL");
+    await a.done;
+    const d = await runAic(sessionArgs(srv.url, ".aicsession", "task D"), { cwd });
+
+    expect(d.code).toBe(0);
+    expect(d.stderr).not.toMatch(/instance \d|\.aicsession\d/);
+    const doc = observe(join(cwd, ".aicsession"), "after exit");
+    expect(doc.instance_number).toBe(1);
+    expect(doc.messages.filter((m: any) => m.role === "user").map((m: any) => m.content)).toEqual(["task A", "task D"]);
+    // B and C never noticed: their files are theirs alone.
+    expect(readJson(join(cwd, ".aicsession2")).messages.at(-1).content).toBe("task B");
+
+    for (const live of [b, c]) live.proc.kill("SIGTERM");
+    expect((await b.done).code).toBe(143);
+    expect((await c.done).code).toBe(143);
+  });
+});
+
+describe("loading (SPEC §7)", () => {
+  // Broken JSON is never deleted: it is moved aside with its bytes intact and the run starts clean.
+  test("a corrupt file is moved to <session>.corrupt.<timestamp> and the run starts clean", async () => {
+    const cwd = scratch();
+    const session = join(cwd, "sess.json");
+    writeFileSync(session, "{not json");
+    const srv = serve(session, [bash("true"), { content: "TASKCOMPLETE" }]);
+
+    const run = await runAic(sessionArgs(srv.url, "sess.json", "fresh task"), { cwd });
+
+    expect(run.code).toBe(0);
+    const aside = readdirSync(cwd).filter((n) => n.startsWith("sess.json.corrupt."));
+    expect(aside).toHaveLength(1);
+    expect(readFileSync(join(cwd, aside[0]!), "utf8")).toBe("{not json");
+    expect(run.stderr).toContain(aside[0]!);
+    expect(messagesOf(srv.requests[0]).map((m) => m.role)).toEqual(["system", "user"]);
+    expect(observe(session, "after exit").reason).toBe("process_exit");
+  });
+
+  // A bare JSON array is a message list: it resumes, and is written back as a full document.
+  test("a bare JSON array of messages resumes", async () => {
+    const cwd = scratch();
+    const session = join(cwd, "sess.json");
+    const history = [
+      { role: "system", content: "an older system prompt" },
+      { role: "user", content: "count the files" },
+      { role: "assistant", content: null, tool_calls: [{ id: "call_ls", type: "function", function: { name: "execute_bash", arguments: '{"command":"ls | wc -l"}' } }] },
+      { role: "tool", tool_call_id: "call_ls", content: "Command executed with exit code 0.\nOutput:\n3" },
+    ];
+    writeFileSync(session, JSON.stringify(history, null, 2));
+    const srv = serve(session);
+
+    const run = await runAic(sessionArgs(srv.url, "sess.json", "now list them"), { cwd });
+
+    expect(run.code).toBe(0);
+    const sent = messagesOf(srv.requests[0]);
+    expect(sent.map((m) => m.role)).toEqual(["system", "user", "assistant", "tool", "user"]);
+    expect(sent[0].content).not.toBe("an older system prompt"); // refreshed in place
+    expect(sent.slice(1, 4)).toEqual([history[1], { ...history[2], content: "" }, history[3]]);
+    expect(sent[4]).toEqual({ role: "user", content: "now list them" });
+    expect(run.stderr).toContain(`Restored 3 message(s) from ${session}`);
+    const doc = observe(session, "after exit");
+    expect(doc.aic_session_version).toBe(1);
+  });
+
+  // The four repairs of a hand-broken history, and dropped non-messages, each on its own line.
+  test("a broken history is repaired and every repair is reported on its own line", async () => {
+    const cwd = scratch();
+    const session = join(cwd, "sess.json");
+    const messages = [
+      { role: "user", content: "old task" }, // no system prompt before it
+      { role: "tool", tool_call_id: "ghost", content: "answers nothing" }, // orphan
+      { role: "assistant", content: null, tool_calls: [{ id: "call_open", type: "function", function: { name: "execute_bash", arguments: '{"command":"make"}' } }] }, // never answered
+      { role: "user", content: "are you done?" },
+      42, // not a message
+      { content: "no role" }, // not a message
+      { role: "assistant", content: "Probably." }, // trailing plain assistant
+    ];
+    writeFileSync(session, JSON.stringify({ aic_session_version: 1, messages }, null, 2));
+    const srv = serve(session);
+
+    const run = await runAic(sessionArgs(srv.url, "sess.json", "continue"), { cwd });
+
+    expect(run.code).toBe(0);
+    const sent = messagesOf(srv.requests[0]);
+    expect(sent.map((m) => m.role)).toEqual(["system", "user", "assistant", "tool", "user", "user"]);
+    expect(sent[3].tool_call_id).toBe("call_open");
+    expect(sent[3].content).toStartWith("[SESSION RECOVERED]");
+    expect(sent.some((m) => m.tool_call_id === "ghost" || m.content === "Probably.")).toBe(false);
+    expect(sent.slice(4).map((m) => m.content)).toEqual(["are you done?", "continue"]);
+
+    const lines = run.stderr.split("\n");
+    const lineFor = (re: RegExp) => {
+      const hits = lines.filter((l) => re.test(l));
+      expect(hits).toHaveLength(1);
+      return hits[0]!;
+    };
+    const reported = [
+      lineFor(/system prompt/i),
+      lineFor(/tool message.*(no call|orphan)|orphan.*tool/i),
+      lineFor(/unanswered|SESSION RECOVERED/),
+      lineFor(/trailing assistant/i),
+      lineFor(/not (objects|messages)|no role/i),
+    ];
+    expect(new Set(reported).size).toBe(5);
+  });
+
+  // A read-only directory: the one write failure is reported once, the run completes, the old file stays.
+  test("an unwritable session directory: one warning, exit 0, previous file intact", async () => {
+    const cwd = scratch();
+    const dir = scratch("aic-ro-");
+    const session = join(dir, "sess.json");
+    let secondRunRequests = 0;
+    const srv = serve(session, (req) => {
+      if (lastUser(req) !== "second") return { content: "TASKCOMPLETE" };
+      return ++secondRunRequests <= 2 ? bash("echo step") : { content: "TASKCOMPLETE" };
+    });
+    expect((await runAic(sessionArgs(srv.url, session, "first"), { cwd })).code).toBe(0);
+    const original = readFileSync(session);
+
+    // We are root, so permission bits would not stop a write: remount the directory read-only in
+    // a private mount namespace, and check that a write there really fails before starting aic.
+    const setup = `dir=$1; shift
+mount --bind "$dir" "$dir" && mount -o remount,ro,bind "$dir" || exit 97
+if ( : > "$dir/probe" ) 2>/dev/null; then echo "setup: $dir is still writable" >&2; exit 98; fi
+exec "$@"`;
+    const live = startAic(sessionArgs(srv.url, session, "second"), cwd, { prefix: ["unshare", "--mount", "/bin/sh", "-c", setup, "ro-setup", dir] });
+    const run = await live.done;
+
+    expect(run.stderr).not.toContain("setup:");
+    expect(run.code).toBe(0);
+    expect(secondRunRequests).toBe(3); // two commands and the final answer: a dozen checkpoints attempted
+    expect(readFileSync(session)).toEqual(original);
+    const failures = run.stderr.split("\n").filter((l) => l.includes(session) && !l.includes(".lock") && /cannot|could not|can't|failed|unable/i.test(l));
+    expect(failures).toHaveLength(1);
+    expect(run.stderr).toContain(`Restored`);
+  });
+
+  // --nogui without --session touches no session file at all.
+  test("--nogui without --session creates no .aicsession", async () => {
+    const cwd = scratch();
+    const srv = serve(undefined, [bash("echo made > out.txt"), { content: "TASKCOMPLETE" }]);
+
+    const run = await runAic([...headless(srv.url, "test-model", "--auto-approve"), "make a file"], { cwd });
+
+    expect(run.code).toBe(0);
+    expect(readdirSync(cwd).sort()).toEqual(["out.txt"]);
+    expect(run.stderr).not.toContain(".aicsession");
+  });
+});
+
+describe("every read of a session file (SPEC §7)", () => {
+  // Summed over the tests above: no reader ever saw a half-written file, and the reads covered every
+  // checkpoint reason (cleared: tests/session-unit.test.ts).
+  test("every snapshot parsed and every checkpoint reason was seen", () => {
+    expect(snapshots.filter((s) => !s.valid)).toEqual([]);
+    const seen = new Set(snapshots.map((s) => s.reason));
+    for (const reason of ["user_request", "before_llm_call", "assistant_message", "tool_result", "loop_terminated", "process_exit", "signal_15", "signal_1", "compressed"]) {
+      expect({ reason, seen: seen.has(reason) }).toEqual({ reason, seen: true });
+    }
+    expect(seen.has("signal_2") || seen.has("interrupted")).toBe(true);
+  });
+});
