@@ -508,6 +508,16 @@ function loadEncoder(): Promise<Encoder> {
   return encoderPromise;
 }
 
+/** Never fewer than the real count: a byte-level BPE token covers at least one byte. */
+function tokenUpperBound(messages: readonly Message[]): number {
+  let total = 0;
+  for (const m of messages) {
+    total += PER_MESSAGE_OVERHEAD + Buffer.byteLength(contentText(m.content));
+    for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) total += Buffer.byteLength(call.function?.name ?? "") + Buffer.byteLength(call.function?.arguments ?? "");
+  }
+  return total;
+}
+
 class TokenCounter {
   /** Real tokens per estimated token, learnt from the server's prompt_tokens. */
   ratio = 1;
@@ -527,7 +537,7 @@ class TokenCounter {
     const hit = this.cache.get(m);
     if (hit && hit.content === m.content && hit.calls === m.tool_calls) return hit.tokens;
     let tokens = PER_MESSAGE_OVERHEAD + this.tokensOf(contentText(m.content));
-    for (const call of m.tool_calls ?? []) tokens += this.tokensOf(call.function?.name ?? "") + this.tokensOf(call.function?.arguments ?? "");
+    for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) tokens += this.tokensOf(call.function?.name ?? "") + this.tokensOf(call.function?.arguments ?? "");
     this.cache.set(m, { content: m.content, calls: m.tool_calls, tokens });
     return tokens;
   }
@@ -1042,6 +1052,20 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
   const reports: string[] = [];
   let messages = raw.filter((m): m is Message => typeof m === "object" && m !== null && !Array.isArray(m) && typeof (m as Message).role === "string");
   if (messages.length < raw.length) reports.push(`dropped ${raw.length - messages.length} entr${raw.length - messages.length === 1 ? "y" : "ies"} that were not messages (no role)`);
+  let badCalls = 0;
+  messages = messages.map((m) => {
+    if (!("tool_calls" in m)) return m;
+    const raw = m.tool_calls as unknown;
+    const calls = (Array.isArray(raw) ? raw : []).filter(
+      (c): c is ToolCall => typeof c === "object" && c !== null && typeof (c as ToolCall).id === "string" && typeof (c as ToolCall).function?.name === "string",
+    );
+    badCalls += (Array.isArray(raw) ? raw.length : raw === null || raw === undefined ? 0 : 1) - calls.length;
+    const fixed: Message = { ...m };
+    if (calls.length) fixed.tool_calls = calls.map((c) => (typeof c.function.arguments === "string" ? c : { ...c, function: { ...c.function, arguments: JSON.stringify(c.function.arguments ?? {}) } }));
+    else delete fixed.tool_calls;
+    return calls.length === (Array.isArray(raw) ? raw.length : -1) && calls.every((c) => typeof c.function.arguments === "string") ? m : fixed;
+  });
+  if (badCalls) reports.push(`dropped ${badCalls} malformed tool call(s) (not an object with an id and a function name)`);
   if (messages[0]?.role !== "system") {
     messages.unshift({ role: "system", content: systemPrompt });
     reports.push("added the missing system prompt");
@@ -1086,6 +1110,9 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
   if (trailing) reports.push(`dropped ${trailing} trailing assistant message(s) without tool calls`);
   return { messages, reports };
 }
+
+/** Stands in for the message list while the rest of the document is stringified. */
+const MESSAGES_SLOT = "\u0000aic-messages\u0000";
 
 /** One claimed session file and its checkpoints. */
 class SessionStore {
@@ -1166,9 +1193,19 @@ class SessionStore {
   }
 
   private moveAside(why: string): LoadedSession {
-    const aside = `${this.path}.corrupt.${newSessionId()}`;
+    let aside = `${this.path}.corrupt.${newSessionId()}`;
     try {
-      fs.renameSync(this.path, aside);
+      // link() refuses an existing name, so two files moved aside in one second never overwrite each other.
+      for (let n = 2; ; n++) {
+        try {
+          fs.linkSync(this.path, aside);
+          break;
+        } catch (error) {
+          if ((error as NodeJS.ErrnoException).code !== "EEXIST") throw error;
+          aside = `${this.path}.corrupt.${newSessionId()}-${n}`;
+        }
+      }
+      fs.unlinkSync(this.path);
       return { reports: [`${this.path} could not be loaded: ${why}; moved it to ${aside} and started a clean session`] };
     } catch (error) {
       return { reports: [`${this.path} could not be loaded: ${why}; could not move it aside (${(error as Error).message}); starting clean and leaving it untouched`] };
@@ -1178,7 +1215,7 @@ class SessionStore {
   /** Writes one checkpoint atomically; a failure is reported once and the run goes on. */
   save(reason: string, state: SessionState): boolean {
     this.lastReason = reason;
-    const doc = {
+    const doc: Record<string, unknown> = {
       aic_session_version: 1,
       session_id: this.sessionId,
       updated_at: localIsoSeconds(),
@@ -1189,12 +1226,12 @@ class SessionStore {
       instance_number: this.instanceNumber,
       step_count: state.stepCount,
       usage: state.usage,
-      messages: state.messages,
-      ...this.extra,
+      messages: MESSAGES_SLOT,
     };
+    for (const [key, value] of Object.entries(this.extra)) if (!(key in doc)) doc[key] = value;
     try {
       const writeFileAtomic = require("write-file-atomic") as typeof import("write-file-atomic");
-      writeFileAtomic.sync(this.path, JSON.stringify(doc, null, 2) + "\n", { mode: 0o600, fsync: true });
+      writeFileAtomic.sync(this.path, this.serialise(doc, state.messages), { mode: 0o600, fsync: true });
       return true;
     } catch (error) {
       if (!this.failureReported) {
@@ -1204,6 +1241,23 @@ class SessionStore {
       return false;
     }
   }
+
+  /**
+   * The indented JSON of the document. Each message's text is cached until
+   * it changes, so a checkpoint costs only the new messages plus the write.
+   */
+  private serialise(doc: Record<string, unknown>, messages: readonly Message[]): string {
+    const parts = messages.map((m) => {
+      const hit = this.messageText.get(m);
+      if (hit && hit.content === m.content && hit.calls === m.tool_calls) return hit.text;
+      const text = "    " + JSON.stringify(m, null, 2).replace(/\n/g, "\n    ");
+      this.messageText.set(m, { content: m.content, calls: m.tool_calls, text });
+      return text;
+    });
+    const list = parts.length ? `[\n${parts.join(",\n")}\n  ]` : "[]";
+    return JSON.stringify(doc, null, 2).replace(JSON.stringify(MESSAGES_SLOT), () => list) + "\n";
+  }
+  private readonly messageText = new WeakMap<Message, { content: unknown; calls: unknown; text: string }>();
 
   /** Starts a new session id (after /clear). */
   renew(): void {
@@ -1467,22 +1521,27 @@ function tailBytes(text: string, max: number): string {
 
 /**
  * Keeps the rendered lines of one command: everything while it is small, then
- * a head, a bounded tail and a file with the whole rendering.
+ * a head, a bounded tail and a file with the whole rendering. Blank lines are
+ * held back until something follows them, so trailing blanks never reach the
+ * model or the file.
  */
 class RenderedOutput {
   private lines: string[] = [];
   private bytes = 0;
-  private head: string[] = [];
-  private tail: string[] = [];
-  private tailBytes = 0;
   private linesOut = 0;
+  private blanks = 0;
+  private head: string[] = [];
+  /** The tail as a queue: lines from `tailStart` on, with their byte sizes. */
+  private tail: string[] = [];
+  private tailSizes: number[] = [];
+  private tailStart = 0;
+  private tailBytes = 0;
   private file: number | undefined;
+  private fileBuffer: string[] = [];
+  private fileBufferBytes = 0;
   filePath: string | undefined;
 
   constructor(private readonly maxBytes: number) {}
-
-  /** Blank lines are held back until something follows them, so trailing blanks never reach the model or the file. */
-  private blanks = 0;
 
   add(line: string): void {
     if (line.trim() === "") {
@@ -1494,7 +1553,7 @@ class RenderedOutput {
   }
 
   private store(line: string): void {
-    const size = utf8.encode(line).length + 1;
+    const size = Buffer.byteLength(line) + 1;
     this.bytes += size;
     this.linesOut++;
     if (this.file === undefined) {
@@ -1502,10 +1561,30 @@ class RenderedOutput {
       if (this.bytes > this.maxBytes) this.spill();
       return;
     }
-    fs.writeSync(this.file, line + "\n");
+    this.toFile(line, size);
     this.tail.push(line);
+    this.tailSizes.push(size);
     this.tailBytes += size;
-    while (this.tail.length > 1 && this.tailBytes - (utf8.encode(this.tail[0]!).length + 1) >= this.maxBytes) this.tailBytes -= utf8.encode(this.tail.shift()!).length + 1;
+    while (this.tail.length - this.tailStart > 1 && this.tailBytes - this.tailSizes[this.tailStart]! >= this.maxBytes) this.tailBytes -= this.tailSizes[this.tailStart++]!;
+    if (this.tailStart > 4096) {
+      this.tail = this.tail.slice(this.tailStart);
+      this.tailSizes = this.tailSizes.slice(this.tailStart);
+      this.tailStart = 0;
+    }
+  }
+
+  /** Buffered: one write(2) per 64 KB rather than per line. */
+  private toFile(line: string, size: number): void {
+    this.fileBuffer.push(line);
+    this.fileBufferBytes += size;
+    if (this.fileBufferBytes >= 65536) this.flushFile();
+  }
+
+  private flushFile(): void {
+    if (this.file === undefined || !this.fileBuffer.length) return;
+    fs.writeSync(this.file, this.fileBuffer.join("\n") + "\n");
+    this.fileBuffer = [];
+    this.fileBufferBytes = 0;
   }
 
   /** Past the cap: start the file and keep only a head and a tail in memory. */
@@ -1517,27 +1596,27 @@ class RenderedOutput {
     for (const l of this.lines) {
       if (headSize >= this.maxBytes / 2) break;
       this.head.push(l);
-      headSize += utf8.encode(l).length + 1;
+      headSize += Buffer.byteLength(l) + 1;
     }
     this.tail = this.lines.slice(this.head.length);
-    this.tailBytes = this.tail.reduce((n, l) => n + utf8.encode(l).length + 1, 0);
+    this.tailSizes = this.tail.map((l) => Buffer.byteLength(l) + 1);
+    this.tailBytes = this.tailSizes.reduce((n, b) => n + b, 0);
     this.lines = [];
   }
 
   /** What the model receives. */
   finish(): { text: string; savedTo?: string } {
     if (this.file === undefined) {
-      while (this.lines.length && this.lines[this.lines.length - 1]!.trim() === "") this.lines.pop();
       const text = this.lines.join("\n");
-      if (utf8.encode(text).length <= this.maxBytes) return { text };
+      if (Buffer.byteLength(text) <= this.maxBytes) return { text };
       this.spill();
     }
+    this.flushFile();
     fs.closeSync(this.file!);
-    while (this.tail.length && this.tail[this.tail.length - 1]!.trim() === "") this.tail.pop();
     const half = Math.floor(this.maxBytes / 2);
     const head = headBytes(this.head.join("\n"), half);
-    const tail = tailBytes(this.tail.join("\n"), this.maxBytes - utf8.encode(head).length);
-    const omitted = this.bytes - utf8.encode(head).length - utf8.encode(tail).length;
+    const tail = tailBytes(this.tail.slice(this.tailStart).join("\n"), this.maxBytes - Buffer.byteLength(head));
+    const omitted = this.bytes - Buffer.byteLength(head) - Buffer.byteLength(tail);
     const text = [
       head,
       `[… ${omitted} bytes left out of ${this.bytes} (${this.linesOut} lines). The whole output is saved in ${this.filePath}; read it in slices (sed -n, head -c, tail -c, grep) instead of re-running the command …]`,
@@ -1567,15 +1646,54 @@ class TerminalRenderer {
     this.term = new TerminalClass({ cols: COMMAND_COLUMNS, rows: COMMAND_ROWS, scrollback: TerminalRenderer.SLICE + COMMAND_ROWS, allowProposedApi: true, convertEol: false });
   }
 
+  /** Bytes handed to xterm and not parsed yet. */
+  private unparsed = 0;
+  /** While xterm is behind: the newest unparsed bytes, bounded; older ones are counted and dropped. */
+  private backlog: Uint8Array[] = [];
+  private backlogBytes = 0;
+  private dropped = 0;
+  private static readonly MAX_PENDING = 2 * 1024 * 1024;
+  private static readonly BACKLOG_LIMIT = 1024 * 1024;
+
+  /**
+   * A PTY delivers faster than xterm parses; past MAX_PENDING the bytes wait
+   * in a bounded backlog instead, so memory stays flat whatever a command prints.
+   */
   write(bytes: Uint8Array): void {
+    if (this.unparsed <= TerminalRenderer.MAX_PENDING && !this.backlog.length) return this.feed(bytes);
+    this.backlog.push(bytes);
+    this.backlogBytes += bytes.length;
+    while (this.backlog.length > 1 && this.backlogBytes > TerminalRenderer.BACKLOG_LIMIT) {
+      const old = this.backlog.shift()!;
+      this.backlogBytes -= old.length;
+      this.dropped += old.length;
+    }
+  }
+
+  private feed(bytes: Uint8Array): void {
     for (let at = 0; at < bytes.length; at += TerminalRenderer.SLICE) {
       const slice = bytes.subarray(at, at + TerminalRenderer.SLICE);
-      this.term.write(slice, () => this.extract(false));
+      this.unparsed += slice.length;
+      this.term.write(slice, () => {
+        this.unparsed -= slice.length;
+        this.extract(false);
+        if (this.backlog.length && this.unparsed < TerminalRenderer.SLICE * 64) this.catchUp();
+      });
     }
+  }
+
+  private catchUp(): void {
+    const chunks = this.backlog;
+    this.backlog = [];
+    this.backlogBytes = 0;
+    if (this.dropped) this.feed(utf8.encode(`\r\n[… ${this.dropped} bytes arrived faster than they could be rendered and were left out …]\r\n`));
+    this.dropped = 0;
+    for (const chunk of chunks) this.feed(chunk);
   }
 
   /** Waits until everything written is parsed, then reads the screen too. */
   async finish(): Promise<void> {
+    if (this.backlog.length) this.catchUp();
     await new Promise<void>((resolve) => this.term.write("", resolve));
     this.extract(true);
     this.term.dispose();
@@ -1694,7 +1812,8 @@ function commandWrapper(command: string): string {
 async function runCommand(opts: RunOptions): Promise<CommandResult> {
   const Terminal = await loadXterm();
   const rendered = new RenderedOutput(opts.maxOutputBytes);
-  const renderer = new TerminalRenderer(Terminal, rendered);
+  // Made on the first byte: most commands print nothing and need no emulator.
+  let renderer: TerminalRenderer | undefined;
   const runawayLimit = RUNAWAY_FACTOR * opts.maxOutputBytes;
   let rawBytes = 0;
   let lastOutputAt = Date.now();
@@ -1711,7 +1830,7 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
       if (stopping && status === "runaway") return;
       lastOutputAt = Date.now();
       rawBytes += bytes.length;
-      renderer.write(bytes);
+      (renderer ??= new TerminalRenderer(Terminal, rendered)).write(bytes);
       opts.onData(bytes);
       if (rawBytes > runawayLimit) stop("runaway");
     },
@@ -1746,7 +1865,7 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
     detachInput?.();
     pty.terminal.close();
   }
-  await renderer.finish();
+  await renderer?.finish();
   const { text, savedTo } = rendered.finish();
   return { exitCode: exitCodeOf(pty.proc), status, output: text, savedTo, rawBytes };
 }
@@ -1878,6 +1997,16 @@ type ApproveFn = (request: { id: string; command: string }) => Promise<Approval>
 
 const VALID_ROLES = new Set(["system", "user", "assistant", "tool"]);
 
+/** The same copy every step, so per-message token counts (cached by object) stay cached. */
+const emptyContentCopies = new WeakMap<Message, Message>();
+function withEmptyContent(m: Message): Message {
+  const hit = emptyContentCopies.get(m);
+  if (hit && hit.tool_calls === m.tool_calls) return hit;
+  const copy = { ...m, content: "" };
+  emptyContentCopies.set(m, copy);
+  return copy;
+}
+
 /**
  * The copy of the history that is sent: null content becomes "", unknown roles
  * and tool messages without an id are dropped, of two assistant messages in a
@@ -1890,7 +2019,7 @@ function validateOutgoing(messages: readonly Message[]): { messages: Message[]; 
     if (!VALID_ROLES.has(m.role)) continue;
     if (m.role === "tool" && typeof m.tool_call_id !== "string") continue;
     if (m.role === "assistant" && out[out.length - 1]?.role === "assistant") out.pop();
-    out.push(m.content === null || m.content === undefined ? { ...m, content: "" } : m);
+    out.push(m.content === null || m.content === undefined ? withEmptyContent(m) : m);
   }
   const last = out[out.length - 1];
   return { messages: out, terminal: last?.role === "assistant" && !last.tool_calls?.length };
@@ -2004,9 +2133,11 @@ class Agent {
     this.o.sink.emit(e);
   }
 
-  private async tokenCounter(): Promise<TokenCounter> {
-    this.counter ??= await TokenCounter.create();
-    return this.counter;
+  private counterLoading: Promise<TokenCounter> | undefined;
+  /** Loading tiktoken takes a moment of CPU; it starts during the first model call instead of before it. */
+  private tokenCounter(): Promise<TokenCounter> {
+    this.counterLoading ??= TokenCounter.create().then((counter) => (this.counter = counter));
+    return this.counterLoading;
   }
 
   async run(request: string): Promise<RunOutcome> {
@@ -2056,12 +2187,13 @@ class Agent {
     let fraction = this.o.config.compressTarget;
     for (let overflow = 0; ; overflow++) {
       const { messages } = validateOutgoing(this.messages);
-      const counter = await this.tokenCounter();
-      const rawSent = counter.countRaw(messages);
-      this.contextEstimate = Math.ceil(rawSent * counter.ratio);
+      const counter = this.counter;
+      const rawSent = counter ? counter.countRaw(messages) : tokenUpperBound(messages);
+      this.contextEstimate = Math.ceil(rawSent * (counter?.ratio ?? 1));
       if (this.o.config.debug) writeDebugDump(messages, this.contextEstimate, this.budget);
       this.checkpoint("before_llm_call");
       let thinking = false;
+      void this.tokenCounter();
       try {
         const turn = await this.client.completeWithRetries(() => ({ messages, tools: true, temperature: 0.2 }), signal, {
           onContent: (text) => this.emit({ type: "assistant_delta", text }),
@@ -2070,7 +2202,7 @@ class Agent {
           onDiscard: () => this.emit({ type: "warning", text: "the model's partial answer above was discarded; asking again" }),
         });
         if (turn.usage) {
-          counter.calibrate(rawSent, turn.usage.prompt_tokens);
+          counter?.calibrate(rawSent, turn.usage.prompt_tokens);
           this.addUsage(turn.usage);
         }
         return turn;
@@ -2079,7 +2211,7 @@ class Agent {
         fraction /= 2;
         this.emit({ type: "warning", text: `${error.message}; compressing harder (target ${(fraction * 100).toFixed(0)}% of the budget) and retrying` });
         // The server disagrees with our estimate: trust it and squeeze below the halved target.
-        await this.compressIfNeeded(signal, fraction, true, Math.ceil(rawSent * counter.ratio));
+        await this.compressIfNeeded(signal, fraction, true, this.contextEstimate);
       }
     }
   }
@@ -2203,6 +2335,8 @@ class Agent {
    */
   private async compressIfNeeded(signal: AbortSignal, fraction: number, force = false, ceiling = Infinity): Promise<void> {
     if (this.messages.length <= 2) return;
+    // Before tiktoken is loaded, a byte count bounds the tokens: a short history needs no counting at all.
+    if (!force && !this.counter && tokenUpperBound(this.messages) <= this.budget) return;
     const counter = await this.tokenCounter();
     const before = counter.estimate(this.messages);
     this.contextEstimate = before;
@@ -2459,10 +2593,1001 @@ class TokenRate {
   }
 }
 
+type OpenTui = typeof import("@opentui/core");
+type CliRenderer = import("@opentui/core").CliRenderer;
+type KeyEvent = import("@opentui/core").KeyEvent;
+type XTerm = import("@xterm/headless").Terminal;
+
+const TUI_MIN_WIDTH = 60;
+const TUI_MIN_HEIGHT = 15;
+const PANE_MAX_LINES = 5000;
+const BANNER_HIDE_MS = 20_000;
+
+const COLORS = {
+  dim: "#8a8a8a",
+  thinking: "#7a7a9a",
+  info: "#9e9e9e",
+  warning: "#ffd75f",
+  error: "#ff5f5f",
+  command: "#5fd7ff",
+  ok: "#5fd75f",
+  bad: "#ff875f",
+  summary: "#af87ff",
+  tabOn: "#87afff",
+} as const;
+
+/**
+ * A scrollable log that keeps at most `maxLines` lines and follows new text
+ * unless the person has scrolled up. Lines live in blocks of 64, one text
+ * node each: an append re-encodes only the last block (once per frame) and
+ * trimming drops whole blocks, so a long stream stays cheap.
+ */
+class LogPane {
+  private static readonly BLOCK = 64;
+  readonly box: import("@opentui/core").ScrollBoxRenderable;
+  private blocks: { node: import("@opentui/core").TextRenderable; lines: import("@opentui/core").TextChunk[][] }[] = [];
+  private total = 0;
+  private dirty = new Set<(typeof this.blocks)[number]>();
+  private scheduled = false;
+
+  constructor(
+    private readonly ot: OpenTui,
+    private readonly renderer: CliRenderer,
+    options: import("@opentui/core").ScrollBoxOptions,
+    private readonly maxLines = PANE_MAX_LINES,
+  ) {
+    this.box = new ot.ScrollBoxRenderable(renderer, { stickyScroll: true, stickyStart: "bottom", ...options });
+    this.box.focusable = false;
+  }
+
+  private newBlock() {
+    const block = { node: new this.ot.TextRenderable(this.renderer, { content: "", width: "100%", wrapMode: "char" }), lines: [[]] as import("@opentui/core").TextChunk[][] };
+    this.blocks.push(block);
+    this.box.add(block.node);
+    this.total++;
+    return block;
+  }
+
+  private chunk(text: string, color?: string): import("@opentui/core").TextChunk {
+    return { __isChunk: true, text, fg: color ? this.ot.parseColor(color) : undefined } as import("@opentui/core").TextChunk;
+  }
+
+  /** Appends text (newlines start new lines) in one colour. */
+  append(text: string, color?: string): void {
+    let block = this.blocks[this.blocks.length - 1] ?? this.newBlock();
+    text.split("\n").forEach((part, i) => {
+      if (i > 0) {
+        if (block.lines.length >= LogPane.BLOCK) block = this.newBlock();
+        else {
+          block.lines.push([]);
+          this.total++;
+        }
+      }
+      if (part) block.lines[block.lines.length - 1]!.push(this.chunk(part, color));
+      this.dirty.add(block);
+    });
+    this.trim();
+    this.schedule();
+  }
+
+  /** Replaces the line in progress (a command's partial line, a progress bar). */
+  rewriteLastLine(text: string, color?: string): void {
+    const block = this.blocks[this.blocks.length - 1] ?? this.newBlock();
+    block.lines[block.lines.length - 1] = text ? [this.chunk(text, color)] : [];
+    this.dirty.add(block);
+    this.schedule();
+  }
+
+  /** Whether the last line is empty (so a message can start on a fresh line). */
+  get atLineStart(): boolean {
+    const block = this.blocks[this.blocks.length - 1];
+    return !block || block.lines[block.lines.length - 1]!.length === 0;
+  }
+
+  line(text: string, color?: string): void {
+    this.append(`${this.atLineStart ? "" : "\n"}${text}\n`, color);
+  }
+
+  private trim(): void {
+    let dropped = 0;
+    while (this.total > this.maxLines && this.blocks.length > 1) {
+      const old = this.blocks.shift()!;
+      dropped += old.node.height;
+      this.total -= old.lines.length;
+      this.dirty.delete(old);
+      this.box.remove(old.node);
+      old.node.destroy();
+    }
+    // Someone reading older lines keeps the same lines in view.
+    if (dropped && !this.following) this.box.scrollTop = Math.max(0, this.box.scrollTop - dropped);
+  }
+
+  private schedule(): void {
+    if (this.scheduled) return;
+    this.scheduled = true;
+    this.renderer.requestAnimationFrame(() => this.flush());
+  }
+
+  flush(): void {
+    this.scheduled = false;
+    for (const block of this.dirty) {
+      const chunks: import("@opentui/core").TextChunk[] = [];
+      block.lines.forEach((l, i) => {
+        if (i) chunks.push(this.chunk("\n"));
+        chunks.push(...l);
+      });
+      block.node.content = new this.ot.StyledText(chunks);
+    }
+    this.dirty.clear();
+  }
+
+  get following(): boolean {
+    return this.box.scrollTop >= this.box.scrollHeight - this.box.viewport.height - 1;
+  }
+
+  get lineCount(): number {
+    return this.total;
+  }
+
+  page(direction: -1 | 1): void {
+    this.box.scrollBy(direction * 0.8, "viewport");
+  }
+
+  clear(): void {
+    for (const b of this.blocks) {
+      this.box.remove(b.node);
+      b.node.destroy();
+    }
+    this.blocks = [];
+    this.total = 0;
+    this.dirty.clear();
+  }
+}
+
+/** xterm's 256-colour palette as hex. */
+function xtermPalette(): string[] {
+  const base = ["#000000", "#cd0000", "#00cd00", "#cdcd00", "#0000ee", "#cd00cd", "#00cdcd", "#e5e5e5", "#7f7f7f", "#ff0000", "#00ff00", "#ffff00", "#5c5cff", "#ff00ff", "#00ffff", "#ffffff"];
+  const hex = (r: number, g: number, b: number) => `#${[r, g, b].map((v) => v.toString(16).padStart(2, "0")).join("")}`;
+  const levels = [0, 95, 135, 175, 215, 255];
+  const palette = base.slice();
+  for (let i = 16; i < 232; i++) {
+    const n = i - 16;
+    palette.push(hex(levels[Math.floor(n / 36)]!, levels[Math.floor(n / 6) % 6]!, levels[n % 6]!));
+  }
+  for (let i = 232; i < 256; i++) {
+    const g = 8 + (i - 232) * 10;
+    palette.push(hex(g, g, g));
+  }
+  return palette;
+}
+
+/**
+ * The Shell tab's screen: paints an @xterm/headless terminal, with colours
+ * and cursor, into its own off-screen buffer only when xterm changed; each
+ * frame just copies that buffer (painting every cell every frame is slow).
+ */
+function defineTerminalView(ot: OpenTui) {
+  const palette = xtermPalette().map((h) => ot.RGBA.fromHex(h));
+  const defaultFg = ot.RGBA.fromHex("#d0d0d0");
+  const defaultBg = ot.RGBA.fromHex("#101010");
+  const rgbCache = new Map<number, import("@opentui/core").RGBA>();
+  const rgb = (n: number) => {
+    let c = rgbCache.get(n);
+    if (!c) rgbCache.set(n, (c = ot.RGBA.fromInts((n >> 16) & 255, (n >> 8) & 255, n & 255, 255)));
+    return c;
+  };
+  return class TerminalView extends ot.Renderable {
+    showCursor = true;
+    private cache: import("@opentui/core").OptimizedBuffer | null = null;
+    private stale = true;
+    private readonly subscriptions: { dispose(): void }[] = [];
+    constructor(ctx: import("@opentui/core").RenderContext, readonly term: XTerm, options: import("@opentui/core").RenderableOptions) {
+      super(ctx, options);
+      this.subscriptions.push(
+        term.onWriteParsed(() => this.invalidate()),
+        term.onScroll(() => this.invalidate()),
+      );
+      this.onMouseScroll = (e) => {
+        const lines = e.scroll?.direction === "up" ? -3 : e.scroll?.direction === "down" ? 3 : 0;
+        if (lines) {
+          this.term.scrollLines(lines);
+          this.invalidate();
+        }
+      };
+    }
+    invalidate(): void {
+      this.stale = true;
+      this.requestRender();
+    }
+    protected override renderSelf(target: import("@opentui/core").OptimizedBuffer): void {
+      const { width, height } = this;
+      if (width <= 0 || height <= 0) return;
+      if (!this.cache || this.cache.width !== width || this.cache.height !== height) {
+        this.cache?.destroy();
+        this.cache = ot.OptimizedBuffer.create(width, height, this.ctx.widthMethod, { owner: (this.ctx as unknown as { nativeScene: unknown }).nativeScene } as never);
+        this.stale = true;
+      }
+      if (this.stale) {
+        this.paint(this.cache);
+        this.stale = false;
+      }
+      target.drawFrameBuffer(this.x, this.y, this.cache);
+    }
+    protected override destroySelf(): void {
+      for (const s of this.subscriptions) s.dispose();
+      this.cache?.destroy();
+      this.cache = null;
+      super.destroySelf();
+    }
+    private paint(buffer: import("@opentui/core").OptimizedBuffer): void {
+      const active = this.term.buffer.active;
+      const cell = active.getNullCell();
+      const rows = Math.min(buffer.height, this.term.rows);
+      const cols = Math.min(buffer.width, this.term.cols);
+      buffer.clear(defaultBg);
+      for (let y = 0; y < rows; y++) {
+        const line = active.getLine(active.viewportY + y);
+        if (!line) continue;
+        let run = "";
+        let runX = 0;
+        let runFg = defaultFg;
+        let runBg = defaultBg;
+        let runAttr = 0;
+        const flush = () => {
+          if (run) buffer.drawText(run, runX, y, runFg, runBg, runAttr);
+          run = "";
+        };
+        for (let x = 0; x < cols; x++) {
+          line.getCell(x, cell);
+          if (cell.getWidth() === 0) continue;
+          let fg = cell.isFgDefault() ? defaultFg : cell.isFgRGB() ? rgb(cell.getFgColor()) : palette[cell.getFgColor()]!;
+          let bg = cell.isBgDefault() ? defaultBg : cell.isBgRGB() ? rgb(cell.getBgColor()) : palette[cell.getBgColor()]!;
+          let attr = 0;
+          if (cell.isBold()) attr |= ot.TextAttributes.BOLD;
+          if (cell.isDim()) attr |= ot.TextAttributes.DIM;
+          if (cell.isItalic()) attr |= ot.TextAttributes.ITALIC;
+          if (cell.isUnderline()) attr |= ot.TextAttributes.UNDERLINE;
+          if (cell.isInverse()) [fg, bg] = [bg, fg];
+          if (fg !== runFg || bg !== runBg || attr !== runAttr) {
+            flush();
+            runX = x;
+            runFg = fg;
+            runBg = bg;
+            runAttr = attr;
+          } else if (!run) runX = x;
+          run += cell.getChars() || " ";
+        }
+        flush();
+      }
+      if (this.showCursor && active.viewportY === active.baseY && active.cursorY < rows && active.cursorX < cols) {
+        const ch = active.getLine(active.baseY + active.cursorY)?.getCell(active.cursorX, cell)?.getChars() || " ";
+        buffer.setCell(active.cursorX, active.cursorY, ch, defaultBg, defaultFg, 0);
+      }
+    }
+  };
+}
+
+const CSI_TILDE_KEYS: Record<string, number> = { insert: 2, delete: 3, pageup: 5, pagedown: 6, f5: 15, f6: 17, f7: 18, f8: 19, f9: 20, f10: 21, f11: 23, f12: 24 };
+const CSI_LETTER_KEYS: Record<string, string> = { up: "A", down: "B", right: "C", left: "D", home: "H", end: "F" };
+const SS3_KEYS: Record<string, string> = { f1: "P", f2: "Q", f3: "R", f4: "S" };
+const CTRL_SYMBOLS: Record<string, string> = { "@": "\x00", "2": "\x00", "[": "\x1b", "3": "\x1b", "\\": "\x1c", "4": "\x1c", "]": "\x1d", "5": "\x1d", "^": "\x1e", "6": "\x1e", _: "\x1f", "7": "\x1f", "-": "\x1f", "/": "\x1f", "8": "\x7f", "?": "\x7f" };
+
+/**
+ * The bytes a shell on a PTY expects for a key. Built from the key's name
+ * and modifiers, never from its raw sequence: under the kitty keyboard
+ * protocol the raw bytes of Ctrl+C are `ESC[99;5u`, which a shell ignores.
+ */
+function keyToBytes(key: KeyEvent, applicationCursor = false): string {
+  const mod = 1 + (key.shift ? 1 : 0) + (key.meta ? 2 : 0) + (key.ctrl ? 4 : 0);
+  const name = key.name;
+  const letter = CSI_LETTER_KEYS[name];
+  if (letter) return mod > 1 ? `\x1b[1;${mod}${letter}` : applicationCursor ? `\x1bO${letter}` : `\x1b[${letter}`;
+  const tilde = CSI_TILDE_KEYS[name];
+  if (tilde) return mod > 1 ? `\x1b[${tilde};${mod}~` : `\x1b[${tilde}~`;
+  const ss3 = SS3_KEYS[name];
+  if (ss3) return mod > 1 ? `\x1b[1;${mod}${ss3}` : `\x1bO${ss3}`;
+  const alt = key.meta ? "\x1b" : "";
+  switch (name) {
+    case "return":
+    case "enter":
+    case "kpenter":
+      return alt + "\r";
+    case "linefeed":
+      return alt + "\n";
+    case "tab":
+      return key.shift ? "\x1b[Z" : alt + "\t";
+    case "backspace":
+      return alt + (key.ctrl ? "\x08" : "\x7f");
+    case "escape":
+      return alt + "\x1b";
+    case "space":
+      return alt + (key.ctrl ? "\x00" : " ");
+  }
+  if (key.ctrl && name.length === 1) {
+    const c = name.toLowerCase();
+    if (c >= "a" && c <= "z") return alt + String.fromCharCode(c.charCodeAt(0) - 96);
+    if (CTRL_SYMBOLS[c]) return alt + CTRL_SYMBOLS[c];
+  }
+  const seq = key.sequence;
+  if (seq && !/^\x1b\[[\d;:]*u$/.test(seq)) return key.meta && !seq.startsWith("\x1b") ? "\x1b" + seq : seq;
+  return "";
+}
+
+/**
+ * Turns a command's raw output into console-pane lines as it streams:
+ * escape sequences stripped, `\r` restarting the line in progress (so a
+ * progress bar updates in place), each finished line appended once.
+ */
+class ConsoleStream {
+  private decoder = new TextDecoder();
+  private current = "";
+  constructor(private readonly pane: LogPane) {}
+  write(bytes: Uint8Array): void {
+    const text = Bun.stripANSI(this.decoder.decode(bytes, { stream: true })).replace(/\r\n/g, "\n");
+    const parts = text.split("\n");
+    parts.forEach((part, i) => {
+      if (i > 0) {
+        this.pane.rewriteLastLine(this.current);
+        this.pane.append("\n");
+        this.current = "";
+      }
+      const cr = part.lastIndexOf("\r");
+      this.current = cr >= 0 ? part.slice(cr + 1) : this.current + part;
+    });
+    this.pane.rewriteLastLine(this.current);
+  }
+  end(): void {
+    if (this.current) this.pane.append("\n");
+    this.current = "";
+    this.decoder = new TextDecoder();
+  }
+}
+
+interface SlashCommand {
+  names: string[];
+  args?: string;
+  help: string;
+  run(tui: Tui, argument: string): void | Promise<void>;
+}
+
+const SLASH_COMMANDS: readonly SlashCommand[] = [
+  { names: ["/autoapprove", "/aa"], help: "toggle auto-approve (takes effect for the next command)", run: (t) => t.toggleAutoApprove() },
+  { names: ["/approve"], help: "run the command waiting for approval", run: (t) => t.answerApproval({ kind: "approve" }) },
+  { names: ["/reject"], help: "skip the command waiting for approval", run: (t) => t.answerApproval({ kind: "reject" }) },
+  { names: ["/suggest"], args: "<text>", help: "skip it and tell the agent what to do instead", run: (t, text) => t.suggestInstead(text) },
+  { names: ["/clear", "/new"], help: "forget the conversation and start a new session", run: (t) => t.clearConversation() },
+  { names: ["/session"], help: "show the session file and what is saved in it", run: (t) => t.showSession() },
+  { names: ["/reload"], help: "re-read the session file (agent stopped)", run: (t) => t.reloadSession() },
+  { names: ["/stop"], help: "stop the agent", run: (t) => t.stopAgent() },
+  { names: ["/quit", "/exit"], help: "stop the agent and quit", run: (t) => t.quit(EXIT.ok, "process_exit") },
+];
+
+interface TuiOptions {
+  config: Config;
+  renderer: CliRenderer;
+  ot: OpenTui;
+  Terminal: typeof import("@xterm/headless").Terminal;
+  /** Called once, when the TUI has shut down and wants the process to end with `code`. */
+  onExit(code: number): void;
+  historyFile?: string;
+}
+
+/**
+ * The split-pane interface (SPEC §10): agent output on the left, the
+ * commands' console and an interactive shell on the right, a prompt and a
+ * status footer below. It is one more EventSink for the agent, and the
+ * approval function the agent awaits. Nothing here blocks: the model stream,
+ * the PTYs and the keyboard all share one event loop.
+ */
+class Tui implements EventSink {
+  readonly agent: Agent;
+  readonly session: SessionStore | undefined;
+  readonly history: PromptHistory;
+  private readonly cursor: HistoryCursor;
+  private readonly search: ReverseSearch;
+  private searching: { saved: string } | undefined;
+  private readonly sandbox: Sandbox;
+  private readonly systemPrompt: string;
+  private readonly r: CliRenderer;
+  private readonly ot: OpenTui;
+  private readonly agentPane: LogPane;
+  private readonly consolePane: LogPane;
+  private readonly consoleStream: ConsoleStream;
+  private readonly root: import("@opentui/core").BoxRenderable;
+  private readonly tabConsole: import("@opentui/core").TextRenderable;
+  private readonly tabShell: import("@opentui/core").TextRenderable;
+  private readonly shellBox: import("@opentui/core").BoxRenderable;
+  private readonly banner: import("@opentui/core").TextRenderable;
+  private readonly searchLine: import("@opentui/core").TextRenderable;
+  readonly prompt: import("@opentui/core").InputRenderable;
+  private readonly footer: import("@opentui/core").TextRenderable;
+  private readonly modal: { overlay: import("@opentui/core").BoxRenderable; text: import("@opentui/core").TextRenderable };
+  private readonly tooSmall: import("@opentui/core").BoxRenderable;
+  private tab: "console" | "shell" = "console";
+  private shell: { pty: PtyProcess; term: XTerm; view: InstanceType<ReturnType<typeof defineTerminalView>>; cwdTimer: ReturnType<typeof setInterval> } | undefined;
+  private pending: { command: string; resolve(a: Approval): void } | undefined;
+  private run: Promise<RunOutcome> | undefined;
+  private readonly marker = new MarkerFilter();
+  private thinking = false;
+  private readonly rate = new TokenRate();
+  private step = 0;
+  private readonly startedAt = Date.now();
+  private readonly footerTimer: ReturnType<typeof setInterval>;
+  private footerText = "";
+  private exiting = false;
+
+  constructor(private readonly o: TuiOptions) {
+    const { config, renderer: r, ot } = o;
+    this.r = r;
+    this.ot = ot;
+    this.sandbox = setUpSandbox(config);
+    this.systemPrompt = buildSystemPrompt({
+      fast: config.fast,
+      timeoutSec: config.timeoutSec,
+      maxOutputBytes: config.maxOutputBytes,
+      sandbox: this.sandbox,
+      selfCommand: selfCommand(),
+      projectInstructions: readProjectInstructions(process.cwd()),
+    });
+    this.history = new PromptHistory(o.historyFile ?? path.join(os.homedir(), ".aic_history"));
+    this.cursor = new HistoryCursor(() => this.history.entries);
+    this.search = new ReverseSearch(() => this.history.entries);
+
+    // Layout: [agent | console/shell] over banner, search line, prompt, footer.
+    this.root = new ot.BoxRenderable(r, { flexDirection: "column", width: "100%", height: "100%" });
+    const top = new ot.BoxRenderable(r, { flexDirection: "row", flexGrow: 1, width: "100%" });
+    this.agentPane = new LogPane(ot, r, { width: "50%", flexShrink: 0, height: "100%", border: true, title: " Agent Output " });
+    const right = new ot.BoxRenderable(r, { flexDirection: "column", flexGrow: 1, height: "100%", border: true });
+    const tabs = new ot.BoxRenderable(r, { flexDirection: "row", height: 1, gap: 1 });
+    this.tabConsole = new ot.TextRenderable(r, { content: " Console Output " });
+    this.tabShell = new ot.TextRenderable(r, { content: " Shell " });
+    this.tabConsole.onMouseDown = () => this.setTab("console");
+    this.tabShell.onMouseDown = () => this.setTab("shell");
+    tabs.add(this.tabConsole);
+    tabs.add(this.tabShell);
+    this.consolePane = new LogPane(ot, r, { flexGrow: 1, width: "100%" });
+    this.consoleStream = new ConsoleStream(this.consolePane);
+    this.shellBox = new ot.BoxRenderable(r, { flexGrow: 1, width: "100%", visible: false });
+    right.add(tabs);
+    right.add(this.consolePane.box);
+    right.add(this.shellBox);
+    top.add(this.agentPane.box);
+    top.add(right);
+    this.banner = new ot.TextRenderable(r, { height: 1, width: "100%", bg: "#5f0000", fg: "#ffffaf", content: "" });
+    this.searchLine = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#ffd75f", content: "", visible: false });
+    this.prompt = new ot.InputRenderable(r, {
+      width: "100%",
+      maxLength: 100_000,
+      placeholder: "Type a task, or /help for commands…",
+      backgroundColor: "#1c1c1c",
+      focusedBackgroundColor: "#262626",
+    });
+    this.footer = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#b0b0b0", bg: "#202020", content: "" });
+    for (const child of [top, this.banner, this.searchLine, this.prompt, this.footer]) this.root.add(child);
+    r.root.add(this.root);
+
+    this.modal = this.buildModal();
+    this.tooSmall = new ot.BoxRenderable(r, { position: "absolute", left: 0, top: 0, width: "100%", height: "100%", zIndex: 100, backgroundColor: "#000000", justifyContent: "center", alignItems: "center", visible: false });
+    this.tooSmall.add(new ot.TextRenderable(r, { content: `The terminal is too small for aic (needs at least ${TUI_MIN_WIDTH}×${TUI_MIN_HEIGHT}). Enlarge it, or press Ctrl+C to quit.`, wrapMode: "word" }));
+    r.root.add(this.tooSmall);
+    r.on("resize", () => this.checkSize());
+    this.checkSize();
+
+    this.prompt.on(ot.InputRenderableEvents.ENTER, (value: string) => void this.submit(value));
+    r.keyInput.on("keypress", (key: KeyEvent) => this.onKey(key));
+    r.keyInput.on("paste", (event: { bytes: Uint8Array; preventDefault(): void }) => {
+      if (this.tab !== "shell" || !this.shell) return;
+      event.preventDefault();
+      const text = new TextDecoder().decode(event.bytes);
+      this.shell.pty.terminal.write(this.shell.term.modes.bracketedPasteMode ? `\x1b[200~${text}\x1b[201~` : text);
+    });
+    this.setTab("console");
+    this.prompt.focus();
+
+    this.session = config.noSession ? undefined : SessionStore.claim(config.session ?? ".aicsession", { model: config.model, apiBase: config.apiBase }, this);
+    this.agent = new Agent({
+      config,
+      sink: this,
+      approve: (request) => this.requestApproval(request),
+      sandbox: this.sandbox,
+      systemPrompt: this.systemPrompt,
+      session: this.session,
+      canAnswerInput: () => false,
+    });
+    this.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: this.sandbox.status, session: this.session?.path ?? null, request: config.request ?? "" });
+    if (this.session) {
+      const loaded = this.session.load(this.systemPrompt);
+      for (const line of loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
+      this.agent.restore(loaded);
+    } else this.agentPane.line("[SESSION] off (--no-session): nothing is saved", COLORS.info);
+    this.footerTimer = setInterval(() => this.refreshStatus(), 250);
+    this.refreshStatus();
+    if (config.request) void this.submit(config.request);
+  }
+
+  // ── approval ─────────────────────────────────────────────────────────────
+
+  private buildModal() {
+    const { ot, r } = this;
+    const overlay = new ot.BoxRenderable(r, { position: "absolute", left: 0, top: 0, width: "100%", height: "100%", zIndex: 50, justifyContent: "center", alignItems: "center", visible: false });
+    const dialog = new ot.BoxRenderable(r, { width: "70%", border: true, borderStyle: "rounded", title: " Approve command? ", backgroundColor: "#1c1c3a", flexDirection: "column", padding: 1, gap: 1 });
+    const text = new ot.TextRenderable(r, { content: "", wrapMode: "char" });
+    const buttons = new ot.BoxRenderable(r, { flexDirection: "row", justifyContent: "center", gap: 4, height: 1 });
+    const button = (label: string, color: string, answer: Approval) => {
+      const b = new ot.BoxRenderable(r, { backgroundColor: color, paddingLeft: 1, paddingRight: 1, height: 1 });
+      b.onMouseDown = (e) => {
+        e.stopPropagation();
+        this.answerApproval(answer);
+      };
+      b.add(new ot.TextRenderable(r, { content: label, fg: "#000000" }));
+      return b;
+    };
+    buttons.add(button("[Y] Approve", COLORS.ok, { kind: "approve" }));
+    buttons.add(button("[N] Reject", COLORS.bad, { kind: "reject" }));
+    dialog.add(text);
+    dialog.add(buttons);
+    overlay.add(dialog);
+    r.root.add(overlay);
+    return { overlay, text };
+  }
+
+  private requestApproval({ command }: { id: string; command: string }): Promise<Approval> {
+    return new Promise((resolve) => {
+      this.pending = { command, resolve };
+      this.modal.text.content = `${command}\n\nY or Enter approves · N or Escape rejects · or type /suggest <text>`;
+      this.modal.overlay.visible = this.tab === "console";
+      this.refreshStatus();
+    });
+  }
+
+  answerApproval(answer: Approval): void {
+    const pending = this.pending;
+    if (!pending) return this.agentPane.line("No command is waiting for approval.", COLORS.warning);
+    this.pending = undefined;
+    this.modal.overlay.visible = false;
+    pending.resolve(answer);
+    this.refreshStatus();
+  }
+
+  suggestInstead(text: string): void {
+    if (!text.trim()) return this.agentPane.line("Usage: /suggest <what the agent should do instead>", COLORS.warning);
+    if (this.pending) return this.answerApproval({ kind: "suggest", text: text.trim() });
+    if (this.agent.running) {
+      this.agent.suggest(text.trim());
+      return this.agentPane.line(`[queued suggestion] ${text.trim()}`, COLORS.info);
+    }
+    this.agentPane.line("No command is waiting for approval.", COLORS.warning);
+  }
+
+  toggleAutoApprove(): void {
+    this.agent.autoApprove = !this.agent.autoApprove;
+    this.agentPane.line(`Auto-approve is now ${this.agent.autoApprove ? "ON: commands run without asking" : "OFF: each command waits for your approval"}.`, this.agent.autoApprove ? COLORS.warning : COLORS.ok);
+    this.refreshStatus();
+  }
+
+  // ── prompt, history, slash commands ──────────────────────────────────────
+
+  async submit(raw: string): Promise<void> {
+    const text = raw.trim();
+    this.prompt.value = "";
+    this.cursor.reset();
+    if (!text) return;
+    if (text.startsWith("/")) return this.runSlash(text);
+    this.history.add(text).catch((error) => this.agentPane.line(`cannot save the prompt history: ${(error as Error).message}`, COLORS.warning));
+    this.cursor.reset();
+    if (this.agent.running) {
+      this.agent.suggest(text);
+      this.agentPane.line(`[queued suggestion] ${text}`, COLORS.info);
+      return;
+    }
+    this.startRun(text);
+  }
+
+  private startRun(request: string): void {
+    this.agentPane.line(`> ${request}`, COLORS.command);
+    this.step = 0;
+    this.run = this.agent.run(request);
+    this.run.finally(() => {
+      this.run = undefined;
+      this.refreshStatus();
+    });
+  }
+
+  private async runSlash(text: string): Promise<void> {
+    const [word = "", ...rest] = text.split(/\s+/);
+    const command = SLASH_COMMANDS.find((c) => c.names.includes(word.toLowerCase()));
+    if (!command) {
+      this.agentPane.line("Commands:", COLORS.info);
+      for (const c of SLASH_COMMANDS) this.agentPane.line(`  ${[c.names.join(", "), c.args].filter(Boolean).join(" ").padEnd(24)} ${c.help}`, COLORS.info);
+      return;
+    }
+    await command.run(this, text.slice(word.length).trim() || rest.join(" "));
+  }
+
+  stopAgent(): void {
+    if (!this.agent.running) return this.agentPane.line("The agent is not running.", COLORS.info);
+    this.agent.stop();
+    this.agentPane.line("Stopping the agent…", COLORS.warning);
+  }
+
+  async clearConversation(): Promise<void> {
+    if (this.run) {
+      this.agent.stop();
+      await this.run;
+    }
+    this.agent.clear();
+    this.agentPane.clear();
+    this.consolePane.clear();
+    this.agentPane.line(`[SESSION] cleared; new session ${this.session?.sessionId ?? "(not saved)"}`, COLORS.info);
+    this.refreshStatus();
+  }
+
+  showSession(): void {
+    const s = this.session;
+    if (!s) return this.agentPane.line("[SESSION] off (--no-session): nothing is saved.", COLORS.info);
+    let onDisk = "nothing yet";
+    try {
+      const doc = JSON.parse(fs.readFileSync(s.path, "utf8")) as { reason?: string; updated_at?: string; messages?: unknown[]; step_count?: number };
+      onDisk = `${doc.messages?.length ?? 0} message(s), step ${doc.step_count ?? 0}, last written ${doc.updated_at ?? "?"} (${doc.reason ?? "?"}), ${fs.statSync(s.path).size} bytes`;
+    } catch (error) {
+      if ((error as NodeJS.ErrnoException).code !== "ENOENT") onDisk = `unreadable (${(error as Error).message})`;
+    }
+    this.agentPane.line(`[SESSION] file ${s.path} · id ${s.sessionId} · instance ${s.instanceNumber}\n[SESSION] on disk: ${onDisk}`, COLORS.info);
+  }
+
+  reloadSession(): void {
+    if (this.agent.running) return this.agentPane.line("/reload works only while the agent is stopped (/stop first).", COLORS.warning);
+    if (!this.session) return this.agentPane.line("[SESSION] off (--no-session): nothing to reload.", COLORS.info);
+    const loaded = this.session.load(this.systemPrompt);
+    for (const line of loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
+    this.agent.restore(loaded.messages ? loaded : { ...loaded, messages: [], stepCount: 0, usage: emptyUsage() });
+    this.refreshStatus();
+  }
+
+  // ── keys ─────────────────────────────────────────────────────────────────
+
+  private onKey(key: KeyEvent): void {
+    const id = `${key.ctrl ? "C-" : ""}${key.meta ? "M-" : ""}${key.shift ? "S-" : ""}${key.name}`;
+    if (this.searching) return this.onSearchKey(key, id);
+    if (id === "tab") {
+      key.preventDefault();
+      return this.setTab(this.tab === "console" ? "shell" : "console");
+    }
+    if (this.tab === "shell" && this.shell) {
+      key.preventDefault();
+      // Shift+Tab is the shell's Tab (completion), since Tab itself switches panes.
+      const bytes = id === "S-tab" ? "\t" : keyToBytes(key, this.shell.term.modes.applicationCursorKeysMode);
+      if (bytes) this.shell.pty.terminal.write(bytes);
+      return;
+    }
+    // While a command waits for approval, Y/N answer it, unless a slash command (/suggest …) is being typed.
+    if (this.modal.overlay.visible && !this.prompt.value.startsWith("/")) {
+      if (key.sequence === "/") return;
+      key.preventDefault();
+      if (["y", "S-y", "return"].includes(id)) this.answerApproval({ kind: "approve" });
+      else if (["n", "S-n", "escape"].includes(id)) this.answerApproval({ kind: "reject" });
+      else if (id === "C-c") void this.quit(EXIT.sigint, "interrupted");
+      return;
+    }
+    const action = TUI_KEYS[id];
+    if (!action) return;
+    key.preventDefault();
+    action(this);
+  }
+
+  historyOlder(): void {
+    const entry = this.cursor.older(this.prompt.value);
+    if (entry !== undefined) this.prompt.value = entry;
+  }
+
+  historyNewer(): void {
+    const entry = this.cursor.newer();
+    if (entry !== undefined) this.prompt.value = entry;
+  }
+
+  page(pane: "agent" | "console", direction: -1 | 1): void {
+    (pane === "agent" ? this.agentPane : this.consolePane).page(direction);
+  }
+
+  startSearch(): void {
+    this.searching = { saved: this.prompt.value };
+    this.search.setQuery("");
+    this.showSearch();
+  }
+
+  private onSearchKey(key: KeyEvent, id: string): void {
+    key.preventDefault();
+    if (id === "C-r") this.search.next();
+    else if (id === "return") {
+      const match = this.search.text;
+      this.endSearch(match ?? this.searching!.saved);
+      return;
+    } else if (id === "escape" || id === "C-g") return this.endSearch(this.searching!.saved);
+    else if (id === "C-c") return void this.quit(EXIT.sigint, "interrupted");
+    else if (id === "backspace") this.search.setQuery(this.search.query.slice(0, -1));
+    else if (!key.ctrl && !key.meta && key.sequence && key.sequence.length >= 1 && !key.sequence.startsWith("\x1b") && key.sequence >= " ") this.search.setQuery(this.search.query + key.sequence);
+    this.showSearch();
+  }
+
+  private showSearch(): void {
+    const match = this.search.text;
+    const failed = this.search.query && match === undefined ? "failing " : "";
+    this.searchLine.content = `(${failed}reverse-i-search)\`${this.search.query}': ${match ?? ""}   [Ctrl+R older · Enter accept · Esc cancel]`;
+    this.searchLine.visible = true;
+  }
+
+  private endSearch(value: string): void {
+    this.searching = undefined;
+    this.searchLine.visible = false;
+    this.prompt.value = value;
+    this.cursor.reset();
+  }
+
+  // ── panes, tabs, shell ───────────────────────────────────────────────────
+
+  setTab(tab: "console" | "shell"): void {
+    this.tab = tab;
+    this.consolePane.box.visible = tab === "console";
+    this.shellBox.visible = tab === "shell";
+    const label = (node: import("@opentui/core").TextRenderable, on: boolean) => {
+      node.fg = on ? "#000000" : COLORS.dim;
+      node.bg = on ? COLORS.tabOn : "transparent";
+    };
+    label(this.tabConsole, tab === "console");
+    label(this.tabShell, tab === "shell");
+    // The dialog would cover the shell; the banner keeps showing what waits for approval.
+    this.modal.overlay.visible = tab === "console" && this.pending !== undefined;
+    if (tab === "shell") {
+      this.startShell();
+      this.prompt.blur();
+      if (this.shell) this.shell.view.showCursor = true;
+    } else {
+      if (this.shell) this.shell.view.showCursor = false;
+      this.prompt.focus();
+    }
+    this.refreshStatus();
+  }
+
+  private startShell(): void {
+    if (this.shell) return;
+    const { ot, r } = this;
+    const cols = Math.max(20, Math.floor(r.width / 2) - 2);
+    const rows = Math.max(5, r.height - 8);
+    const term = new this.o.Terminal({ cols, rows, scrollback: 2000, allowProposedApi: true });
+    const TerminalView = defineTerminalView(ot);
+    const view = new TerminalView(r, term, { flexGrow: 1, width: "100%", height: "100%" });
+    const shellPath = process.env.SHELL && fs.existsSync(process.env.SHELL) ? process.env.SHELL : fs.existsSync("/bin/bash") ? "/bin/bash" : "/bin/sh";
+    let pty: PtyProcess;
+    try {
+      pty = spawnPty(this.sandbox.wrap([shellPath, "-i"]), { cwd: process.cwd(), env: { ...process.env, TERM: "xterm-256color" }, cols, rows, onData: (bytes) => term.write(bytes) });
+    } catch (error) {
+      this.agentPane.line(`cannot start the shell ${shellPath}: ${(error as Error).message}`, COLORS.error);
+      return;
+    }
+    term.onData((data) => pty.terminal.write(data));
+    view.onSizeChange = () => {
+      if (view.width < 2 || view.height < 2) return;
+      term.resize(view.width, view.height);
+      pty.terminal.resize(view.width, view.height);
+    };
+    this.shellBox.add(view);
+    // Follow the shell's directory: the agent's next command runs where the person went.
+    let last = process.cwd();
+    const cwdTimer = setInterval(() => {
+      let now: string;
+      try {
+        now = fs.readlinkSync(`/proc/${pty.proc.pid}/cwd`);
+      } catch {
+        return;
+      }
+      if (now === last) return;
+      last = now;
+      try {
+        process.chdir(now);
+        this.agentPane.line(`[cwd] the agent now works in ${now} (followed the Shell tab)`, COLORS.info);
+      } catch {
+        /* not a directory we may enter */
+      }
+    }, 300);
+    this.shell = { pty, term, view, cwdTimer };
+    void pty.proc.exited.then(() => {
+      if (this.exiting || !this.shell) return;
+      clearInterval(this.shell.cwdTimer);
+      this.shellBox.remove(view);
+      view.destroy();
+      this.shell = undefined;
+      this.agentPane.line("[shell] the shell exited; Tab to it again for a new one", COLORS.info);
+      if (this.tab === "shell") this.setTab("console");
+    });
+  }
+
+  private checkSize(): void {
+    const small = this.r.width < TUI_MIN_WIDTH || this.r.height < TUI_MIN_HEIGHT;
+    this.tooSmall.visible = small;
+    this.root.visible = !small;
+  }
+
+  // ── status ───────────────────────────────────────────────────────────────
+
+  private refreshStatus(): void {
+    const c = this.o.config;
+    const u = this.agent?.usage ?? emptyUsage();
+    const tokens = u.input_tokens - u.cached_tokens + u.output_tokens;
+    const sandboxOn = this.sandbox.enabled;
+    // Most telling first: a narrow terminal cuts the end of the line.
+    const parts = [
+      `step ${this.step}/${c.maxSteps}`,
+      `ctx ${this.agent?.contextEstimate ?? 0}/${this.agent?.budget ?? promptBudget(c)}`,
+      `tokens ${tokens}`,
+      `${this.rate.rate()} tok/s`,
+      this.pending ? "APPROVAL PENDING" : this.agent?.running ? "running" : "idle",
+      `auto-approve ${this.agent?.autoApprove ? "ON" : "off"}`,
+      c.model,
+      this.session ? `${path.basename(this.session.path)}#${this.session.sessionId}` : "no session",
+    ];
+    const sandboxLabel = `Sandbox: ${sandboxOn ? "on" : "off"}`;
+    const text = `${sandboxLabel} │ ${parts.join(" │ ")}`;
+    if (text !== this.footerText) {
+      this.footerText = text;
+      const { ot } = this;
+      this.footer.content = new ot.StyledText([
+        { __isChunk: true, text: ` ${sandboxLabel}`, fg: ot.parseColor(sandboxOn ? COLORS.ok : COLORS.error) } as import("@opentui/core").TextChunk,
+        { __isChunk: true, text: ` │ ${parts.join(" │ ")}` } as import("@opentui/core").TextChunk,
+      ]);
+    }
+    this.refreshBanner();
+  }
+
+  private refreshBanner(): void {
+    let text = "";
+    if (this.pending) text = ` ⚠ Approval needed: ${this.pending.command.split("\n")[0]}  —  Y/Enter or /approve · N/Esc or /reject · /suggest <text>`;
+    else if (!this.agent?.autoApprove && Date.now() - this.startedAt < BANNER_HIDE_MS) text = " ⚠ Commands the agent proposes run for real on this machine once you approve them. /aa turns on auto-approve.";
+    if (this.banner.content.toString() !== text) this.banner.content = text;
+    this.banner.visible = text !== "";
+  }
+
+  // ── events from the agent ────────────────────────────────────────────────
+
+  emit(e: AgentEvent): void {
+    const agent = this.agentPane;
+    switch (e.type) {
+      case "start":
+        agent.line(`aic ${VERSION} · ${e.model} · ${e.api_base} · ${e.cwd}`, COLORS.info);
+        agent.line(`Sandbox: ${e.sandbox}`, e.sandbox.startsWith("on") ? COLORS.ok : COLORS.error);
+        return;
+      case "info":
+        return agent.line(e.text, COLORS.info);
+      case "warning":
+        return agent.line(`warning: ${e.text}`, COLORS.warning);
+      case "error":
+        return agent.line(`error: ${e.message}`, COLORS.error);
+      case "step":
+        this.step = e.step;
+        return this.refreshStatus();
+      case "reasoning_delta":
+        this.rate.add(1);
+        if (this.o.config.noThinking) return;
+        if (!this.thinking) {
+          agent.line("[THINKING]", COLORS.thinking);
+          this.thinking = true;
+        }
+        return agent.append(e.text, COLORS.thinking);
+      case "thinking_complete":
+        if (!this.o.config.noThinking) agent.line("[THINKING COMPLETE]", COLORS.thinking);
+        this.thinking = false;
+        return;
+      case "assistant_delta":
+        this.rate.add(1);
+        if (this.thinking) {
+          this.thinking = false;
+          agent.append("\n");
+        }
+        return agent.append(this.marker.push(e.text));
+      case "assistant":
+        agent.append(this.marker.flush());
+        if (!agent.atLineStart) agent.append("\n");
+        this.thinking = false;
+        return;
+      case "reasoning":
+        return;
+      case "retry":
+        return agent.line(`model request failed (${e.reason}); retry ${e.attempt} in ${(e.wait_ms / 1000).toFixed(1)} s`, COLORS.warning);
+      case "command":
+        return this.consolePane.line(`$ ${e.command}`, COLORS.command);
+      case "approval":
+        if (e.decision === "rejected") this.consolePane.line("(rejected)", COLORS.bad);
+        if (e.decision === "suggestion") this.consolePane.line(`(rejected with a suggestion: ${e.suggestion})`, COLORS.bad);
+        return;
+      case "command_output":
+        return this.consoleStream.write(e.data);
+      case "command_result": {
+        this.consoleStream.end();
+        const note = e.status === "exited" ? `exit code ${e.exit_code}` : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
+        return this.consolePane.line(`[${note}]`, e.exit_code === 0 ? COLORS.ok : COLORS.bad);
+      }
+      case "compression":
+        return agent.line(`[COMPRESSION] ${e.algorithm}: ${e.before_tokens} → ${e.after_tokens} tokens; ${e.detail}`, COLORS.summary);
+      case "summary_delta":
+        return this.consolePane.append(e.text, COLORS.summary);
+      case "usage":
+        return this.refreshStatus();
+      case "end": {
+        const u = e.usage;
+        agent.line(`[${e.status}] ${e.steps} step(s) · ${u.input_tokens} in / ${u.output_tokens} out / ${u.cached_tokens} cached tokens`, e.exit_code === 0 ? COLORS.ok : COLORS.warning);
+        return this.refreshStatus();
+      }
+    }
+  }
+
+  // ── leaving ──────────────────────────────────────────────────────────────
+
+  /** Stops the agent, saves the session, ends the shell, restores the terminal, and exits with `code`. */
+  async quit(code: number, reason: string): Promise<void> {
+    if (this.exiting) return;
+    this.exiting = true;
+    clearInterval(this.footerTimer);
+    this.agent.stop();
+    if (this.pending) this.answerApproval({ kind: "reject" });
+    if (this.run) await Promise.race([this.run, Bun.sleep(3000)]);
+    this.agent.checkpoint(reason);
+    this.session?.release();
+    if (this.shell) {
+      clearInterval(this.shell.cwdTimer);
+      try {
+        process.kill(-this.shell.pty.proc.pid, "SIGHUP");
+      } catch {
+        /* already gone */
+      }
+      this.shell.pty.terminal.close();
+    }
+    removeScratchDirectory();
+    this.r.destroy();
+    this.o.onExit(code);
+  }
+}
+
+/** Keys handled by the TUI itself when the prompt has focus (everything else goes to the prompt). */
+const TUI_KEYS: Record<string, (tui: Tui) => void> = {
+  up: (t) => t.historyOlder(),
+  "C-p": (t) => t.historyOlder(),
+  down: (t) => t.historyNewer(),
+  "C-n": (t) => t.historyNewer(),
+  "C-r": (t) => t.startSearch(),
+  pageup: (t) => t.page("agent", -1),
+  pagedown: (t) => t.page("agent", 1),
+  "S-pageup": (t) => t.page("console", -1),
+  "S-pagedown": (t) => t.page("console", 1),
+  "C-c": (t) => void t.quit(EXIT.sigint, "interrupted"),
+  escape: (t) => void t.quit(EXIT.ok, "interrupted"),
+};
+
 async function runTui(config: Config): Promise<number> {
-  void config;
-  writeOut(2, "aic: error: the terminal UI is not available in this build yet; run with --nogui\n");
-  return EXIT.usage;
+  if (!process.stdin.isTTY || !process.stdout.isTTY) {
+    writeOut(2, "aic: error: the terminal UI needs a terminal on stdin and stdout; use --nogui for scripts and pipes\n");
+    return EXIT.usage;
+  }
+  if (config.request === "-") {
+    writeOut(2, "aic: error: reading the request from stdin (-) needs --nogui\n");
+    return EXIT.usage;
+  }
+  const [ot, Terminal] = await Promise.all([import("@opentui/core"), loadXterm()]);
+  let renderer: CliRenderer;
+  try {
+    renderer = await ot.createCliRenderer({ exitOnCtrlC: false, exitSignals: [], autoFocus: false, openConsoleOnError: false, useMouse: true, maxFps: 60 });
+  } catch (error) {
+    writeOut(2, `aic: error: cannot start the terminal UI (${(error as Error).message}); check that $TMPDIR is writable, or use --nogui\n`);
+    return EXIT.failure;
+  }
+  return new Promise<number>((resolve) => {
+    const tui = new Tui({ config, renderer, ot, Terminal, onExit: resolve });
+    for (const sig of Object.keys(EXIT_SIGNALS) as ExitSignal[])
+      process.on(sig, () => void tui.quit(EXIT_SIGNALS[sig], `signal_${os.constants.signals[sig]}`));
+    const crash = (error: unknown) => {
+      void tui.quit(EXIT.failure, "process_exit").then(() => writeOut(2, `aic: internal error: ${(error as Error)?.stack ?? error}\n`));
+    };
+    process.on("uncaughtException", crash);
+    process.on("unhandledRejection", crash);
+  });
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -2656,6 +3781,15 @@ if (import.meta.main) {
 
 export {
   Agent,
+  HistoryCursor,
+  LogPane,
+  PromptHistory,
+  ReverseSearch,
+  SLASH_COMMANDS,
+  TokenRate,
+  Tui,
+  keyToBytes,
+  loadXterm,
   JsonSink,
   MarkerFilter,
   PlainSink,
@@ -2679,4 +3813,4 @@ export {
   systemContent,
   validateOutgoing,
 };
-export type { AgentEvent, Config, EventSink, Message, Sandbox };
+export type { AgentEvent, Config, EventSink, Message, Sandbox, TuiOptions };
