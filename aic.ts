@@ -1648,6 +1648,7 @@ class TerminalRenderer {
 
   /** Bytes handed to xterm and not parsed yet. */
   private unparsed = 0;
+  private parsed = 0;
   /** While xterm is behind: the newest unparsed bytes, bounded; older ones are counted and dropped. */
   private backlog: Uint8Array[] = [];
   private backlogBytes = 0;
@@ -1677,6 +1678,11 @@ class TerminalRenderer {
       this.term.write(slice, () => {
         this.unparsed -= slice.length;
         this.extract(false);
+        // Parsing leaves short-lived garbage behind; a nudge every 256 KB keeps a flood of output from inflating the heap.
+        if ((this.parsed += slice.length) >= 262_144) {
+          this.parsed = 0;
+          Bun.gc(false);
+        }
         if (this.backlog.length && this.unparsed < TerminalRenderer.SLICE * 64) this.catchUp();
       });
     }
