@@ -3420,25 +3420,25 @@ class Tui implements EventSink {
     const u = this.agent?.usage ?? emptyUsage();
     const tokens = u.input_tokens - u.cached_tokens + u.output_tokens;
     const sandboxOn = this.sandbox.enabled;
-    // Most telling first: a narrow terminal cuts the end of the line.
+    // Most telling first, compact: a narrow terminal cuts the end of the line.
     const parts = [
       `step ${this.step}/${c.maxSteps}`,
-      `ctx ${this.agent?.contextEstimate ?? 0}/${this.agent?.budget ?? promptBudget(c)}`,
-      `tokens ${tokens}`,
+      `ctx ${compactCount(this.agent?.contextEstimate ?? 0)}/${compactCount(this.agent?.budget ?? promptBudget(c))}`,
+      `${compactCount(tokens)} tok`,
       `${this.rate.rate()} tok/s`,
-      this.pending ? "APPROVAL PENDING" : this.agent?.running ? "running" : "idle",
+      this.pending ? "⚠ pending" : this.agent?.running ? "running" : "idle",
       `auto-approve ${this.agent?.autoApprove ? "ON" : "off"}`,
       c.model,
       this.session ? `${path.basename(this.session.path)}#${this.session.sessionId}` : "no session",
     ];
     const sandboxLabel = `Sandbox: ${sandboxOn ? "on" : "off"}`;
-    const text = `${sandboxLabel} │ ${parts.join(" │ ")}`;
+    const text = `${sandboxLabel}│${parts.join("│")}`;
     if (text !== this.footerText) {
       this.footerText = text;
       const { ot } = this;
       this.footer.content = new ot.StyledText([
         { __isChunk: true, text: ` ${sandboxLabel}`, fg: ot.parseColor(sandboxOn ? COLORS.ok : COLORS.error) } as import("@opentui/core").TextChunk,
-        { __isChunk: true, text: ` │ ${parts.join(" │ ")}` } as import("@opentui/core").TextChunk,
+        { __isChunk: true, text: `│${parts.join("│")}` } as import("@opentui/core").TextChunk,
       ]);
     }
     this.refreshBanner();
@@ -3550,6 +3550,13 @@ class Tui implements EventSink {
     this.r.destroy();
     this.o.onExit(code);
   }
+}
+
+/** 950, 12.3k, 1.2M: token counts that fit a status line. */
+function compactCount(n: number): string {
+  if (n < 10_000) return String(n);
+  if (n < 1_000_000) return `${(n / 1000).toFixed(n < 100_000 ? 1 : 0)}k`;
+  return `${(n / 1_000_000).toFixed(1)}M`;
 }
 
 /** Keys handled by the TUI itself when the prompt has focus (everything else goes to the prompt). */

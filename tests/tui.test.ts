@@ -1,0 +1,709 @@
+/**
+ * The terminal UI (SPEC §6 TUI part, §7 TUI session default, §10): a real `Tui` from aic.ts built
+ * on OpenTUI's in-memory test renderer, driven with mocked keystrokes, talking to the fake OpenAI
+ * server over HTTP, running real commands in real PTYs and a real $SHELL for the Shell tab.
+ * Assertions read the rendered character frame, the requests the server received, and files on
+ * disk (session, prompt history).
+ */
+import { afterAll, afterEach, beforeAll, describe, expect, test } from "bun:test";
+import * as ot from "@opentui/core";
+import { createTestRenderer } from "@opentui/core/testing";
+import { existsSync, readFileSync, realpathSync, statSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { LogPane, PromptHistory, TokenRate, Tui, keyToBytes, loadXterm, parseArgs } from "../aic.ts";
+import { startFakeServer, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
+import { ROOT, bash, scratch } from "./helpers.ts";
+
+const Terminal = await loadXterm();
+
+/** Usage the fake server reports for the prompt "usage" (test 8). */
+const USAGE = { prompt_tokens: 1500, completion_tokens: 40, cached_tokens: 300 };
+/** What the footer's "tokens" must show for it: non-cached input + output. */
+const BILLABLE = USAGE.prompt_tokens - USAGE.cached_tokens + USAGE.completion_tokens;
+
+/**
+ * One fake server for the whole file. The reply depends only on the newest message, so every test
+ * scripts its own runs through what it types: "run: CMD" → a tool call running CMD; "hang" → a
+ * request that never answers; "usage" → TASKCOMPLETE with USAGE; anything else → TASKCOMPLETE.
+ */
+function scripted(req: RecordedRequest): Turn {
+  const last = req.body?.messages?.at(-1);
+  if (last?.role === "user" && typeof last.content === "string") {
+    const run = /^run: ([\s\S]*)$/.exec(last.content);
+    if (run) return bash(run[1]!);
+    if (last.content === "hang") return { type: "hang" };
+    if (last.content === "usage") return { content: "TASKCOMPLETE", usage: USAGE };
+  }
+  return { content: "TASKCOMPLETE" };
+}
+
+let srv: FakeServer;
+beforeAll(() => {
+  srv = startFakeServer({ turns: scripted });
+});
+afterAll(() => srv.close());
+
+type Screen = Awaited<ReturnType<typeof createTestRenderer>>;
+
+interface Harness {
+  s: Screen;
+  tui: Tui;
+  dir: string;
+  sessionFile: string;
+  historyFile: string;
+  /** The code passed to onExit, once the TUI has quit. */
+  exitCode: number | undefined;
+  /** Requests the fake server received since this TUI started. */
+  requests(): RecordedRequest[];
+  /** Renders and returns the frame. */
+  frame(): Promise<string>;
+  /** Renders until the frame satisfies `pred`. */
+  until(pred: (frame: string) => boolean, ms?: number): Promise<string>;
+  /** Types `text` into whatever has focus and presses Enter. */
+  type(text: string): Promise<void>;
+  /** Waits for the agent to finish a run that sent at least `requests` requests in total. */
+  idle(requests: number): Promise<void>;
+}
+
+let open: Harness | undefined;
+
+/** Polls `cond` (not tied to the frame) until it holds. */
+async function waitFor(cond: () => boolean, what: string, ms = 10_000): Promise<void> {
+  const deadline = Date.now() + ms;
+  while (!cond()) {
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await Bun.sleep(20);
+  }
+}
+
+/**
+ * Starts a Tui with its own history file and, unless `defaultSession`, an explicit --session, both
+ * in a fresh scratch dir (or `dir`).
+ */
+async function openTui(
+  opts: { request?: string; width?: number; height?: number; history?: string[]; args?: string[]; dir?: string; defaultSession?: boolean } = {},
+): Promise<Harness> {
+  const dir = opts.dir ?? scratch("aic-tui-");
+  const sessionFile = join(dir, ".aicsession");
+  const historyFile = join(dir, "history");
+  if (opts.history) writeFileSync(historyFile, opts.history.join("\n") + "\n");
+  // The sandbox is off: its start-up probe re-executes Bun.main, which under `bun test` is this file.
+  const session = opts.defaultSession ? [] : ["--session", sessionFile];
+  const argv = ["--api-base", srv.url, "--model", "test-model", ...session, "--disable-sandbox", ...(opts.args ?? [])];
+  if (opts.request !== undefined) argv.push(opts.request);
+  const config = (parseArgs(argv, {}) as any).config;
+  const s = await createTestRenderer({ width: opts.width ?? 120, height: opts.height ?? 40, exitOnCtrlC: false });
+  const first = srv.requests.length;
+  const h: Harness = {
+    s,
+    tui: undefined as unknown as Tui,
+    dir,
+    sessionFile,
+    historyFile,
+    exitCode: undefined,
+    requests: () => srv.requests.slice(first),
+    async frame() {
+      await s.renderOnce();
+      return s.captureCharFrame();
+    },
+    async until(pred, ms = 10_000) {
+      const deadline = Date.now() + ms;
+      for (;;) {
+        await s.renderOnce();
+        const frame = s.captureCharFrame();
+        if (pred(frame)) return frame;
+        if (Date.now() > deadline) throw new Error(`frame never matched:\n${frame}`);
+        await Bun.sleep(20);
+      }
+    },
+    async type(text) {
+      await s.mockInput.typeText(text);
+      s.mockInput.pressEnter();
+      await s.renderOnce();
+    },
+    async idle(requests) {
+      await waitFor(() => h.requests().length >= requests && !h.tui.agent.running, `the agent to finish after ${requests} request(s)`);
+    },
+  };
+  h.tui = new Tui({ config, renderer: s.renderer, ot, Terminal, onExit: (code) => void (h.exitCode = code), historyFile });
+  open = h;
+  return h;
+}
+
+afterEach(async () => {
+  const h = open;
+  open = undefined;
+  if (h && h.exitCode === undefined) await h.tui.quit(0, "process_exit");
+});
+
+/** The messages of a recorded request. */
+const messages = (req: RecordedRequest | undefined): any[] => req?.body?.messages ?? [];
+const footer = (frame: string) => frame.trimEnd().split("\n").at(-1)!;
+
+// ---------------------------------------------------------------------------------------------
+
+describe("layout (SPEC §10)", () => {
+  // Both usual sizes show both panes, the tabs, the prompt and the status footer.
+  for (const [width, height] of [[120, 40], [80, 24]] as const) {
+    test(`panes, tabs, prompt and footer at ${width}x${height}`, async () => {
+      const h = await openTui({ width, height });
+      const frame = await h.until((f) => f.includes("step 0/500"));
+      for (const text of ["Agent Output", "Console Output", "Shell", "Type a task, or /help", "Sandbox:", "step 0/500"]) expect(frame).toContain(text);
+      expect(footer(frame)).toContain("Sandbox: off");
+      expect(footer(frame)).toContain("step 0/500");
+      expect(frame).toContain("run for real"); // the warning banner, since auto-approve is off
+    });
+  }
+
+  // With auto-approve on from the command line there is no warning banner, and the footer says so.
+  test("--auto-approve: no warning banner, footer shows auto-approve ON", async () => {
+    const h = await openTui({ args: ["--auto-approve"] });
+    const frame = await h.until((f) => f.includes("step 0/500"));
+    expect(footer(frame)).toContain("auto-approve ON");
+    expect(frame).not.toContain("run for real");
+  });
+
+  // Below the minimum size the layout gives way to a message, and comes back when the terminal grows.
+  test("a too small terminal shows a message instead of the layout", async () => {
+    const h = await openTui();
+    await h.until((f) => f.includes("Agent Output"));
+    h.s.resize(40, 10);
+    let frame = await h.until((f) => f.includes("too small"));
+    expect(frame).not.toContain("Agent Output");
+    h.s.resize(120, 40);
+    frame = await h.until((f) => f.includes("Agent Output"));
+    expect(frame).not.toContain("too small");
+  });
+
+  // Started at a small size, the message is there from the first frame.
+  test("starting at 40x10 shows the too-small message", async () => {
+    const h = await openTui({ width: 40, height: 10 });
+    const frame = await h.until((f) => f.includes("too small"));
+    expect(frame).not.toContain("Agent Output");
+  });
+});
+
+describe("approval gate in the TUI (SPEC §6)", () => {
+  // A CLI request starts at launch; the dialog shows the command; Y runs it and the output reaches
+  // the console pane and the model; a second command rejected with Escape is reported as skipped.
+  test("Y approves and runs the command; Escape rejects it", async () => {
+    const h = await openTui({ request: "run: echo hi-$((6*7))" });
+    let frame = await h.until((f) => f.includes("Approve command?"));
+    expect(frame).toContain("echo hi-$((6*7))");
+    expect(footer(frame)).toContain("⚠ pending");
+    expect(frame).toContain("Approval needed: echo hi-$((6*7))"); // the banner names the waiting command
+    expect(h.requests()).toHaveLength(1);
+
+    h.s.mockInput.pressKey("y");
+    frame = await h.until((f) => f.includes("hi-42") && !f.includes("Approve command?"));
+    await h.idle(2);
+    const tool = messages(h.requests()[1]).at(-1);
+    expect(tool.role).toBe("tool");
+    expect(tool.content).toStartWith("Command executed with exit code 0.");
+    expect(tool.content).toContain("hi-42");
+
+    await h.type("run: echo never-$((1+1))");
+    await h.until((f) => f.includes("Approve command?") && f.includes("echo never-$((1+1))"));
+    h.s.mockInput.pressEscape();
+    await Bun.sleep(40); // a lone ESC is delivered after the parser's ~20 ms timeout
+    frame = await h.until((f) => !f.includes("Approve command?"));
+    await h.idle(4);
+    const rejected = messages(h.requests()[3]).at(-1);
+    expect(rejected).toMatchObject({ role: "tool", content: "Command execution skipped by user." });
+    expect(frame).not.toContain("never-2");
+    expect(h.exitCode).toBeUndefined(); // Escape answered the dialog, it did not quit
+  });
+
+  // N rejects like Escape; /approve and /reject typed in the prompt answer the dialog too.
+  test("N, /reject and /approve answer the dialog", async () => {
+    const h = await openTui({ request: "run: echo nope-$((2*2))" });
+    await h.until((f) => f.includes("Approve command?"));
+    h.s.mockInput.pressKey("n");
+    await h.idle(2);
+    expect(messages(h.requests()[1]).at(-1)).toMatchObject({ role: "tool", content: "Command execution skipped by user." });
+    expect(await h.frame()).not.toContain("nope-4");
+
+    await h.type("run: echo slash-no-$((2*3))");
+    await h.until((f) => f.includes("Approve command?") && f.includes("slash-no-"));
+    await h.type("/reject");
+    await h.idle(4);
+    expect(messages(h.requests()[3]).at(-1)).toMatchObject({ role: "tool", content: "Command execution skipped by user." });
+
+    await h.type("run: echo slash-yes-$((2*4))");
+    await h.until((f) => f.includes("Approve command?") && f.includes("slash-yes-"));
+    await h.type("/approve");
+    await h.until((f) => f.includes("slash-yes-8"));
+    await h.idle(6);
+    expect(messages(h.requests()[5]).at(-1).content).toContain("slash-yes-8");
+    expect(await h.frame()).not.toContain("slash-no-6");
+  });
+
+  // /suggest typed while the dialog is up rejects the command and passes the suggestion on.
+  test("/suggest while a command waits sends the skip result and the suggestion", async () => {
+    const h = await openTui({ request: "run: echo suggested-$((3*3))" });
+    await h.until((f) => f.includes("Approve command?"));
+    await h.type("/suggest use ls instead");
+    await h.idle(2);
+    const tail = messages(h.requests()[1]).slice(-2);
+    expect(tail).toMatchObject([
+      { role: "tool", content: "Command execution skipped by user." },
+      { role: "user", content: "I suggest you use ls instead" },
+    ]);
+    expect(await h.frame()).not.toContain("suggested-9");
+  });
+
+  // /aa turns auto-approve on (shown in the footer): the next command runs without a dialog.
+  test("/aa toggles auto-approve and the next command runs without asking", async () => {
+    const h = await openTui();
+    let frame = await h.until((f) => f.includes("auto-approve off"));
+    await h.type("/aa");
+    frame = await h.until((f) => footer(f).includes("auto-approve ON"));
+    await h.type("run: echo auto-$((5+5))");
+    let dialogSeen = false;
+    frame = await h.until((f) => {
+      if (f.includes("Approve command?")) dialogSeen = true;
+      return f.includes("auto-10");
+    });
+    await h.idle(2);
+    expect(dialogSeen).toBe(false);
+    expect(messages(h.requests()[1]).at(-1).content).toContain("auto-10");
+
+    await h.type("/aa");
+    frame = await h.until((f) => footer(f).includes("auto-approve off"));
+    expect(frame).toContain("auto-approve off");
+  });
+});
+
+describe("prompt history (SPEC §10)", () => {
+  // Up/Down and Ctrl+P/Ctrl+N walk the history and give back the line in progress; the file holds
+  // one entry per line, a multi-line prompt (here the CLI request) as one escaped line.
+  test("Up/Down and Ctrl+P/Ctrl+N walk the history keeping the draft; the file holds the entries", async () => {
+    const h = await openTui({ request: "first line\nsecond line" });
+    await h.idle(1);
+    let sent = 1;
+    for (const prompt of ["alpha", "beta", "gamma"]) {
+      await h.type(prompt);
+      await h.idle(++sent);
+    }
+    await h.s.mockInput.typeText("draft");
+    expect(h.tui.prompt.value).toBe("draft");
+
+    h.s.mockInput.pressArrow("up");
+    h.s.mockInput.pressArrow("up");
+    await waitFor(() => h.tui.prompt.value === "beta", "Up Up to reach beta");
+    expect(await h.frame()).toContain("beta");
+    h.s.mockInput.pressArrow("down");
+    await waitFor(() => h.tui.prompt.value === "gamma", "Down to reach gamma");
+    h.s.mockInput.pressArrow("down");
+    await waitFor(() => h.tui.prompt.value === "draft", "Down Down to give back the draft");
+
+    h.s.mockInput.pressKey("p", { ctrl: true });
+    h.s.mockInput.pressKey("p", { ctrl: true });
+    await waitFor(() => h.tui.prompt.value === "beta", "Ctrl+P Ctrl+P to reach beta");
+    h.s.mockInput.pressKey("n", { ctrl: true });
+    h.s.mockInput.pressKey("n", { ctrl: true });
+    await waitFor(() => h.tui.prompt.value === "draft", "Ctrl+N Ctrl+N to give back the draft");
+
+    const expected = ["first line\\nsecond line", "alpha", "beta", "gamma"];
+    await waitFor(() => existsSync(h.historyFile) && readFileSync(h.historyFile, "utf8").split("\n").filter(Boolean).length === expected.length, "the history file");
+    expect(readFileSync(h.historyFile, "utf8")).toBe(expected.join("\n") + "\n");
+    expect(h.requests()).toHaveLength(4); // walking the history sent nothing
+  });
+
+  // Ctrl+R: newest match first, Ctrl+R again for older, Enter accepts, Escape/Ctrl+G restore the line.
+  test("Ctrl+R reverse search", async () => {
+    const h = await openTui({ history: ["git status", "make test", "git commit -m x", "ls"] });
+    await h.until((f) => f.includes("step 0/500"));
+
+    h.s.mockInput.pressKey("r", { ctrl: true });
+    await h.s.mockInput.typeText("git");
+    let frame = await h.until((f) => f.includes("reverse-i-search"));
+    expect(frame).toContain("`git': git commit -m x");
+    h.s.mockInput.pressKey("r", { ctrl: true });
+    frame = await h.until((f) => f.includes("`git': git status"));
+    h.s.mockInput.pressEnter();
+    await waitFor(() => h.tui.prompt.value === "git status", "Enter to accept the match");
+    frame = await h.until((f) => !f.includes("reverse-i-search"));
+    await Bun.sleep(100);
+    expect(h.requests()).toHaveLength(0); // accepting a match does not submit it
+    expect(h.tui.agent.running).toBe(false);
+
+    // Escape cancels: the line that was there comes back.
+    h.s.mockInput.pressKey("r", { ctrl: true });
+    await h.s.mockInput.typeText("make");
+    await h.until((f) => f.includes("`make': make test"));
+    h.s.mockInput.pressEscape();
+    await Bun.sleep(40);
+    await waitFor(() => h.tui.prompt.value === "git status", "Escape to restore the line");
+    await h.until((f) => !f.includes("reverse-i-search"));
+    expect(h.exitCode).toBeUndefined(); // Escape in the search cancels it, it does not quit
+
+    // Ctrl+G cancels too; the search is case-insensitive.
+    h.s.mockInput.pressKey("r", { ctrl: true });
+    await h.s.mockInput.typeText("GIT");
+    frame = await h.until((f) => f.includes("`GIT':"));
+    expect(frame).toContain("`GIT': git commit -m x");
+    h.s.mockInput.pressKey("g", { ctrl: true });
+    await h.until((f) => !f.includes("reverse-i-search"));
+    expect(h.tui.prompt.value).toBe("git status");
+  });
+
+  // Two processes saving prompts at the same time lose none of them (proper-lockfile + atomic write).
+  test("concurrent processes adding to one history file lose no entries", async () => {
+    const file = join(scratch("aic-tui-"), "history");
+    const writer = (prefix: string) =>
+      Bun.spawn([process.execPath, join(ROOT, "tests", "history-writer.ts"), file, prefix, "200"], { cwd: ROOT, stdout: "pipe", stderr: "pipe" });
+    const procs = [writer("A"), writer("B")];
+    const results = await Promise.all(procs.map(async (p) => ({ code: await p.exited, stderr: await new Response(p.stderr).text() })));
+    for (const r of results) expect(r).toEqual({ code: 0, stderr: "" });
+    const lines = readFileSync(file, "utf8").split("\n").filter(Boolean);
+    const expected = ["A", "B"].flatMap((p) => Array.from({ length: 200 }, (_, i) => `${p}-${i}`));
+    expect(lines.length).toBe(400);
+    expect([...lines].sort()).toEqual([...expected].sort());
+  }, 60_000);
+
+  // At most 1000 entries, the oldest dropped; a prompt repeating the newest entry is folded.
+  test("the history keeps the newest 1000 entries and folds consecutive duplicates", async () => {
+    const file = join(scratch("aic-tui-"), "history");
+    writeFileSync(file, Array.from({ length: 1000 }, (_, i) => `old-${i}`).join("\n") + "\n");
+    const history = new PromptHistory(file);
+    await history.add("new-1");
+    await history.add("new-1");
+    await history.add("new-2");
+    const lines = readFileSync(file, "utf8").split("\n").filter(Boolean);
+    expect(lines.length).toBe(1000);
+    expect(lines.slice(0, 2)).toEqual(["old-2", "old-3"]);
+    expect(lines.slice(-3)).toEqual(["old-999", "new-1", "new-2"]);
+    expect(history.entries.slice(-3)).toEqual(["old-999", "new-1", "new-2"]);
+  });
+});
+
+describe("shell tab (SPEC §10)", () => {
+  // Tab shows an interactive $SHELL that gets every key; Tab again shows the console with its
+  // contents; a `cd` in the shell moves the agent's working directory.
+  test("Tab switches Console/Shell; keys reach the shell; cd is followed", async () => {
+    const saved = { cwd: process.cwd(), SHELL: process.env.SHELL, PS1: process.env.PS1 };
+    try {
+      process.env.SHELL = "/bin/sh";
+      process.env.PS1 = "tui-sh> ";
+      const h = await openTui({ request: "run: echo console-$((4*4))", args: ["--auto-approve"] });
+      process.chdir(h.dir);
+      await h.idle(2);
+      let frame = await h.until((f) => f.includes("console-16"));
+
+      h.s.mockInput.pressTab();
+      frame = await h.until((f) => f.includes("tui-sh> "));
+      expect(frame).not.toContain("console-16");
+      await h.type("echo sh-$((2+3))");
+      frame = await h.until((f) => f.includes("sh-5"));
+
+      h.s.mockInput.pressTab();
+      frame = await h.until((f) => f.includes("console-16"));
+      expect(frame).not.toContain("sh-5");
+      expect(frame).not.toContain("tui-sh> ");
+
+      h.s.mockInput.pressTab();
+      await h.until((f) => f.includes("sh-5"));
+      await h.type("cd /tmp");
+      await waitFor(() => process.cwd() === realpathSync("/tmp"), "aic to follow the shell into /tmp", 5000);
+      h.s.mockInput.pressTab();
+      await h.type("run: pwd");
+      await h.idle(4);
+      expect(messages(h.requests()[3]).at(-1).content).toContain(`Output:\n${realpathSync("/tmp")}`);
+    } finally {
+      process.chdir(saved.cwd);
+      for (const key of ["SHELL", "PS1"] as const) {
+        if (saved[key] === undefined) delete process.env[key];
+        else process.env[key] = saved[key];
+      }
+    }
+  });
+});
+
+describe("status footer and steering (SPEC §10, §6)", () => {
+  // After a step with usage: step 1/max, a context estimate, the billable tokens and the session
+  // file#id (on a wide terminal, so that nothing is cut; the next test covers 120 columns).
+  test("footer shows step, ctx, tokens and the session", async () => {
+    const h = await openTui({ request: "usage", width: 200 });
+    await h.idle(1);
+    const frame = await h.until((f) => footer(f).includes(`${BILLABLE} tok│`));
+    const line = footer(frame);
+    expect(line).toContain("step 1/500");
+    const ctx = /ctx (\d+)\/([\d.]+k?)│/.exec(line);
+    expect(ctx).not.toBeNull();
+    expect(Number(ctx![1])).toBeGreaterThan(0);
+    expect(line).toMatch(/\.aicsession#\d{8}_\d{6}/);
+    expect(line).toContain(`.aicsession#${h.tui.session!.sessionId}`);
+  });
+
+  // At the usual 120 columns the one-line footer still has room for every field, the session last.
+  test("at 120 columns the footer shows every field, including the session file and id", async () => {
+    const h = await openTui({ request: "usage", width: 120 });
+    await h.idle(1);
+    const line = footer(await h.until((f) => footer(f).includes("step 1/500")));
+    for (const field of ["Sandbox: off", "step 1/500", "ctx ", `${BILLABLE} tok│`, "tok/s", "idle", "auto-approve off", "test-model"]) expect(line).toContain(field);
+    expect(line).toContain(`.aicsession#${h.tui.session!.sessionId}`);
+  });
+
+  // A prompt typed while the agent runs is queued and joins the next request as a suggestion.
+  test("a prompt typed while the agent runs becomes a steering suggestion", async () => {
+    const dir = scratch("aic-tui-");
+    const go = join(dir, "go");
+    const h = await openTui({ args: ["--auto-approve"] });
+    await h.type(`run: while [ ! -e ${go} ]; do sleep 0.05; done; echo released`);
+    await waitFor(() => h.requests().length === 1, "the first request");
+    await h.until((f) => f.includes("$ while"));
+    expect(h.tui.agent.running).toBe(true);
+    await h.type("steer-left-please");
+    await h.until((f) => f.includes("[queued suggestion] steer-left-please"));
+    writeFileSync(go, "");
+    await h.idle(2);
+    const msgs = messages(h.requests()[1]);
+    expect(msgs.at(-2)).toMatchObject({ role: "tool" });
+    expect(msgs.at(-2).content).toContain("released");
+    expect(msgs.at(-1)).toEqual({ role: "user", content: "[Suggestion from user] steer-left-please" });
+  });
+});
+
+describe("session and quitting (SPEC §7, §10)", () => {
+  // Without --session the TUI keeps the conversation in ./.aicsession (mode 0600) and the next start
+  // in that directory resumes it.
+  test("the TUI defaults to ./.aicsession and resumes it at the next start", async () => {
+    const cwd = process.cwd();
+    const dir = scratch("aic-tui-");
+    try {
+      process.chdir(dir);
+      const first = await openTui({ dir, defaultSession: true, request: "remember-this-task" });
+      await first.idle(1);
+      await first.tui.quit(0, "process_exit");
+      expect(first.exitCode).toBe(0);
+      const file = join(dir, ".aicsession");
+      const doc = JSON.parse(readFileSync(file, "utf8"));
+      expect(doc.reason).toBe("process_exit");
+      expect(JSON.stringify(doc.messages)).toContain("remember-this-task");
+      expect(statSync(file).mode & 0o777).toBe(0o600);
+
+      const second = await openTui({ dir, defaultSession: true });
+      await second.until((f) => f.includes("Restored"));
+      expect(second.tui.session!.path).toBe(file);
+      expect(second.tui.session!.sessionId).toBe(doc.session_id);
+      await second.type("and-continue");
+      await second.idle(1);
+      const sent = messages(second.requests()[0]);
+      expect(sent.map((m) => m.content)).toContain("remember-this-task");
+      expect(sent.at(-1)).toEqual({ role: "user", content: "and-continue" });
+    } finally {
+      process.chdir(cwd);
+    }
+  });
+
+  // Ctrl+C stops a running agent, saves the session and quits (exit code 130).
+  test("Ctrl+C stops the agent, saves the session and quits", async () => {
+    const h = await openTui({ request: "hang" });
+    await waitFor(() => h.requests().length === 1, "the hanging request");
+    await waitFor(() => h.tui.agent.running, "the agent to run");
+    h.s.mockInput.pressCtrlC();
+    await waitFor(() => h.exitCode !== undefined, "the TUI to quit", 8000);
+    expect(h.exitCode).toBe(130);
+    expect(h.tui.agent.running).toBe(false);
+    const doc = JSON.parse(readFileSync(h.sessionFile, "utf8"));
+    expect(doc.reason).toBe("interrupted");
+    expect(JSON.stringify(doc.messages)).toContain("hang");
+  });
+
+  // Escape with no dialog or search open quits as well, saving the session.
+  test("Escape quits", async () => {
+    const h = await openTui();
+    await h.until((f) => f.includes("step 0/500"));
+    h.s.mockInput.pressEscape();
+    await waitFor(() => h.exitCode !== undefined, "the TUI to quit", 8000);
+    expect(h.exitCode).toBe(0);
+    expect(existsSync(h.sessionFile)).toBe(true);
+  });
+});
+
+describe("slash commands (SPEC §10, §7)", () => {
+  // /session names the file and the id.
+  test("/session prints the file and the id", async () => {
+    const h = await openTui({ width: 200 });
+    await h.type("/session");
+    const frame = await h.until((f) => f.includes("[SESSION] file"));
+    expect(frame).toContain(`[SESSION] file ${h.sessionFile}`);
+    expect(frame).toContain(`id ${h.tui.session!.sessionId}`);
+    expect(h.tui.session!.sessionId).toMatch(/^\d{8}_\d{6}$/);
+  });
+
+  // /clear empties the conversation and writes an empty session with reason "cleared".
+  test("/clear empties the conversation and the session file", async () => {
+    const h = await openTui({ request: "something to forget" });
+    await h.idle(1);
+    expect(JSON.parse(readFileSync(h.sessionFile, "utf8")).messages.length).toBeGreaterThan(1);
+    await h.type("/clear");
+    await h.until((f) => f.includes("cleared"));
+    const doc = JSON.parse(readFileSync(h.sessionFile, "utf8"));
+    expect(doc.reason).toBe("cleared");
+    expect(doc.messages).toEqual([]);
+    expect(h.tui.agent.messages).toEqual([]);
+    // The next run starts from scratch.
+    await h.type("fresh start");
+    await h.idle(2);
+    expect(messages(h.requests()[1]).map((m) => m.role)).toEqual(["system", "user"]);
+    expect(JSON.stringify(h.requests()[1]!.body.messages)).not.toContain("something to forget");
+  });
+
+  // /reload re-reads a session file edited by hand while the agent is stopped.
+  test("/reload picks up a hand-edited session file", async () => {
+    const h = await openTui({ request: "reload-original" });
+    await h.idle(1);
+    const text = readFileSync(h.sessionFile, "utf8");
+    expect(text).toContain("reload-original");
+    writeFileSync(h.sessionFile, text.replace("reload-original", "EDITED-CONTENT"));
+    await h.type("/reload");
+    await h.until((f) => f.includes("Restored"));
+    await h.type("after-reload");
+    await h.idle(2);
+    const sent = JSON.stringify(messages(h.requests()[1]));
+    expect(sent).toContain("EDITED-CONTENT");
+    expect(sent).not.toContain("reload-original");
+    expect(messages(h.requests()[1]).at(-1)).toEqual({ role: "user", content: "after-reload" });
+  });
+
+  // An unknown command lists them all, and slash commands are not saved to the history.
+  test("an unknown command lists every command", async () => {
+    const h = await openTui({ width: 200, height: 50 });
+    await h.type("/foo");
+    const frame = await h.until((f) => f.includes("Commands:"));
+    for (const name of ["/autoapprove", "/aa", "/approve", "/reject", "/suggest", "/clear", "/new", "/session", "/reload", "/stop", "/quit", "/exit"])
+      expect(frame).toContain(name);
+    await Bun.sleep(100);
+    expect(existsSync(h.historyFile) ? readFileSync(h.historyFile, "utf8") : "").not.toContain("/foo");
+    expect(h.requests()).toHaveLength(0);
+  });
+
+  // /stop ends a run whose model call never answers.
+  test("/stop stops a running agent", async () => {
+    const h = await openTui({ request: "hang" });
+    await waitFor(() => h.requests().length === 1, "the hanging request");
+    await h.until((f) => footer(f).includes("running"));
+    expect(h.tui.agent.running).toBe(true);
+    await h.type("/stop");
+    await waitFor(() => !h.tui.agent.running, "the agent to stop", 5000);
+    const frame = await h.until((f) => f.includes("[stopped]"));
+    expect(footer(frame)).toContain("idle");
+    expect(h.exitCode).toBeUndefined();
+    expect(JSON.parse(readFileSync(h.sessionFile, "utf8")).reason).toBe("interrupted");
+  });
+});
+
+describe("panes (SPEC §10)", () => {
+  // A pane keeps a bounded number of lines however much is appended.
+  test("a LogPane keeps at most 5000 lines", async () => {
+    await using s = await createTestRenderer({ width: 60, height: 20, exitOnCtrlC: false });
+    const pane = new LogPane(ot, s.renderer, { width: "100%", height: "100%" });
+    s.renderer.root.add(pane.box);
+    for (let i = 0; i < 6000; i++) pane.append(`line-${i}\n`);
+    await s.renderOnce();
+    await s.renderOnce();
+    expect(pane.lineCount).toBeLessThanOrEqual(5000);
+    expect(pane.lineCount).toBeGreaterThan(4000);
+    expect(s.captureCharFrame()).toContain("line-5999"); // it followed the newest line
+  });
+
+  // Scrolled up, the pane stays on the same lines while more arrive, also when old lines are trimmed.
+  test("a scrolled-up LogPane stays put while lines are appended", async () => {
+    await using s = await createTestRenderer({ width: 60, height: 20, exitOnCtrlC: false });
+    const top = async () => {
+      await s.renderOnce();
+      await s.renderOnce();
+      return s.captureCharFrame().split("\n")[0]!.trim().split(/\s+/)[0]!; // first word: the scrollbar sits at the right edge
+    };
+
+    const pane = new LogPane(ot, s.renderer, { width: "100%", height: "100%" });
+    s.renderer.root.add(pane.box);
+    for (let i = 0; i < 100; i++) pane.append(`a-${i}\n`);
+    await top();
+    pane.box.scrollTop = 0;
+    expect(await top()).toBe("a-0");
+    for (let i = 100; i < 150; i++) pane.append(`a-${i}\n`);
+    expect(await top()).toBe("a-0");
+    expect(pane.box.scrollTop).toBe(0);
+    s.renderer.root.remove(pane.box);
+
+    // Full pane: appending trims the oldest lines, and the view is moved to compensate.
+    const full = new LogPane(ot, s.renderer, { width: "100%", height: "100%" });
+    s.renderer.root.add(full.box);
+    for (let i = 0; i < 6000; i++) full.append(`b-${i}\n`);
+    await top();
+    full.box.scrollTop = 2000;
+    const before = await top();
+    expect(before).toMatch(/^b-\d+$/);
+    const scrollBefore = full.box.scrollTop;
+    for (let i = 6000; i < 6300; i++) full.append(`b-${i}\n`);
+    expect(await top()).toBe(before);
+    expect(full.box.scrollTop).toBeLessThan(scrollBefore);
+    expect(s.captureCharFrame()).not.toContain("b-6299");
+  });
+
+  // PgUp in the TUI scrolls the agent pane back, and it stays there while new output arrives.
+  test("PgUp scrolls the agent pane and it stays put", async () => {
+    const h = await openTui();
+    for (let i = 0; i < 200; i++) h.tui.emit({ type: "info", text: `older-${i}` });
+    await h.until((f) => f.includes("older-199"));
+    h.s.mockInput.pressKey("\x1b[5~");
+    const scrolled = await h.until((f) => !f.includes("older-199"));
+    const visible = scrolled.match(/older-\d+/g)!;
+    expect(visible.length).toBeGreaterThan(5);
+    for (let i = 0; i < 20; i++) h.tui.emit({ type: "info", text: `newer-${i}` });
+    const after = await h.frame();
+    expect(after.match(/older-\d+/g)).toEqual(visible);
+    expect(after).not.toContain("newer-19");
+    h.s.mockInput.pressKey("\x1b[6~");
+    h.s.mockInput.pressKey("\x1b[6~");
+    h.s.mockInput.pressKey("\x1b[6~");
+    await h.until((f) => f.includes("newer-19"));
+  });
+});
+
+describe("keyToBytes (SPEC §10: every key forwarded to the shell)", () => {
+  // Keys as OpenTUI parses them from a terminal, in legacy and in kitty keyboard mode (where Ctrl+C
+  // arrives as ESC[99;5u), turned into the bytes a shell on a PTY expects.
+  for (const kittyKeyboard of [false, true]) {
+    test(`control, arrows, Enter, Backspace, Alt and PgUp (${kittyKeyboard ? "kitty" : "legacy"} keyboard)`, async () => {
+      await using s = await createTestRenderer({ width: 40, height: 10, exitOnCtrlC: false, kittyKeyboard });
+      const keys: ot.KeyEvent[] = [];
+      s.renderer.keyInput.on("keypress", (k: ot.KeyEvent) => void keys.push(k));
+      const press = async (send: () => void) => {
+        const n = keys.length;
+        send();
+        await waitFor(() => keys.length > n, "a key event");
+        return keys.at(-1)!;
+      };
+      expect(keyToBytes(await press(() => s.mockInput.pressCtrlC()))).toBe("\x03");
+      const up = await press(() => s.mockInput.pressArrow("up"));
+      expect(keyToBytes(up)).toBe("\x1b[A");
+      expect(keyToBytes(up, true)).toBe("\x1bOA");
+      expect(keyToBytes(await press(() => s.mockInput.pressEnter()))).toBe("\r");
+      expect(keyToBytes(await press(() => s.mockInput.pressBackspace()))).toBe("\x7f");
+      expect(keyToBytes(await press(() => s.mockInput.pressKey("x", { meta: true })))).toBe("\x1bx");
+      expect(keyToBytes(await press(() => s.mockInput.pressEnter({ meta: true })))).toBe("\x1b\r");
+      expect(keyToBytes(await press(() => s.mockInput.pressKey("\x1b[5~")))).toBe("\x1b[5~");
+      expect(keyToBytes(await press(() => s.mockInput.pressKey("d", { ctrl: true })))).toBe("\x04");
+      expect(keyToBytes(await press(() => s.mockInput.pressKey("a")))).toBe("a");
+    });
+  }
+});
+
+describe("TokenRate (SPEC §10 footer tok/s)", () => {
+  // Tokens per second over a 1 s window, 0 once nothing has streamed for 2 s.
+  test("1 s window, decays to 0 after 2 s idle", () => {
+    const rate = new TokenRate();
+    const t0 = 1_000_000;
+    expect(rate.rate(t0)).toBe(0);
+    rate.add(5, t0);
+    rate.add(3, t0 + 500);
+    expect(rate.rate(t0 + 600)).toBe(8);
+    expect(rate.rate(t0 + 1400)).toBe(3);
+    expect(rate.rate(t0 + 1900)).toBe(0);
+    expect(rate.rate(t0 + 2600)).toBe(0);
+  });
+});
