@@ -542,6 +542,31 @@ class TokenCounter {
     return tokens;
   }
 
+  /**
+   * Like countRaw, but a long text not counted yet is encoded in slices with
+   * the event loop free in between, so a huge tool result never freezes the UI.
+   */
+  async countRawYielding(messages: readonly Message[]): Promise<number> {
+    let total = 0;
+    for (const m of messages) {
+      const hit = this.cache.get(m);
+      const fresh = !hit || hit.content !== m.content || hit.calls !== m.tool_calls;
+      const text = fresh ? contentText(m.content) : "";
+      if (fresh && text.length > TokenCounter.SLICE) {
+        let tokens = PER_MESSAGE_OVERHEAD;
+        for (let at = 0; at < text.length; at += TokenCounter.SLICE) {
+          tokens += this.tokensOf(text.slice(at, at + TokenCounter.SLICE));
+          await new Promise((resolve) => setImmediate(resolve));
+        }
+        for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) tokens += this.tokensOf(call.function?.name ?? "") + this.tokensOf(call.function?.arguments ?? "");
+        this.cache.set(m, { content: m.content, calls: m.tool_calls, tokens });
+      }
+      total += this.countMessage(m);
+    }
+    return total;
+  }
+  private static readonly SLICE = 16_384;
+
   countRaw(messages: readonly Message[]): number {
     let total = 0;
     for (const m of messages) total += this.countMessage(m);
@@ -1482,6 +1507,7 @@ async function killProcessGroup(pid: number, exited: Promise<unknown>): Promise<
     }
   };
   signalGroup("SIGTERM");
+  signalGroup("SIGCONT"); // a group paused for back-pressure must wake to act on SIGTERM
   await Promise.race([exited, Bun.sleep(KILL_GRACE_MS)]);
   // Background grandchildren stay in the group after the shell itself died.
   signalGroup("SIGKILL");
@@ -1642,7 +1668,12 @@ class TerminalRenderer {
   private pending: string | undefined;
   private queue: Promise<void> = Promise.resolve();
 
-  constructor(TerminalClass: typeof import("@xterm/headless").Terminal, private readonly sink: RenderedOutput) {
+  constructor(
+    TerminalClass: typeof import("@xterm/headless").Terminal,
+    private readonly sink: RenderedOutput,
+    /** Back-pressure on the command: it is paused while xterm is far behind, so nothing is lost and memory stays flat. */
+    private readonly flow: { pause(): void; resume(): void },
+  ) {
     this.term = new TerminalClass({ cols: COMMAND_COLUMNS, rows: COMMAND_ROWS, scrollback: TerminalRenderer.SLICE + COMMAND_ROWS, allowProposedApi: true, convertEol: false });
   }
 
@@ -1654,7 +1685,9 @@ class TerminalRenderer {
   private backlogBytes = 0;
   private dropped = 0;
   private static readonly MAX_PENDING = 2 * 1024 * 1024;
-  private static readonly BACKLOG_LIMIT = 1024 * 1024;
+  /** Only bytes already in flight when the command was paused land here; dropping is a last resort. */
+  private static readonly BACKLOG_LIMIT = 8 * 1024 * 1024;
+  private paused = false;
 
   /**
    * A PTY delivers faster than xterm parses; past MAX_PENDING the bytes wait
@@ -1662,6 +1695,10 @@ class TerminalRenderer {
    */
   write(bytes: Uint8Array): void {
     if (this.unparsed <= TerminalRenderer.MAX_PENDING && !this.backlog.length) return this.feed(bytes);
+    if (!this.paused) {
+      this.paused = true;
+      this.flow.pause();
+    }
     this.backlog.push(bytes);
     this.backlogBytes += bytes.length;
     while (this.backlog.length > 1 && this.backlogBytes > TerminalRenderer.BACKLOG_LIMIT) {
@@ -1683,12 +1720,16 @@ class TerminalRenderer {
           this.parsed = 0;
           Bun.gc(false);
         }
-        if (this.backlog.length && this.unparsed < TerminalRenderer.SLICE * 64) this.catchUp();
+        if ((this.backlog.length || this.paused) && this.unparsed < TerminalRenderer.SLICE * 64) this.catchUp();
       });
     }
   }
 
   private catchUp(): void {
+    if (this.paused) {
+      this.paused = false;
+      this.flow.resume();
+    }
     const chunks = this.backlog;
     this.backlog = [];
     this.backlogBytes = 0;
@@ -1836,7 +1877,7 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
       if (stopping && status === "runaway") return;
       lastOutputAt = Date.now();
       rawBytes += bytes.length;
-      (renderer ??= new TerminalRenderer(Terminal, rendered)).write(bytes);
+      (renderer ??= new TerminalRenderer(Terminal, rendered, flow)).write(bytes);
       opts.onData(bytes);
       if (rawBytes > runawayLimit) stop("runaway");
     },
@@ -1847,6 +1888,14 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
     status = why;
     stopping = killProcessGroup(pty.proc.pid, exited);
   };
+  const signalGroup = (sig: NodeJS.Signals) => {
+    try {
+      process.kill(-pty.proc.pid, sig);
+    } catch {
+      /* already gone */
+    }
+  };
+  const flow = { pause: () => signalGroup("SIGSTOP"), resume: () => signalGroup("SIGCONT") };
 
   const timeout = setTimeout(() => stop("timed_out"), opts.timeoutSec * 1000);
   const onAbort = () => stop("stopped");
@@ -2052,6 +2101,8 @@ interface AgentOptions {
   /** Whether a person can type into a running command (decides the stuck-on-input rule). */
   canAnswerInput: () => boolean;
   attachInput?: RunOptions["attachInput"];
+  /** Runs right before each command starts (the TUI syncs the cwd with its shell here). */
+  beforeCommand?: () => void;
 }
 
 interface RunOutcome {
@@ -2108,6 +2159,12 @@ class Agent {
       this.summary = splitSummary(contentText(first.content)).summary;
       first.content = systemContent(this.basePrompt, this.summary);
     } else this.messages.unshift({ role: "system", content: systemContent(this.basePrompt, this.summary) });
+  }
+
+  /** Starts loading what the first model call needs (tiktoken, the SDK), for a UI that would rather not pause later. */
+  warmUp(): void {
+    void this.tokenCounter();
+    void import("openai");
   }
 
   /** Queues a person's steering text; it joins the history at the start of the next step. */
@@ -2317,6 +2374,7 @@ class Agent {
       this.emit({ type: "approval", id: call.id, decision: "approved" });
     }
     if (signal.aborted) return { kind: "done", content: NOT_EXECUTED_STOPPED };
+    this.o.beforeCommand?.();
     const result = await runCommand({
       command,
       cwd: process.cwd(),
@@ -2344,7 +2402,7 @@ class Agent {
     // Before tiktoken is loaded, a byte count bounds the tokens: a short history needs no counting at all.
     if (!force && !this.counter && tokenUpperBound(this.messages) <= this.budget) return;
     const counter = await this.tokenCounter();
-    const before = counter.estimate(this.messages);
+    const before = Math.ceil((await counter.countRawYielding(this.messages)) * counter.ratio);
     this.contextEstimate = before;
     if (!force && before <= this.budget) return;
     const targetRaw = Math.floor(Math.floor(Math.min(this.budget, ceiling) * fraction) / counter.ratio);
@@ -2922,27 +2980,66 @@ function keyToBytes(key: KeyEvent, applicationCursor = false): string {
 /**
  * Turns a command's raw output into console-pane lines as it streams:
  * escape sequences stripped, `\r` restarting the line in progress (so a
- * progress bar updates in place), each finished line appended once.
+ * progress bar updates in place). Text is gathered and handed to the pane
+ * once per frame, and of a flood only the lines the pane can keep are ever
+ * turned into text nodes.
  */
 class ConsoleStream {
   private decoder = new TextDecoder();
   private current = "";
-  constructor(private readonly pane: LogPane) {}
+  private incoming: string[] = [];
+  private incomingBytes = 0;
+  private scheduled = false;
+
+  constructor(
+    private readonly pane: LogPane,
+    private readonly schedule: (flush: () => void) => void,
+  ) {}
+
   write(bytes: Uint8Array): void {
-    const text = Bun.stripANSI(this.decoder.decode(bytes, { stream: true })).replace(/\r\n/g, "\n");
-    const parts = text.split("\n");
-    parts.forEach((part, i) => {
+    this.incoming.push(this.decoder.decode(bytes, { stream: true }));
+    this.incomingBytes += bytes.length;
+    // Between two frames, keep only what can still be shown: the newest bytes.
+    while (this.incoming.length > 1 && this.incomingBytes > 4 * 1024 * 1024) this.incomingBytes -= this.incoming.shift()!.length;
+    if (!this.scheduled) {
+      this.scheduled = true;
+      this.schedule(() => this.flush());
+    }
+  }
+
+  flush(): void {
+    this.scheduled = false;
+    if (!this.incoming.length) return;
+    const text = Bun.stripANSI(this.incoming.join("")).replace(/\r\n/g, "\n");
+    this.incoming = [];
+    this.incomingBytes = 0;
+    let lines = text.split("\n");
+    const finished = lines.length - 1;
+    if (finished >= PANE_MAX_LINES) {
+      // More finished lines than the pane keeps: the older ones would be trimmed at once.
+      this.pane.clear();
+      this.current = "";
+      lines = lines.slice(lines.length - PANE_MAX_LINES);
+    }
+    const out: string[] = [];
+    lines.forEach((part, i) => {
       if (i > 0) {
-        this.pane.rewriteLastLine(this.current);
-        this.pane.append("\n");
+        out.push(this.current);
         this.current = "";
       }
       const cr = part.lastIndexOf("\r");
       this.current = cr >= 0 ? part.slice(cr + 1) : this.current + part;
     });
+    if (out.length) {
+      this.pane.rewriteLastLine(out[0]!);
+      if (out.length > 1) this.pane.append("\n" + out.slice(1).join("\n"));
+      this.pane.append("\n");
+    }
     this.pane.rewriteLastLine(this.current);
   }
+
   end(): void {
+    this.flush();
     if (this.current) this.pane.append("\n");
     this.current = "";
     this.decoder = new TextDecoder();
@@ -3010,7 +3107,7 @@ class Tui implements EventSink {
   private readonly modal: { overlay: import("@opentui/core").BoxRenderable; text: import("@opentui/core").TextRenderable };
   private readonly tooSmall: import("@opentui/core").BoxRenderable;
   private tab: "console" | "shell" = "console";
-  private shell: { pty: PtyProcess; term: XTerm; view: InstanceType<ReturnType<typeof defineTerminalView>>; cwdTimer: ReturnType<typeof setInterval> } | undefined;
+  private shell: { pty: PtyProcess; term: XTerm; view: InstanceType<ReturnType<typeof defineTerminalView>>; cwdTimer: ReturnType<typeof setInterval>; cwd: string } | undefined;
   private pending: { command: string; resolve(a: Approval): void } | undefined;
   private run: Promise<RunOutcome> | undefined;
   private readonly marker = new MarkerFilter();
@@ -3052,7 +3149,7 @@ class Tui implements EventSink {
     tabs.add(this.tabConsole);
     tabs.add(this.tabShell);
     this.consolePane = new LogPane(ot, r, { flexGrow: 1, width: "100%" });
-    this.consoleStream = new ConsoleStream(this.consolePane);
+    this.consoleStream = new ConsoleStream(this.consolePane, (flush) => r.requestAnimationFrame(flush));
     this.shellBox = new ot.BoxRenderable(r, { flexGrow: 1, width: "100%", visible: false });
     right.add(tabs);
     right.add(this.consolePane.box);
@@ -3099,6 +3196,7 @@ class Tui implements EventSink {
       systemPrompt: this.systemPrompt,
       session: this.session,
       canAnswerInput: () => false,
+      beforeCommand: () => this.followShellCwd(),
     });
     this.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: this.sandbox.status, session: this.session?.path ?? null, request: config.request ?? "" });
     if (this.session) {
@@ -3109,6 +3207,13 @@ class Tui implements EventSink {
     this.footerTimer = setInterval(() => this.refreshStatus(), 250);
     this.refreshStatus();
     if (config.request) void this.submit(config.request);
+    // Loading the tokenizer costs a few hundred ms of CPU: pay it while the person reads the first screen, not mid-stream.
+    setTimeout(() => {
+      if (this.exiting) return;
+      this.agent.warmUp();
+      require("proper-lockfile");
+      require("write-file-atomic");
+    }, 50);
   }
 
   // ── approval ─────────────────────────────────────────────────────────────
@@ -3377,25 +3482,9 @@ class Tui implements EventSink {
       pty.terminal.resize(view.width, view.height);
     };
     this.shellBox.add(view);
-    // Follow the shell's directory: the agent's next command runs where the person went.
-    let last = process.cwd();
-    const cwdTimer = setInterval(() => {
-      let now: string;
-      try {
-        now = fs.readlinkSync(`/proc/${pty.proc.pid}/cwd`);
-      } catch {
-        return;
-      }
-      if (now === last) return;
-      last = now;
-      try {
-        process.chdir(now);
-        this.agentPane.line(`[cwd] the agent now works in ${now} (followed the Shell tab)`, COLORS.info);
-      } catch {
-        /* not a directory we may enter */
-      }
-    }, 300);
-    this.shell = { pty, term, view, cwdTimer };
+    // Follow the shell's directory: polled for the info line, and checked again right before every command.
+    const cwdTimer = setInterval(() => this.followShellCwd(), 300);
+    this.shell = { pty, term, view, cwdTimer, cwd: process.cwd() };
     void pty.proc.exited.then(() => {
       if (this.exiting || !this.shell) return;
       clearInterval(this.shell.cwdTimer);
@@ -3405,6 +3494,26 @@ class Tui implements EventSink {
       this.agentPane.line("[shell] the shell exited; Tab to it again for a new one", COLORS.info);
       if (this.tab === "shell") this.setTab("console");
     });
+  }
+
+  /** When the Shell tab's shell changed directory, the agent follows it (SPEC §10). */
+  followShellCwd(): void {
+    const shell = this.shell;
+    if (!shell) return;
+    let now: string;
+    try {
+      now = fs.readlinkSync(`/proc/${shell.pty.proc.pid}/cwd`);
+    } catch {
+      return;
+    }
+    if (now === shell.cwd) return;
+    shell.cwd = now;
+    try {
+      process.chdir(now);
+      this.agentPane.line(`[cwd] the agent now works in ${now} (followed the Shell tab)`, COLORS.info);
+    } catch {
+      /* not a directory we may enter */
+    }
   }
 
   private checkSize(): void {

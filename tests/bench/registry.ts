@@ -13,5 +13,6 @@ import { memory } from "./memory.ts";
 import { perStep } from "./per-step.ts";
 import { sessionCheckpoint } from "./session.ts";
 import { tokens } from "./tokens.ts";
+import { tui } from "./tui.ts";
 
-export const BENCHMARKS: readonly Benchmark[] = [coldStart, perStep, memory, tokens, sessionCheckpoint];
+export const BENCHMARKS: readonly Benchmark[] = [coldStart, perStep, memory, tokens, sessionCheckpoint, tui];

@@ -47,7 +47,8 @@ function select(names: string[]): Benchmark[] {
 
 function verdict(m: Metric): { status: "PASS" | "MISS" | "info"; ratio?: number } {
   if (m.target === undefined) return { status: "info" };
-  const ratio = m.value / m.target;
+  // A target of 0 (nothing may be lost) has no meaningful ratio.
+  const ratio = m.target === 0 ? undefined : m.value / m.target;
   return { status: m.value <= m.target ? "PASS" : "MISS", ratio };
 }
 

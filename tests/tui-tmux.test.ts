@@ -1,0 +1,248 @@
+/**
+ * The terminal UI end to end (SPEC §10): the compiled dist/aic in a real
+ * terminal (tmux 3.3, 120×40), driven with keystrokes, against the fake model
+ * server running in this process.
+ *
+ * Each tmux server gets its own socket (`tmux -L aic-test-<random>`) and is
+ * killed at the end, so tests can run in parallel. Commands the model runs
+ * wait on "gate" files that the test creates once it has done what it needs
+ * in between, so nothing depends on how fast the machine is.
+ */
+import { afterEach, expect, test } from "bun:test";
+import { existsSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { startFakeServer, type FakeServer } from "./fake-openai.ts";
+import { AIC, bash, cleanEnv, runAic, scratch } from "./helpers.ts";
+
+const WIDTH = 120;
+const HEIGHT = 40;
+
+/** One detached tmux session on a private server socket. */
+class Tmux {
+  readonly socket = `aic-test-${process.pid}-${Math.random().toString(36).slice(2, 10)}`;
+  readonly target = "aic:0.0";
+
+  private readonly socketPath: string;
+
+  constructor(env: Record<string, string>, cwd: string, command: string[]) {
+    // -f /dev/null: the developer's ~/.tmux.conf must not change key handling or the size.
+    this.run(["-f", "/dev/null", "new-session", "-d", "-s", "aic", "-x", String(WIDTH), "-y", String(HEIGHT), "-c", cwd, ...command], env);
+    this.socketPath = this.display("#{socket_path}");
+  }
+
+  run(args: string[], env = cleanEnv()): string {
+    const r = Bun.spawnSync(["tmux", "-L", this.socket, ...args], { env, stdout: "pipe", stderr: "pipe" });
+    if (r.exitCode !== 0) throw new Error(`tmux ${args.join(" ")} failed (${r.exitCode}): ${r.stderr.toString()}`);
+    return r.stdout.toString();
+  }
+
+  /** Named keys (Enter, Tab, C-c) or single characters. */
+  keys(...keys: string[]): void {
+    this.run(["send-keys", "-t", this.target, ...keys]);
+  }
+
+  /** Text typed as-is, character by character. */
+  type(text: string): void {
+    this.run(["send-keys", "-t", this.target, "-l", text]);
+  }
+
+  screen(): string {
+    return this.run(["capture-pane", "-p", "-t", this.target]);
+  }
+
+  display(format: string): string {
+    return this.run(["display-message", "-p", "-t", this.target, format]).trim();
+  }
+
+  /** Polls the screen until `check` holds; on timeout fails with what was on screen. */
+  async waitFor(what: string, check: (screen: string) => boolean, timeoutMs = 30_000): Promise<string> {
+    const deadline = Date.now() + timeoutMs;
+    let screen = "";
+    while (Date.now() < deadline) {
+      screen = this.screen();
+      if (check(screen)) return screen;
+      await Bun.sleep(100);
+    }
+    throw new Error(`timed out waiting for ${what}; the screen was:\n${screen}`);
+  }
+
+  /** Ends the server (its panes get SIGHUP) and removes the socket file it leaves behind. */
+  kill(): void {
+    Bun.spawnSync(["tmux", "-L", this.socket, "kill-server"], { stdout: "ignore", stderr: "ignore" });
+    rmSync(this.socketPath, { force: true });
+  }
+}
+
+/** The right half of the screen (the Console Output / Shell pane), one string per row, borders removed. */
+function rightPaneRows(screen: string): string[] {
+  return screen.split("\n").map((row) => Array.from(row).slice(WIDTH / 2).join("").replace(/[│┃║]/g, "").trim());
+}
+
+/** The bottom line: the status footer. */
+function footer(screen: string): string {
+  return screen.trimEnd().split("\n").at(-1) ?? "";
+}
+
+/** The content of the tool message answering `callId`. */
+function toolAnswer(messages: any[], callId: string): string {
+  return String(messages.find((m) => m.role === "tool" && m.tool_call_id === callId)?.content ?? "");
+}
+
+/** A tool result's lines, trimmed (to compare a whole line such as `/tmp`, not a prefix of `/tmp/x`). */
+function outputLines(toolResult: string): string[] {
+  return toolResult.split("\n").map((l) => l.trim());
+}
+
+const cleanups: (() => void)[] = [];
+afterEach(() => {
+  for (const cleanup of cleanups.splice(0).reverse()) cleanup();
+});
+
+// §6 + §10: the approval dialog, approving with Y, live command output in the console pane, /aa
+// turning auto-approve on for the next command, the Shell tab's `cd` followed by the agent, Ctrl+C
+// quitting with the terminal restored, and the conversation saved in ./.aicsession.
+test(
+  "a TUI session in tmux: approve, /aa, Shell tab cd followed by the agent, Ctrl+C restores the terminal and saves",
+  async () => {
+    const home = scratch("aic-tui-home-");
+    const cwd = scratch("aic-tui-cwd-");
+    const gates = scratch("aic-tui-gates-");
+    cleanups.push(() => [home, cwd, gates].forEach((dir) => rmSync(dir, { recursive: true, force: true })));
+    const gate = (name: string) => join(gates, name);
+    const waitGate = (name: string) => `until [ -e ${gate(name)} ]; do sleep 0.1; done`;
+
+    // The model's turns: each command holds until the test opens its gate, so the test can act in between.
+    const commands = [
+      `echo hi-$((6*7)); ${waitGate("after-approval")}`,
+      `echo auto-$((5*5)); ${waitGate("after-cd")}`,
+      "pwd",
+    ];
+    const srv: FakeServer = startFakeServer({
+      turns: (_req, index) => (index < commands.length ? bash(commands[index]!, `call_${index}`) : { content: "All done.\nTASKCOMPLETE" }),
+    });
+    cleanups.push(() => srv.close());
+
+    const env = cleanEnv({ HOME: home, SHELL: "/bin/bash", PS1: "outer$ ", TERM: "xterm-256color" });
+    const tmux = new Tmux(env, cwd, ["bash", "--norc", "--noprofile"]);
+    cleanups.push(() => tmux.kill());
+    await tmux.waitFor("the outer shell's prompt", (s) => s.includes("outer$"));
+
+    // A person types the command in their shell; the wrapper prints aic's exit code afterwards.
+    tmux.type(`${AIC} --api-base ${srv.url} --model test-model 'say hi in the terminal'; echo EXIT=$?`);
+    tmux.keys("Enter");
+
+    // The first command waits for approval in a dialog that shows it.
+    let screen = await tmux.waitFor("the approval dialog", (s) => s.includes("Approve command?") && s.includes("echo hi-$((6*7))"));
+    expect(tmux.display("#{alternate_on}")).toBe("1");
+    expect(screen).not.toContain("hi-42");
+
+    // Y approves: the command runs and its output streams into the console pane.
+    tmux.keys("y");
+    screen = await tmux.waitFor("hi-42 in the console pane", (s) => rightPaneRows(s).some((r) => r.includes("hi-42")));
+    expect(screen).not.toContain("Approve command?");
+
+    // /aa while the command still runs turns auto-approve on (footer), for the next command.
+    tmux.type("/aa");
+    tmux.keys("Enter");
+    await tmux.waitFor("the footer saying auto-approve ON", (s) => footer(s).includes("auto-approve ON"));
+    writeFileSync(gate("after-approval"), "");
+
+    // The next command runs without asking.
+    screen = await tmux.waitFor("auto-25 in the console pane", (s) => rightPaneRows(s).some((r) => r.includes("auto-25")));
+    expect(screen).not.toContain("Approve command?");
+    expect(srv.requests.length).toBe(2);
+
+    // Shell tab: cd /tmp, confirmed by the shell itself, then back to the console.
+    tmux.keys("Tab");
+    tmux.type("cd /tmp && echo shell-now-in-$PWD");
+    tmux.keys("Enter");
+    await tmux.waitFor("the Shell tab's cd", (s) => s.includes("shell-now-in-/tmp"));
+    tmux.keys("Tab");
+    await tmux.waitFor("the console pane again", (s) => rightPaneRows(s).some((r) => r.includes("auto-25")));
+    // A person takes a moment before the agent goes on (the next test covers a command that starts at once).
+    await Bun.sleep(1000);
+    writeFileSync(gate("after-cd"), "");
+
+    // The agent's next command runs where the person went.
+    screen = await tmux.waitFor("pwd's output in the console pane", (s) => {
+      const rows = rightPaneRows(s);
+      const at = rows.findIndex((r) => r.includes("$ pwd"));
+      return at >= 0 && rows[at + 1] !== undefined && rows[at + 1] !== "";
+    });
+    const pwdRows = rightPaneRows(screen);
+    expect(pwdRows[pwdRows.findIndex((r) => r.includes("$ pwd")) + 1]).toBe("/tmp");
+    await tmux.waitFor("the run to finish", () => srv.requests.length >= 4);
+    expect(outputLines(toolAnswer(srv.requests[3]!.body.messages, "call_2"))).toContain("/tmp");
+
+    // Ctrl+C quits: the outer shell's prompt is back, the terminal left the alternate screen.
+    tmux.keys("C-c");
+    screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+    expect(screen).toMatch(/EXIT=130\s*\n\s*outer\$/);
+    expect(tmux.display("#{alternate_on}")).toBe("0");
+    expect(tmux.display("#{mouse_any_flag}")).toBe("0");
+
+    // The conversation is in .aicsession in the directory aic started in.
+    const sessionFile = join(cwd, ".aicsession");
+    expect(existsSync(sessionFile)).toBe(true);
+    const session = JSON.parse(readFileSync(sessionFile, "utf8"));
+    const messages: any[] = session.messages;
+    expect(messages.find((m) => m.role === "user")?.content).toContain("say hi in the terminal");
+    const toolResults = messages.filter((m) => m.role === "tool").map((m) => String(m.content));
+    expect(toolResults.some((c) => c.includes("hi-42"))).toBe(true);
+    expect(toolResults.some((c) => c.includes("auto-25"))).toBe(true);
+    expect(toolResults.some((c) => outputLines(c).includes("/tmp"))).toBe(true);
+  },
+  180_000,
+);
+
+// §10: "When the Shell tab's shell changes directory, aic follows it, so the agent's next command
+// runs there" — also when that command starts right after the cd (here the shell's own `touch`
+// releases the agent, so the next command starts within milliseconds of the cd).
+test(
+  "the agent's next command runs in the Shell tab's new directory even when it starts right after the cd",
+  async () => {
+    const home = scratch("aic-tui-home-");
+    const cwd = scratch("aic-tui-cwd-");
+    const gates = scratch("aic-tui-gates-");
+    cleanups.push(() => [home, cwd, gates].forEach((dir) => rmSync(dir, { recursive: true, force: true })));
+    const gate = join(gates, "cd-done");
+    const commands = [`until [ -e ${gate} ]; do sleep 0.01; done; echo released`, "pwd"];
+    const srv = startFakeServer({
+      turns: (_req, index) => (index < commands.length ? bash(commands[index]!, `call_${index}`) : { content: "TASKCOMPLETE" }),
+    });
+    cleanups.push(() => srv.close());
+    const env = cleanEnv({ HOME: home, SHELL: "/bin/bash", PS1: "outer$ ", TERM: "xterm-256color" });
+    const tmux = new Tmux(env, cwd, ["bash", "--norc", "--noprofile"]);
+    cleanups.push(() => tmux.kill());
+    await tmux.waitFor("the outer shell's prompt", (s) => s.includes("outer$"));
+    tmux.type(`${AIC} --auto-approve --api-base ${srv.url} --model test-model 'where am I'; echo EXIT=$?`);
+    tmux.keys("Enter");
+    await tmux.waitFor("the first command to start", (s) => rightPaneRows(s).some((r) => r.startsWith("$ until")));
+
+    tmux.keys("Tab");
+    tmux.type(`cd /tmp && touch ${gate}`);
+    tmux.keys("Enter");
+    await tmux.waitFor("the run to finish", () => srv.requests.length >= 3);
+    expect(outputLines(toolAnswer(srv.requests[1]!.body.messages, "call_0"))).toContain("released");
+    expect(outputLines(toolAnswer(srv.requests[2]!.body.messages, "call_1"))).toContain("/tmp");
+
+    tmux.keys("Tab");
+    tmux.keys("C-c");
+    await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+  },
+  120_000,
+);
+
+// §10 / §1: the TUI needs a terminal; without one aic says to use --nogui and exits 2 (usage error)
+// instead of drawing into a pipe or hanging.
+test("without a terminal on stdin the TUI refuses with exit 2 and points at --nogui", async () => {
+  const srv = startFakeServer();
+  cleanups.push(() => srv.close());
+  const home = scratch("aic-tui-home-");
+  cleanups.push(() => rmSync(home, { recursive: true, force: true }));
+  const r = await runAic(["--api-base", srv.url, "--model", "m", "do something"], { cwd: home, killAfterMs: 30_000, env: { HOME: home } });
+  expect(r.code).toBe(2);
+  expect(r.stderr).toContain("--nogui");
+  expect(r.stderr.trim().split("\n").length).toBe(1);
+  expect(srv.requests.length).toBe(0);
+});
