@@ -1684,7 +1684,7 @@ class TerminalRenderer {
   private backlog: Uint8Array[] = [];
   private backlogBytes = 0;
   private dropped = 0;
-  private static readonly MAX_PENDING = 2 * 1024 * 1024;
+  private static readonly MAX_PENDING = 256 * 1024;
   /** Only bytes already in flight when the command was paused land here; dropping is a last resort. */
   private static readonly BACKLOG_LIMIT = 8 * 1024 * 1024;
   private paused = false;
