@@ -1666,7 +1666,6 @@ class TerminalRenderer {
   private readonly term: import("@xterm/headless").Terminal;
   private marker: import("@xterm/headless").IMarker | undefined;
   private pending: string | undefined;
-  private queue: Promise<void> = Promise.resolve();
 
   constructor(
     TerminalClass: typeof import("@xterm/headless").Terminal,

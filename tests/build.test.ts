@@ -8,27 +8,17 @@
  * (`unshare --mount`, which needs root here); the fake OpenAI server stays in this process,
  * outside the namespace, and is reached over loopback.
  */
-import { afterEach, describe, expect, test } from "bun:test";
-import { copyFileSync, existsSync, readFileSync, rmSync, statSync } from "node:fs";
+import { describe, expect, test } from "bun:test";
+import { copyFileSync, existsSync, readFileSync, statSync } from "node:fs";
 import { join } from "node:path";
-import { countPromptTokens, startFakeServer, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
-import { AIC, ROOT, bash, cleanEnv, headless, runAic, scratch, type AicRun } from "./helpers.ts";
+import { countPromptTokens, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
+import { AIC, ROOT, bash, cleanEnv, headless, perTestFixtures, runAic, scratch, type AicRun } from "./helpers.ts";
 
 const NODE_MODULES = join(ROOT, "node_modules");
 
-const servers: FakeServer[] = [];
-const cleanups: string[] = [];
-afterEach(() => {
-  for (const s of servers.splice(0)) s.close();
-  for (const path of cleanups.splice(0)) rmSync(path, { recursive: true, force: true });
-});
-
-function serve(turns: Turn[]): FakeServer {
-  // inflation 1: the server reports exactly the tiktoken count, so aic's calibrated estimate must equal it.
-  const srv = startFakeServer({ turns, inflation: 1 });
-  servers.push(srv);
-  return srv;
-}
+const fixtures = perTestFixtures();
+// inflation 1: the server reports exactly the tiktoken count, so aic's calibrated estimate must equal it.
+const serve = (turns: Turn[]): FakeServer => fixtures.serve(turns, { inflation: 1 });
 
 const messagesOf = (req: RecordedRequest | undefined): any[] => req?.body?.messages ?? [];
 const toolAnswer = (srv: FakeServer, id: string): string =>
@@ -105,7 +95,7 @@ describe("standalone executable (SPEC §11)", () => {
   // One file, nothing beside it: a copy elsewhere runs a task from `/` with node_modules hidden.
   test("a copy of the binary in another directory runs a task from cwd /", async () => {
     const dir = scratch("aic-standalone-");
-    cleanups.push(dir);
+    fixtures.disposable(dir);
     const copy = join(dir, "aic");
     copyFileSync(AIC, copy);
     const srv = serve([bash("echo standalone-$((6*7)) && pwd", "call_echo"), { content: "TASKCOMPLETE" }]);
@@ -181,3 +171,10 @@ describe("aic search without network", () => {
     expect(run.stderr).toMatch(/^aic: error: .*query/);
   });
 });
+
+// The program and its tests type-check under `strict` (tsconfig.json), with no unused locals.
+test("aic.ts and the tests type-check", () => {
+  const tsc = Bun.spawnSync([join(ROOT, "node_modules", ".bin", "tsc"), "--noEmit", "-p", ROOT], { stdout: "pipe", stderr: "pipe" });
+  expect(tsc.stdout.toString() + tsc.stderr.toString()).toBe("");
+  expect(tsc.exitCode).toBe(0);
+}, 120_000);

@@ -2,9 +2,11 @@
  * Shared plumbing for the end-to-end tests: they drive the compiled dist/aic
  * as a user or a CI job would, against the fake OpenAI server in this folder.
  */
-import { mkdtempSync, realpathSync } from "node:fs";
+import { afterEach } from "bun:test";
+import { mkdtempSync, realpathSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
+import { startFakeServer, type FakeServer, type FakeServerOptions, type Turn } from "./fake-openai.ts";
 
 export const ROOT = resolve(import.meta.dir, "..");
 export const AIC = join(ROOT, "dist", "aic");
@@ -104,4 +106,28 @@ export function sequenceProblems(messages: any[]): string[] {
   });
   if (open?.size) problems.push(`end: call(s) ${[...open].join(", ")} never answered`);
   return problems;
+}
+
+/**
+ * Fake servers and scratch paths opened by the tests of one file, closed and
+ * removed after each test whatever happens, so a failing test leaves nothing behind.
+ */
+export function perTestFixtures() {
+  const servers: FakeServer[] = [];
+  const paths: string[] = [];
+  afterEach(() => {
+    for (const s of servers.splice(0)) s.close();
+    for (const p of paths.splice(0)) rmSync(p, { recursive: true, force: true });
+  });
+  return {
+    serve(turns: Turn[], options: Omit<FakeServerOptions, "turns"> = {}): FakeServer {
+      const srv = startFakeServer({ ...options, turns });
+      servers.push(srv);
+      return srv;
+    },
+    disposable(path: string): string {
+      paths.push(path);
+      return path;
+    },
+  };
 }

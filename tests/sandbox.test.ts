@@ -9,12 +9,12 @@
  * "on" behaviour is tested; without it, that aic says the sandbox is off and why. The describe
  * names say which path ran.
  */
-import { afterEach, describe, expect, test } from "bun:test";
-import { existsSync, mkdtempSync, readFileSync, realpathSync, rmSync, writeFileSync } from "node:fs";
+import { describe, expect, test } from "bun:test";
+import { existsSync, mkdtempSync, readFileSync, realpathSync, writeFileSync } from "node:fs";
 import { homedir } from "node:os";
 import { join } from "node:path";
-import { startFakeServer, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
-import { bash, headless, jsonLines, runAic } from "./helpers.ts";
+import { type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
+import { bash, headless, jsonLines, perTestFixtures, runAic } from "./helpers.ts";
 
 /** The Landlock ABI version of the running kernel (0 when it has none), asked of the kernel directly. */
 function kernelLandlockAbi(): number {
@@ -33,27 +33,14 @@ function kernelLandlockAbi(): number {
 const ABI = kernelLandlockAbi();
 const HOME = homedir();
 
-const servers: FakeServer[] = [];
-const cleanups: string[] = [];
-afterEach(() => {
-  for (const s of servers.splice(0)) s.close();
-  for (const path of cleanups.splice(0)) rmSync(path, { recursive: true, force: true });
-});
-
-function serve(turns: Turn[]): FakeServer {
-  const srv = startFakeServer({ turns });
-  servers.push(srv);
-  return srv;
-}
+const fixtures = perTestFixtures();
+const serve = (turns: Turn[]): FakeServer => fixtures.serve(turns);
 
 /** A name no other test or run will use. */
 const unique = (prefix: string) => `${prefix}${process.pid}-${Math.random().toString(36).slice(2, 10)}`;
 
 /** A path removed after the test whatever happens, so a failing test leaves nothing behind. */
-function disposable(path: string): string {
-  cleanups.push(path);
-  return path;
-}
+const disposable = (path: string): string => fixtures.disposable(path);
 
 /**
  * A start directory outside /tmp (under /var/tmp), so that "the cwd is writable" is proved on
