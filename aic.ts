@@ -3635,8 +3635,12 @@ class Tui implements EventSink {
 
   // ── leaving ──────────────────────────────────────────────────────────────
 
-  /** Stops the agent, saves the session, ends the shell, restores the terminal, and exits with `code`. */
-  async quit(code: number, reason: string): Promise<void> {
+  /**
+   * Stops the agent, saves the session, ends the shell, restores the
+   * terminal, and exits with `code`; `message` goes to stderr once the
+   * terminal is back to normal (a crash report, say).
+   */
+  async quit(code: number, reason: string, message?: string): Promise<void> {
     if (this.exiting) return;
     this.exiting = true;
     clearInterval(this.footerTimer);
@@ -3656,6 +3660,8 @@ class Tui implements EventSink {
     }
     removeScratchDirectory();
     this.r.destroy();
+    await Promise.race([this.r.closed, Bun.sleep(1000)]);
+    if (message) writeOut(2, message);
     this.o.onExit(code);
   }
 }
@@ -3703,9 +3709,7 @@ async function runTui(config: Config): Promise<number> {
     const tui = new Tui({ config, renderer, ot, Terminal, onExit: resolve });
     for (const sig of Object.keys(EXIT_SIGNALS) as ExitSignal[])
       process.on(sig, () => void tui.quit(EXIT_SIGNALS[sig], `signal_${os.constants.signals[sig]}`));
-    const crash = (error: unknown) => {
-      void tui.quit(EXIT.failure, "process_exit").then(() => writeOut(2, `aic: internal error: ${(error as Error)?.stack ?? error}\n`));
-    };
+    const crash = (error: unknown) => void tui.quit(EXIT.failure, "process_exit", `aic: internal error: ${(error as Error)?.stack ?? error}\n`);
     process.on("uncaughtException", crash);
     process.on("unhandledRejection", crash);
   });
