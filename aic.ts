@@ -47,9 +47,12 @@ const RUNAWAY_FACTOR = 100;
 /** Silence before we look whether a command is blocked reading its terminal. */
 const INPUT_WAIT_SILENCE_MS = 10_000;
 const KILL_GRACE_MS = 500;
+const MAX_TIMEOUT_SEC = Math.floor((2 ** 31 - 1) / 1000);
 const MAX_MODEL_ATTEMPTS = 5;
 const MAX_CONTEXT_RETRIES = 3;
 const BACKOFF_CAP_MS = 60_000;
+/** Silence from a model stream (before the first chunk or between two) after which the attempt counts as failed. */
+const STREAM_IDLE_MS = Number(process.env.AIC_STREAM_IDLE_MS) > 0 ? Number(process.env.AIC_STREAM_IDLE_MS) : 300_000;
 const COMMAND_COLUMNS = 160;
 const COMMAND_ROWS = 50;
 
@@ -196,6 +199,8 @@ function parseNumberFlag(f: FlagSpec, raw: string): number {
   if (raw.trim() === "" || !Number.isFinite(value)) throw new UsageError(`${f.name} needs a number, got '${raw}'`);
   if (f.kind === "int") {
     if (!Number.isInteger(value) || value <= 0) throw new UsageError(`${f.name} needs a positive whole number, got '${raw}'`);
+    // Timers overflow past 2^31 - 1 ms (about 24.8 days) and would fire at once.
+    if (f.key === "timeoutSec" && value > MAX_TIMEOUT_SEC) throw new UsageError(`${f.name} can be at most ${MAX_TIMEOUT_SEC} seconds, got '${raw}'`);
   } else if (!(value > 0 && value < 1)) {
     throw new UsageError(`${f.name} needs a fraction between 0 and 1 (exclusive), got '${raw}'`);
   }
@@ -332,13 +337,24 @@ interface EventSink {
 const useColor = (stream: NodeJS.WriteStream) => Boolean(stream.isTTY) && !process.env.NO_COLOR;
 const paint = (on: boolean, code: string, text: string) => (on ? `\x1b[${code}m${text}\x1b[0m` : text);
 
+const pause = new Int32Array(new SharedArrayBuffer(4));
+
+/**
+ * Writes everything, in order. A non-blocking pipe whose reader is slow
+ * answers EAGAIN or takes part of the data: wait a moment and write the rest
+ * (CI logs must not lose output). A closed pipe (aic … | head) is not an error.
+ */
 function writeOut(fd: 1 | 2, text: string | Uint8Array): void {
-  try {
-    if (typeof text === "string") fs.writeSync(fd, text);
-    else fs.writeSync(fd, text);
-  } catch (error) {
-    // A closed pipe (aic … | head) must not crash the agent mid-command.
-    if ((error as NodeJS.ErrnoException).code !== "EPIPE" && (error as NodeJS.ErrnoException).code !== "EAGAIN") throw error;
+  let rest = typeof text === "string" ? Buffer.from(text) : text;
+  while (rest.length) {
+    try {
+      rest = rest.subarray(fs.writeSync(fd, rest));
+    } catch (error) {
+      const code = (error as NodeJS.ErrnoException).code;
+      if (code === "EPIPE") return;
+      if (code !== "EAGAIN") throw error;
+      Atomics.wait(pause, 0, 0, 2);
+    }
   }
 }
 
@@ -368,6 +384,7 @@ class MarkerFilter {
 /** Text output for people and logs: content and command output on stdout, diagnostics on stderr. */
 class PlainSink implements EventSink {
   private readonly out = useColor(process.stdout);
+  private readonly outIsTerminal = Boolean(process.stdout.isTTY);
   private readonly err = useColor(process.stderr);
   private readonly marker = new MarkerFilter();
   private midLine = false;
@@ -416,7 +433,11 @@ class PlainSink implements EventSink {
         if (e.decision === "rejected") this.stderr("command rejected");
         if (e.decision === "suggestion") this.stderr(`command rejected with a suggestion: ${e.suggestion}`);
         return;
-      case "command_output": writeOut(1, e.data); this.midLine = true; return;
+      case "command_output":
+        // The PTY ends lines with \r\n; a log file or pipe wants plain \n (latin1 keeps every byte as it is).
+        writeOut(1, this.outIsTerminal ? e.data : Buffer.from(Buffer.from(e.data).toString("latin1").replaceAll("\r\n", "\n"), "latin1"));
+        if (e.data.length) this.midLine = e.data[e.data.length - 1] !== 0x0a;
+        return;
       case "command_result": {
         const note = e.status === "exited" ? `exit code ${e.exit_code}` : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
         if (this.midLine) this.stdout("\n");
@@ -444,13 +465,6 @@ class JsonSink implements EventSink {
   }
 }
 
-/** Fans one event stream out to several sinks (the TUI plus a test recorder, say). */
-class TeeSink implements EventSink {
-  constructor(private readonly sinks: EventSink[]) {}
-  emit(e: AgentEvent): void {
-    for (const s of this.sinks) s.emit(e);
-  }
-}
 
 // ════════════════════════════════════════════════════════════════════════════
 // Messages and token accounting
@@ -771,11 +785,16 @@ class ModelClient {
     let finished = false;
     let usage: AssistantTurn["usage"];
     const calls = new ToolCallAssembler();
+    // The SDK's own timeout ends once headers arrive; a stream that then goes silent would hang forever.
+    const idle = new AbortController();
+    let idleTimer = setTimeout(() => idle.abort(), STREAM_IDLE_MS);
     try {
       // The SDK's types do not know chat_template_kwargs; the boundary is narrowed chunk by chunk below.
-      const stream = (await client.chat.completions.create(this.params(req) as never, { signal })) as unknown as AsyncIterable<unknown>;
+      const stream = (await client.chat.completions.create(this.params(req) as never, { signal: AbortSignal.any([signal, idle.signal]) })) as unknown as AsyncIterable<unknown>;
       for await (const raw of stream) {
         chunks++;
+        clearTimeout(idleTimer);
+        idleTimer = setTimeout(() => idle.abort(), STREAM_IDLE_MS);
         const chunk = raw as { error?: unknown; choices?: { delta?: Record<string, unknown>; finish_reason?: unknown }[]; usage?: Record<string, unknown> };
         if (chunk.error) throw classifyModelFailure(undefined, errorBodyText(chunk.error) || "error inside the stream");
         if (chunk.usage) usage = readUsage(chunk.usage);
@@ -796,7 +815,10 @@ class ModelClient {
       }
     } catch (error) {
       if (signal.aborted) throw new StoppedError();
+      if (idle.signal.aborted) throw new ModelError(`no data from the model for ${STREAM_IDLE_MS / 1000} s`, "retry");
       throw modelErrorFrom(error);
+    } finally {
+      clearTimeout(idleTimer);
     }
     if (signal.aborted) throw new StoppedError();
     if (chunks === 0) throw new ModelError("the stream ended without any data", "retry");
@@ -811,12 +833,20 @@ class ModelClient {
    * else waits 1 s, 2 s, 4 s … (or Retry-After) up to five attempts.
    */
   async completeWithRetries(req: () => CompletionRequest, signal: AbortSignal, cb: StreamCallbacks & { onDiscard?(): void }): Promise<AssistantTurn> {
+    // Whether the failed attempt showed any text that the person must now be told to disregard.
+    let partial = false;
+    const watched: StreamCallbacks = {
+      onContent: (text) => { partial = true; cb.onContent?.(text); },
+      onReasoning: (text) => { partial = true; cb.onReasoning?.(text); },
+      onThinkingComplete: () => cb.onThinkingComplete?.(),
+    };
     for (let attempt = 1; ; attempt++) {
       try {
-        return await this.complete(req(), signal, cb);
+        return await this.complete(req(), signal, watched);
       } catch (error) {
         if (!(error instanceof ModelError) || error.kind !== "retry" || attempt >= MAX_MODEL_ATTEMPTS) throw error;
-        cb.onDiscard?.();
+        if (partial) cb.onDiscard?.();
+        partial = false;
         const backoff = Math.min(BACKOFF_CAP_MS, 1000 * 2 ** (attempt - 1));
         const wait = Math.min(BACKOFF_CAP_MS, error.retryAfterMs ?? backoff);
         this.sink.emit({ type: "retry", attempt, wait_ms: wait, reason: error.message });
@@ -978,7 +1008,7 @@ async function compressAnchored(
   targetRaw: number,
   summarise: (request: Message[]) => Promise<string | undefined>,
   /** The whole prompt budget in raw tokens: the summariser's own request must fit in it too. */
-  budgetRaw = targetRaw / 0.4,
+  budgetRaw: number,
 ): Promise<CompressionResult & { summary: string }> {
   const head = messages.slice(0, 2);
   // Room kept for the summary itself: ~5000 characters is about 1300 tokens.
@@ -1052,7 +1082,7 @@ function localIsoSeconds(now = new Date()): string {
 
 type FlockFn = (fd: number, op: number) => number;
 let flockFn: FlockFn | null | undefined;
-/** flock(2) through bun:ffi; undefined when this platform's libc cannot be opened. */
+/** flock(2) through bun:ffi; null when this platform's libc cannot be opened. */
 function loadFlock(): FlockFn | null {
   if (flockFn !== undefined) return flockFn;
   flockFn = null;
@@ -1144,7 +1174,6 @@ class SessionStore {
   sessionId = newSessionId();
   private extra: Record<string, unknown> = {};
   private failureReported = false;
-  lastReason = "";
 
   private constructor(
     readonly path: string,
@@ -1220,10 +1249,16 @@ class SessionStore {
   private moveAside(why: string): LoadedSession {
     let aside = `${this.path}.corrupt.${newSessionId()}`;
     try {
-      // link() refuses an existing name, so two files moved aside in one second never overwrite each other.
+      // link() (or an exclusive copy where links are not allowed) refuses an existing name,
+      // so two files moved aside in one second never overwrite each other.
       for (let n = 2; ; n++) {
         try {
-          fs.linkSync(this.path, aside);
+          try {
+            fs.linkSync(this.path, aside);
+          } catch (error) {
+            if ((error as NodeJS.ErrnoException).code === "EEXIST") throw error;
+            fs.copyFileSync(this.path, aside, fs.constants.COPYFILE_EXCL);
+          }
           break;
         } catch (error) {
           if ((error as NodeJS.ErrnoException).code !== "EEXIST") throw error;
@@ -1233,13 +1268,18 @@ class SessionStore {
       fs.unlinkSync(this.path);
       return { reports: [`${this.path} could not be loaded: ${why}; moved it to ${aside} and started a clean session`] };
     } catch (error) {
-      return { reports: [`${this.path} could not be loaded: ${why}; could not move it aside (${(error as Error).message}); starting clean and leaving it untouched`] };
+      // It could not be preserved elsewhere, so it must not be overwritten either: this run saves nothing.
+      this.frozen = true;
+      return { reports: [`${this.path} could not be loaded: ${why}; could not move it aside (${(error as Error).message}); starting clean without saving, so the file stays untouched`] };
     }
   }
 
   /** Writes one checkpoint atomically; a failure is reported once and the run goes on. */
+  /** Set when a broken file could not be moved aside: then it is never written over. */
+  private frozen = false;
+
   save(reason: string, state: SessionState): boolean {
-    this.lastReason = reason;
+    if (this.frozen) return false;
     const doc: Record<string, unknown> = {
       aic_session_version: 1,
       session_id: this.sessionId,
@@ -1255,6 +1295,8 @@ class SessionStore {
     };
     for (const [key, value] of Object.entries(this.extra)) if (!(key in doc)) doc[key] = value;
     try {
+      // write-file-atomic follows symlinks; a command could plant one to make aic (unconfined) overwrite another file.
+      if (fs.lstatSync(this.path, { throwIfNoEntry: false })?.isSymbolicLink()) throw new Error("it has been replaced by a symbolic link; not writing through it");
       const writeFileAtomic = require("write-file-atomic") as typeof import("write-file-atomic");
       writeFileAtomic.sync(this.path, this.serialise(doc, state.messages), { mode: 0o600, fsync: true });
       return true;
@@ -1428,12 +1470,33 @@ function sandboxExec(writable: string[], argv: string[]): number {
   return fail(`cannot execute ${argv[0]}`);
 }
 
+/**
+ * Keeps commands from reading the API key out of aic's own /proc entries
+ * (environ, cmdline, memory): a non-dumpable process's /proc files belong
+ * to root. Best effort; Linux only.
+ */
+function protectSecrets(config: Config): void {
+  if (process.platform !== "linux" || !config.apiKey) return;
+  try {
+    libc().symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  } catch {
+    /* not fatal: the key is still kept out of the commands' environment */
+  }
+}
+const PR_SET_DUMPABLE = 4;
+
 function setUpSandbox(config: Config): Sandbox {
   if (config.disableSandbox) return sandboxOff("--disable-sandbox");
   const abi = landlockAbi();
   if (typeof abi === "string") return sandboxOff(abi);
   const writable = [...new Set([process.cwd(), "/tmp", "/dev"])];
-  const prefix = [...selfArgv(), SANDBOX_EXEC, JSON.stringify(writable), "--"];
+  // The launcher must be something a confined command cannot swap out. /proc/self/exe, resolved by
+  // the freshly forked child, is this very executable's inode even if its path has been replaced.
+  const launcher = selfArgv();
+  const script = launcher[1];
+  if (script && writable.some((dir) => script === dir || script.startsWith(dir.endsWith("/") ? dir : dir + "/")))
+    return sandboxOff(`the aic script ${script} lives where commands may write, so they could change the sandbox launcher; run the compiled binary`);
+  const prefix = ["/proc/self/exe", ...launcher.slice(1), SANDBOX_EXEC, JSON.stringify(writable), "--"];
   // Prove the whole path once (ruleset, restrict, execve) before promising it.
   const probe = Bun.spawnSync([...prefix, "/bin/true"], { stdout: "ignore", stderr: "pipe" });
   if (probe.exitCode !== 0) return sandboxOff(probe.stderr.toString().trim().replace(/^aic sandbox: /, "") || `the self-test exited ${probe.exitCode}`);
@@ -1453,7 +1516,7 @@ function setUpSandbox(config: Config): Sandbox {
 // the full rendering saved to a file. Memory stays bounded whatever it prints.
 // ════════════════════════════════════════════════════════════════════════════
 
-type CommandStatus = "exited" | "timed_out" | "waiting_for_input" | "runaway" | "stopped";
+type CommandStatus = "exited" | "timed_out" | "waiting_for_input" | "runaway" | "stopped" | "not_started";
 
 interface CommandResult {
   exitCode: number | null;
@@ -1461,7 +1524,6 @@ interface CommandResult {
   /** What the model receives: rendered, capped, with the sentinel when cut. */
   output: string;
   savedTo?: string;
-  rawBytes: number;
 }
 
 interface PtyProcess {
@@ -1498,19 +1560,34 @@ function exitCodeOf(proc: Bun.Subprocess): number | null {
 }
 
 /** SIGTERM to the whole group, SIGKILL half a second later for whatever is left. */
-async function killProcessGroup(pid: number, exited: Promise<unknown>): Promise<void> {
-  const signalGroup = (sig: NodeJS.Signals) => {
-    try {
-      process.kill(-pid, sig);
-    } catch {
-      /* the group is already gone */
-    }
-  };
-  signalGroup("SIGTERM");
-  signalGroup("SIGCONT"); // a group paused for back-pressure must wake to act on SIGTERM
-  await Promise.race([exited, Bun.sleep(KILL_GRACE_MS)]);
-  // Background grandchildren stay in the group after the shell itself died.
-  signalGroup("SIGKILL");
+/** Sends `sig` to every process of the group led by `pid`; a group that is already gone is fine. */
+function signalGroup(pid: number, sig: NodeJS.Signals): void {
+  try {
+    process.kill(-pid, sig);
+  } catch {
+    /* the group is already gone */
+  }
+}
+
+/**
+ * SIGTERM to the whole group, SIGKILL half a second later for whatever is
+ * left: background grandchildren get the same grace as the shell itself.
+ */
+async function killProcessGroup(pid: number): Promise<void> {
+  signalGroup(pid, "SIGTERM");
+  signalGroup(pid, "SIGCONT"); // a group paused for back-pressure must wake to act on SIGTERM
+  const deadline = Date.now() + KILL_GRACE_MS;
+  while (Date.now() < deadline && groupAlive(pid)) await Bun.sleep(25);
+  signalGroup(pid, "SIGKILL");
+}
+
+function groupAlive(pid: number): boolean {
+  try {
+    process.kill(-pid, 0);
+    return process.platform !== "linux" || processesInGroup(pid).length > 0;
+  } catch {
+    return false;
+  }
 }
 
 let scratchDir: string | undefined;
@@ -1556,13 +1633,16 @@ class RenderedOutput {
   private bytes = 0;
   private linesOut = 0;
   private blanks = 0;
+  private spilled = false;
   private head: string[] = [];
   /** The tail as a queue: lines from `tailStart` on, with their byte sizes. */
   private tail: string[] = [];
   private tailSizes: number[] = [];
   private tailStart = 0;
   private tailBytes = 0;
+  /** The full-output file; undefined before the spill, or after writing it failed. */
   private file: number | undefined;
+  private fileError: string | undefined;
   private fileBuffer: string[] = [];
   private fileBufferBytes = 0;
   filePath: string | undefined;
@@ -1582,7 +1662,7 @@ class RenderedOutput {
     const size = Buffer.byteLength(line) + 1;
     this.bytes += size;
     this.linesOut++;
-    if (this.file === undefined) {
+    if (!this.spilled) {
       this.lines.push(line);
       if (this.bytes > this.maxBytes) this.spill();
       return;
@@ -1601,6 +1681,7 @@ class RenderedOutput {
 
   /** Buffered: one write(2) per 64 KB rather than per line. */
   private toFile(line: string, size: number): void {
+    if (this.file === undefined) return;
     this.fileBuffer.push(line);
     this.fileBufferBytes += size;
     if (this.fileBufferBytes >= 65536) this.flushFile();
@@ -1608,16 +1689,32 @@ class RenderedOutput {
 
   private flushFile(): void {
     if (this.file === undefined || !this.fileBuffer.length) return;
-    fs.writeSync(this.file, this.fileBuffer.join("\n") + "\n");
+    try {
+      fs.writeSync(this.file, this.fileBuffer.join("\n") + "\n");
+    } catch (error) {
+      this.fileFailed(error);
+    }
     this.fileBuffer = [];
     this.fileBufferBytes = 0;
   }
 
+  /** A full /tmp must not cost the command its result: keep head and tail, and say the file is missing. */
+  private fileFailed(error: unknown): void {
+    this.fileError = (error as Error).message;
+    if (this.file !== undefined) try { fs.closeSync(this.file); } catch { /* already closed */ }
+    this.file = undefined;
+  }
+
   /** Past the cap: start the file and keep only a head and a tail in memory. */
   private spill(): void {
-    this.filePath = path.join(scratchDirectory(), `output-${Date.now()}-${Math.random().toString(36).slice(2, 8)}.txt`);
-    this.file = fs.openSync(this.filePath, "w", 0o600);
-    fs.writeSync(this.file, this.lines.join("\n") + "\n");
+    this.spilled = true;
+    try {
+      this.filePath = path.join(scratchDirectory(), `output-${Date.now()}-${Math.random().toString(36).slice(2, 8)}.txt`);
+      this.file = fs.openSync(this.filePath, "w", 0o600);
+      fs.writeSync(this.file, this.lines.join("\n") + "\n");
+    } catch (error) {
+      this.fileFailed(error);
+    }
     let headSize = 0;
     for (const l of this.lines) {
       if (headSize >= this.maxBytes / 2) break;
@@ -1632,24 +1729,22 @@ class RenderedOutput {
 
   /** What the model receives. */
   finish(): { text: string; savedTo?: string } {
-    if (this.file === undefined) {
+    if (!this.spilled) {
       const text = this.lines.join("\n");
       if (Buffer.byteLength(text) <= this.maxBytes) return { text };
       this.spill();
     }
     this.flushFile();
-    fs.closeSync(this.file!);
+    if (this.file !== undefined) fs.closeSync(this.file);
     const half = Math.floor(this.maxBytes / 2);
     const head = headBytes(this.head.join("\n"), half);
     const tail = tailBytes(this.tail.slice(this.tailStart).join("\n"), this.maxBytes - Buffer.byteLength(head));
     const omitted = this.bytes - Buffer.byteLength(head) - Buffer.byteLength(tail);
-    const text = [
-      head,
-      `[… ${omitted} bytes left out of ${this.bytes} (${this.linesOut} lines). The whole output is saved in ${this.filePath}; read it in slices (sed -n, head -c, tail -c, grep) instead of re-running the command …]`,
-      tail,
-      TRUNCATION_SENTINEL,
-    ].join("\n");
-    return { text, savedTo: this.filePath };
+    const where = this.fileError
+      ? `The whole output could not be saved (${this.fileError}); redirect it to a file yourself and read that in slices`
+      : `The whole output is saved in ${this.filePath}; read it in slices (sed -n, head -c, tail -c, grep) instead of re-running the command`;
+    const text = [head, `[… ${omitted} bytes left out of ${this.bytes} (${this.linesOut} lines). ${where} …]`, tail, TRUNCATION_SENTINEL].join("\n");
+    return { text, savedTo: this.fileError ? undefined : this.filePath };
   }
 }
 
@@ -1845,6 +1940,16 @@ interface RunOptions {
   attachInput?(write: (data: string | Uint8Array) => void): () => void;
 }
 
+/** Variables that carry the model's API key: commands (and so the model) never see them. */
+const SECRET_ENV = ["AIC_API_KEY", "OPENAI_API_KEY"];
+
+/** aic's environment minus the API key, for commands and the Shell tab. */
+function commandEnvironment(): Record<string, string | undefined> {
+  const env: Record<string, string | undefined> = { ...process.env };
+  for (const name of SECRET_ENV) delete env[name];
+  return env;
+}
+
 function commandWrapper(command: string): string {
   const ua = BROWSER_USER_AGENT.replace(/'/g, "");
   return [
@@ -1866,7 +1971,7 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
   let status: CommandStatus = "exited";
   let stopping: Promise<void> | undefined;
 
-  const env = { ...process.env, ...COMMAND_ENV };
+  const env = { ...commandEnvironment(), ...COMMAND_ENV };
   const pty = spawnPty(opts.sandbox.wrap(["/bin/sh", "-c", commandWrapper(opts.command)]), {
     cwd: opts.cwd,
     env,
@@ -1885,16 +1990,9 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
   const stop = (why: CommandStatus) => {
     if (stopping) return;
     status = why;
-    stopping = killProcessGroup(pty.proc.pid, exited);
+    stopping = killProcessGroup(pty.proc.pid);
   };
-  const signalGroup = (sig: NodeJS.Signals) => {
-    try {
-      process.kill(-pty.proc.pid, sig);
-    } catch {
-      /* already gone */
-    }
-  };
-  const flow = { pause: () => signalGroup("SIGSTOP"), resume: () => signalGroup("SIGCONT") };
+  const flow = { pause: () => signalGroup(pty.proc.pid, "SIGSTOP"), resume: () => signalGroup(pty.proc.pid, "SIGCONT") };
 
   const timeout = setTimeout(() => stop("timed_out"), opts.timeoutSec * 1000);
   const onAbort = () => stop("stopped");
@@ -1921,7 +2019,7 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
   }
   await renderer?.finish();
   const { text, savedTo } = rendered.finish();
-  return { exitCode: exitCodeOf(pty.proc), status, output: text, savedTo, rawBytes };
+  return { exitCode: exitCodeOf(pty.proc), status, output: text, savedTo };
 }
 
 /** The tool message text for one finished command (SPEC §2, §4). */
@@ -1935,8 +2033,10 @@ function describeCommandResult(r: CommandResult, timeoutSec: number, maxOutputBy
       return `Command stopped: it was waiting for input from the terminal and nobody can answer it (exit code ${r.exitCode}). Re-run it non-interactively: use flags such as -y/--yes/--non-interactive, pipe answers with yes |, or feed a here-document.\nOutput before it was stopped:\n${r.output}`;
     case "runaway":
       return `Command stopped: it printed more than ${RUNAWAY_FACTOR * maxOutputBytes} bytes, the runaway-output limit (exit code ${r.exitCode}). Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`;
+    case "not_started":
+      return `Command could not be started: ${r.output}. Nothing ran.`;
     case "stopped":
-      return `Command stopped by the user before it finished (exit code ${r.exitCode}).\nOutput before it was stopped:\n${r.output}`;
+      return `Command stopped before it finished because the run was stopped (exit code ${r.exitCode}).\nOutput before it was stopped:\n${r.output}`;
   }
 }
 
@@ -2146,6 +2246,7 @@ class Agent {
   /** Takes over a restored session; the stored summary stays after the fresh system prompt. */
   restore(loaded: LoadedSession): void {
     if (!loaded.messages) return;
+    this.summary = undefined;
     this.messages = loaded.messages;
     this.stepCount = loaded.stepCount ?? 0;
     this.usage = loaded.usage ?? emptyUsage();
@@ -2171,9 +2272,12 @@ class Agent {
     this.suggestions.push(text);
   }
 
-  stop(): void {
+  /** Stops the run; `exitCode` is what its `end` event reports (130 unless a signal says otherwise). */
+  stop(exitCode: number = EXIT.sigint): void {
+    this.stopExitCode = exitCode;
     this.abort?.abort();
   }
+  private stopExitCode: number = EXIT.sigint;
 
   /** Forgets everything (/clear). */
   clear(): void {
@@ -2239,7 +2343,7 @@ class Agent {
       this.checkpoint(status === "stopped" ? "interrupted" : "loop_terminated");
     }
     if (status === "step_limit") this.emit({ type: "warning", text: `stopped after ${this.o.config.maxSteps} steps (--max-steps) without the task being marked complete` });
-    const exitCode = EXIT_FOR_STATUS[status];
+    const exitCode = status === "stopped" ? this.stopExitCode : EXIT_FOR_STATUS[status];
     this.emit({ type: "end", status, exit_code: exitCode, steps, usage: { ...this.usage } });
     return { status, exitCode };
   }
@@ -2297,7 +2401,8 @@ class Agent {
     this.emit({ type: "assistant", content: turn.content, tool_calls: turn.toolCalls.map((c) => ({ id: c.id, name: c.function.name, arguments: c.function.arguments })) });
     this.checkpoint("assistant_message");
     if (!turn.toolCalls.length) {
-      if (turn.content.includes(MARKER)) return "completed";
+      // A suggestion typed during the last step is heard before the task counts as done.
+      if (turn.content.includes(MARKER)) return this.suggestions.length ? undefined : "completed";
       this.messages.push({ role: "user", content: CONTINUE_MESSAGE });
       return undefined;
     }
@@ -2374,7 +2479,9 @@ class Agent {
     }
     if (signal.aborted) return { kind: "done", content: NOT_EXECUTED_STOPPED };
     this.o.beforeCommand?.();
-    const result = await runCommand({
+    let result: CommandResult;
+    try {
+      result = await runCommand({
       command,
       cwd: process.cwd(),
       timeoutSec: this.o.config.timeoutSec,
@@ -2384,7 +2491,11 @@ class Agent {
       sandbox: this.o.sandbox,
       onData: (data) => this.emit({ type: "command_output", id: call.id, data }),
       attachInput: this.o.attachInput,
-    });
+      });
+    } catch (error) {
+      // The model can do something about a command that cannot start (a vanished cwd, say); the run goes on.
+      result = { exitCode: null, status: "not_started", output: (error as Error).message };
+    }
     const content = describeCommandResult(result, this.o.config.timeoutSec, this.o.config.maxOutputBytes);
     this.emit({ type: "command_result", id: call.id, exit_code: result.exitCode, status: result.status, output: content, saved_to: result.savedTo });
     return { kind: "done", content };
@@ -2466,7 +2577,13 @@ function writeDebugDump(messages: readonly Message[], estimate: number, budget: 
     lines.push(contentText(m.content));
   });
   try {
-    fs.writeFileSync("commander-debug.txt", lines.join("\n") + "\n");
+    // O_NOFOLLOW: a command could have planted a symlink here to make unconfined aic write elsewhere.
+    const fd = fs.openSync("commander-debug.txt", fs.constants.O_WRONLY | fs.constants.O_CREAT | fs.constants.O_TRUNC | fs.constants.O_NOFOLLOW, 0o600);
+    try {
+      fs.writeSync(fd, lines.join("\n") + "\n");
+    } finally {
+      fs.closeSync(fd);
+    }
   } catch {
     /* a debugging aid must never stop the run */
   }
@@ -3284,7 +3401,7 @@ class Tui implements EventSink {
     if (!text) return;
     if (text.startsWith("/")) return this.runSlash(text);
     this.history.add(text).catch((error) => this.agentPane.line(`cannot save the prompt history: ${(error as Error).message}`, COLORS.warning));
-    this.cursor.reset();
+    this.cursor.reset(); // again: the history just grew by this prompt
     if (this.agent.running) {
       this.agent.suggest(text);
       this.agentPane.line(`[queued suggestion] ${text}`, COLORS.info);
@@ -3469,7 +3586,7 @@ class Tui implements EventSink {
     const shellPath = process.env.SHELL && fs.existsSync(process.env.SHELL) ? process.env.SHELL : fs.existsSync("/bin/bash") ? "/bin/bash" : "/bin/sh";
     let pty: PtyProcess;
     try {
-      pty = spawnPty(this.sandbox.wrap([shellPath, "-i"]), { cwd: process.cwd(), env: { ...process.env, TERM: "xterm-256color" }, cols, rows, onData: (bytes) => term.write(bytes) });
+      pty = spawnPty(this.sandbox.wrap([shellPath, "-i"]), { cwd: process.cwd(), env: { ...commandEnvironment(), TERM: "xterm-256color" }, cols, rows, onData: (bytes) => term.write(bytes) });
     } catch (error) {
       this.agentPane.line(`cannot start the shell ${shellPath}: ${(error as Error).message}`, COLORS.error);
       return;
@@ -3487,8 +3604,10 @@ class Tui implements EventSink {
     void pty.proc.exited.then(() => {
       if (this.exiting || !this.shell) return;
       clearInterval(this.shell.cwdTimer);
+      pty.terminal.close();
       this.shellBox.remove(view);
       view.destroy();
+      term.dispose();
       this.shell = undefined;
       this.agentPane.line("[shell] the shell exited; Tab to it again for a new one", COLORS.info);
       if (this.tab === "shell") this.setTab("console");
@@ -3526,7 +3645,7 @@ class Tui implements EventSink {
   private refreshStatus(): void {
     const c = this.o.config;
     const u = this.agent?.usage ?? emptyUsage();
-    const tokens = u.input_tokens - u.cached_tokens + u.output_tokens;
+    const tokens = u.billable_tokens;
     const sandboxOn = this.sandbox.enabled;
     // Most telling first, compact: a narrow terminal cuts the end of the line.
     const parts = [
@@ -3626,6 +3745,11 @@ class Tui implements EventSink {
       case "usage":
         return this.refreshStatus();
       case "end": {
+        // A stopped run no longer waits for an answer: the dialog must not swallow the next key.
+        if (this.pending) {
+          this.pending = undefined;
+          this.modal.overlay.visible = false;
+        }
         const u = e.usage;
         agent.line(`[${e.status}] ${e.steps} step(s) · ${u.input_tokens} in / ${u.output_tokens} out / ${u.cached_tokens} cached tokens`, e.exit_code === 0 ? COLORS.ok : COLORS.warning);
         return this.refreshStatus();
@@ -3644,7 +3768,7 @@ class Tui implements EventSink {
     if (this.exiting) return;
     this.exiting = true;
     clearInterval(this.footerTimer);
-    this.agent.stop();
+    this.agent.stop(code);
     if (this.pending) this.answerApproval({ kind: "reject" });
     if (this.run) await Promise.race([this.run, Bun.sleep(3000)]);
     this.agent.checkpoint(reason);
@@ -3766,6 +3890,12 @@ class StdinReader {
     if (!this.waiters.length && this.started && !this.forward) process.stdin.pause();
   }
 
+  /** Standard input was consumed elsewhere (the request, read with `-`): there is nothing left to answer with. */
+  markEnded(): void {
+    this.started = true;
+    this.ended = true;
+  }
+
   /** The next line, or null at end of input. */
   readLine(): Promise<string | null> {
     this.start();
@@ -3810,6 +3940,8 @@ async function runHeadless(config: Config): Promise<number> {
   let request = config.request!;
   if (request === "-") {
     request = (await Bun.stdin.text()).trim();
+    // The task used up stdin: approvals must not be answered by the task's own lines.
+    stdin.markEnded();
     if (!request) {
       writeOut(2, "aic: error: the request read from stdin (-) is empty\n");
       return EXIT.usage;
@@ -3853,12 +3985,19 @@ async function runHeadless(config: Config): Promise<number> {
     process.on(sig, () => {
       if (signalled) return;
       signalled = sig;
-      agent.stop();
+      agent.stop(EXIT_SIGNALS[sig]);
       // The loop normally winds down at once; this only guards a wedged shutdown.
       setTimeout(() => process.exit(finish(EXIT_SIGNALS[sig], `signal_${os.constants.signals[sig]}`)), 3000).unref();
     });
   }
 
+  // Anything thrown outside the loop's own try (a PTY or emulator callback) still saves the session first.
+  const crash = (error: unknown) => {
+    writeOut(2, `aic: internal error: ${(error as Error)?.stack ?? error}\n`);
+    process.exit(finish(EXIT.failure, "process_exit"));
+  };
+  process.on("uncaughtException", crash);
+  process.on("unhandledRejection", crash);
   sink.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: sandbox.status, session: session?.path ?? null, request });
   const outcome = await agent.run(request);
   if (signalled) return finish(EXIT_SIGNALS[signalled], `signal_${os.constants.signals[signalled]}`);
@@ -3890,6 +4029,7 @@ async function main(argv: string[]): Promise<number> {
     case "search":
       return runSearch(parsed.query, parsed.maxResults);
     case "run":
+      protectSecrets(parsed.config);
       return parsed.config.nogui ? runHeadless(parsed.config) : runTui(parsed.config);
   }
 }
@@ -3920,7 +4060,6 @@ export {
   PlainSink,
   RenderedOutput,
   SessionStore,
-  TeeSink,
   TokenCounter,
   ToolCallAssembler,
   buildSystemPrompt,

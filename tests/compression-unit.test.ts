@@ -215,7 +215,7 @@ describe("anchored LLM summary (SPEC §5)", () => {
     const messages = history(10, { callsPer: (t) => 1 + (t % 2) });
     const target = targetFor(messages);
     const s = summariser((n) => `SUMMARY-${n}: files 0–6 were read.`);
-    const result = await compressAnchored(messages, BASE, undefined, counter, target, s.fn);
+    const result = await compressAnchored(messages, BASE, undefined, counter, target, s.fn, total(messages));
     const out = result.messages;
 
     expect(result.summary).toBe("SUMMARY-1: files 0–6 were read.");
@@ -238,7 +238,7 @@ describe("anchored LLM summary (SPEC §5)", () => {
   test("the summariser request carries the evicted segment, the first command and the system prompt", async () => {
     const messages = history(10, { rows: 40 });
     const s = summariser(() => "SUMMARY-1");
-    const result = await compressAnchored(messages, BASE, undefined, counter, targetFor(messages), s.fn);
+    const result = await compressAnchored(messages, BASE, undefined, counter, targetFor(messages), s.fn, total(messages));
     const request = s.requests[0]!;
 
     expect(request.map((m) => m.role)).toEqual(["system", "user"]);
@@ -267,7 +267,7 @@ describe("anchored LLM summary (SPEC §5)", () => {
   test("an evicted segment too long for the request keeps its newest messages", async () => {
     const messages = history(40);
     const s = summariser(() => "SUMMARY-1");
-    const result = await compressAnchored(messages, BASE, undefined, counter, targetFor(messages), s.fn);
+    const result = await compressAnchored(messages, BASE, undefined, counter, targetFor(messages), s.fn, total(messages));
     const ask = String(s.requests[0]![1]!.content);
     const evicted = messages.slice(2, messages.length - (result.messages.length - 2));
     const newestTool = evicted.findLast((m) => m.role === "tool")!;
@@ -279,7 +279,7 @@ describe("anchored LLM summary (SPEC §5)", () => {
     const messages = history(10);
     messages[0] = { role: "system", content: systemContent(BASE, "SUMMARY-OLD: the first files were empty.") };
     const s = summariser(() => "SUMMARY-NEW: all files counted so far.");
-    const result = await compressAnchored(messages, BASE, "SUMMARY-OLD: the first files were empty.", counter, targetFor(messages), s.fn);
+    const result = await compressAnchored(messages, BASE, "SUMMARY-OLD: the first files were empty.", counter, targetFor(messages), s.fn, total(messages));
 
     expect(String(s.requests[0]![1]!.content)).toContain("SUMMARY-OLD: the first files were empty.");
     expect(result.messages[0]!.content).toBe(`${BASE}\n\n${HEADING}\nSUMMARY-NEW: all files counted so far.`);
@@ -289,7 +289,7 @@ describe("anchored LLM summary (SPEC §5)", () => {
   test("a failing summariser gives [summary unavailable] and still shrinks", async () => {
     const messages = history(10);
     const target = targetFor(messages);
-    const result = await compressAnchored(messages, BASE, undefined, counter, target, async () => undefined);
+    const result = await compressAnchored(messages, BASE, undefined, counter, target, async () => undefined, total(messages));
 
     expect(result.summary).toContain("[summary unavailable]");
     expect(result.messages[0]!.content).toBe(`${BASE}\n\n${HEADING}\n${result.summary}`);
@@ -305,7 +305,7 @@ describe("anchored LLM summary (SPEC §5)", () => {
     const full = total(messages);
     for (let fraction = 0.15; fraction < 1; fraction += 0.1) {
       const target = Math.floor(full * fraction);
-      const result = await compressAnchored(messages, BASE, undefined, counter, target, async () => "SUMMARY: short.");
+      const result = await compressAnchored(messages, BASE, undefined, counter, target, async () => "SUMMARY: short.", total(messages));
       const out = result.messages;
       expect(out[1]).toEqual({ role: "user", content: FIRST });
       expect(out[2]?.role).not.toBe("tool");

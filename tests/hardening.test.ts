@@ -1,0 +1,135 @@
+/**
+ * Failure modes found in review: each test pins one way aic could hang, lose
+ * output or a file, leak the API key, or let a command out of the sandbox.
+ */
+import { describe, expect, test } from "bun:test";
+import { copyFileSync, existsSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { AIC, bash, cleanEnv, headless, jsonLines, perTestFixtures, runAic, scratch } from "./helpers.ts";
+
+const fixtures = perTestFixtures();
+const lastTool = (srv: { requests: { body: any }[] }) => srv.requests.at(-1)!.body.messages.findLast((m: any) => m.role === "tool")?.content ?? "";
+
+describe("standard input", () => {
+  // A task read with `-` from a file uses stdin up: its lines must not answer approval prompts.
+  test("a request read with - never answers an approval; the run exits 4", async () => {
+    const dir = scratch();
+    writeFileSync(join(dir, "task.md"), "first paragraph\n\nsecond paragraph\ny\n");
+    const srv = fixtures.serve([bash("touch ran.txt")]);
+    const proc = Bun.spawn(["sh", "-c", `exec ${AIC} --nogui --api-base ${srv.url} --model m - < task.md`], { cwd: dir, env: cleanEnv(), stdout: "pipe", stderr: "pipe" });
+    const [stderr, code] = [await new Response(proc.stderr).text(), await proc.exited];
+    expect(code).toBe(4);
+    expect(stderr).toContain("--auto-approve");
+    expect(existsSync(join(dir, "ran.txt"))).toBe(false);
+    expect(srv.requests[0]!.body.messages[1].content).toBe("first paragraph\n\nsecond paragraph\ny");
+  });
+
+  // A slow reader of aic's stdout (a CI log pipe) must still get every line, with plain \n endings.
+  test("output to a slow pipe is complete", async () => {
+    const srv = fixtures.serve([bash("seq 1 100000"), { content: "TASKCOMPLETE" }]);
+    const cmd = `${AIC} ${headless(srv.url).join(" ")} --auto-approve count | (sleep 2; grep -c -x '[0-9][0-9]*')`;
+    const proc = Bun.spawn(["sh", "-c", cmd], { cwd: scratch(), env: cleanEnv(), stdout: "pipe", stderr: "pipe" });
+    const out = (await new Response(proc.stdout).text()).trim();
+    await proc.exited;
+    expect(Number(out)).toBe(100000);
+  });
+});
+
+describe("secrets and the sandbox", () => {
+  // The API key stays out of what commands can see, so it never reaches the model or the session file.
+  test("commands do not see the API key in their environment", async () => {
+    const dir = scratch();
+    const srv = fixtures.serve([bash("env | grep -c API_KEY; echo done"), { content: "TASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "look"], { cwd: dir, env: { AIC_API_KEY: "sk-secret-aic", OPENAI_API_KEY: "sk-secret-openai" } });
+    expect(run.code).toBe(0);
+    expect(lastTool(srv)).toContain("\n0\ndone");
+    expect(readFileSync(join(dir, "s.json"), "utf8")).not.toContain("sk-secret");
+  });
+
+  // A confined command that replaces the aic executable in a writable place cannot run the next command unconfined.
+  test("replacing the aic binary in the cwd does not unlock the next command", async () => {
+    const dir = scratch();
+    copyFileSync(AIC, join(dir, "aic"));
+    const target = `/var/tmp/aic-escape-${process.pid}-${Date.now()}`;
+    const srv = fixtures.serve([bash(`rm -f ./aic && printf '#!/bin/sh\\nshift 3\\nexec "$@"\\n' > ./aic && chmod +x ./aic && echo swapped`), bash(`echo escaped > ${target}; echo rc=$?`), { content: "TASKCOMPLETE" }]);
+    const proc = Bun.spawn([join(dir, "aic"), ...headless(srv.url), "--auto-approve", "try"], { cwd: dir, env: cleanEnv(), stdout: "pipe", stderr: "pipe" });
+    const [stderr, code] = [await new Response(proc.stderr).text(), await proc.exited];
+    try {
+      expect(stderr).toContain("Sandbox: on");
+      expect(code).toBe(0);
+      expect(existsSync(target)).toBe(false);
+      expect(lastTool(srv)).toContain("Permission denied");
+    } finally {
+      rmSync(target, { force: true });
+    }
+  });
+
+  // aic writes its own files unconfined, so it must not follow a symlink a command planted in their place.
+  test("a session file replaced by a symlink is not written through", async () => {
+    const dir = scratch();
+    const victim = join(scratch(), "precious.txt");
+    writeFileSync(victim, "keep me\n");
+    const srv = fixtures.serve([bash(`rm -f s.json && ln -s ${victim} s.json && echo planted`), { content: "TASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "--debug", "plant"], { cwd: dir });
+    expect(run.code).toBe(0);
+    expect(readFileSync(victim, "utf8")).toBe("keep me\n");
+    expect(run.stderr).toContain("symbolic link");
+  });
+
+  test("a debug dump replaced by a symlink is not written through", async () => {
+    const dir = scratch();
+    const victim = join(scratch(), "precious.txt");
+    writeFileSync(victim, "keep me\n");
+    symlinkSync(victim, join(dir, "commander-debug.txt"));
+    const srv = fixtures.serve([{ content: "TASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "--debug", "hello"], { cwd: dir });
+    expect(run.code).toBe(0);
+    expect(readFileSync(victim, "utf8")).toBe("keep me\n");
+  });
+});
+
+describe("never hangs, never hides", () => {
+  // A model stream that goes silent is a failed attempt, retried, not a hang (the idle limit is shortened for the test).
+  test("a silent model stream is retried after the idle limit", async () => {
+    const srv = fixtures.serve([{ type: "hang" }, { content: "TASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "hello"], { env: { AIC_STREAM_IDLE_MS: "1000" } });
+    expect(run.code).toBe(0);
+    expect(srv.requests.length).toBe(2);
+    expect(run.stderr).toContain("no data from the model");
+  });
+
+  // After SIGTERM the JSON `end` event reports the same exit code the process ends with.
+  test("--json end event carries 143 after SIGTERM", async () => {
+    const srv = fixtures.serve([bash("sleep 300")]);
+    const dir = scratch();
+    const proc = Bun.spawn([AIC, ...headless(srv.url), "--auto-approve", "--json", "wait"], { cwd: dir, env: cleanEnv(), stdout: "pipe", stderr: "pipe" });
+    const deadline = Date.now() + 30_000;
+    while (srv.requests.length < 1 && Date.now() < deadline) await Bun.sleep(50);
+    await Bun.sleep(800);
+    proc.kill("SIGTERM");
+    const [stdout, code] = [await new Response(proc.stdout).text(), await proc.exited];
+    expect(code).toBe(143);
+    const end = jsonLines(stdout).find((e) => e.type === "end");
+    expect(end.exit_code).toBe(143);
+    expect(end.status).toBe("stopped");
+  });
+
+  // A timeout too large for a timer is refused up front instead of killing every command at once.
+  test("--timeout beyond what a timer can hold is a usage error", async () => {
+    const run = await runAic(["--nogui", "--api-base", "http://127.0.0.1:9/v1", "--model", "m", "--timeout", "3000000", "x"]);
+    expect(run.code).toBe(2);
+    expect(run.stderr.trim().split("\n")).toHaveLength(1);
+    expect(run.stderr).toContain("--timeout");
+  });
+
+  // A command that cannot even start is reported to the model, and the run goes on.
+  test("a command that cannot start becomes a tool result, not the end of the run", async () => {
+    const dir = join(scratch(), "doomed");
+    require("node:fs").mkdirSync(dir);
+    const srv = fixtures.serve([bash(`rmdir "${dir}"; echo gone`), bash("echo after"), { content: "TASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--disable-sandbox", "go"], { cwd: dir });
+    expect(run.code).toBe(0);
+    expect(srv.requests.length).toBe(3);
+    expect(lastTool(srv)).toContain("Command could not be started");
+  });
+});
