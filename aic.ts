@@ -525,11 +525,15 @@ function loadEncoder(): Promise<Encoder> {
 /** Never fewer than the real count: a byte-level BPE token covers at least one byte. */
 function tokenUpperBound(messages: readonly Message[]): number {
   let total = 0;
-  for (const m of messages) {
-    total += PER_MESSAGE_OVERHEAD + Buffer.byteLength(contentText(m.content));
-    for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) total += Buffer.byteLength(call.function?.name ?? "") + Buffer.byteLength(call.function?.arguments ?? "");
-  }
+  for (const m of messages) total += PER_MESSAGE_OVERHEAD + countedTexts(m).reduce((n, t) => n + Buffer.byteLength(t), 0);
   return total;
+}
+
+/** The texts of a message that count as tokens: its content, and each tool call's name and arguments. */
+function countedTexts(m: Message): string[] {
+  const texts = [contentText(m.content)];
+  for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) texts.push(call.function?.name ?? "", call.function?.arguments ?? "");
+  return texts;
 }
 
 class TokenCounter {
@@ -548,10 +552,17 @@ class TokenCounter {
 
   /** Raw tiktoken count of one message; cached until its content or calls change. */
   countMessage(m: Message): number {
+    const hit = this.cached(m);
+    if (hit !== undefined) return hit;
+    return this.remember(m, PER_MESSAGE_OVERHEAD + countedTexts(m).reduce((n, t) => n + this.tokensOf(t), 0));
+  }
+
+  private cached(m: Message): number | undefined {
     const hit = this.cache.get(m);
-    if (hit && hit.content === m.content && hit.calls === m.tool_calls) return hit.tokens;
-    let tokens = PER_MESSAGE_OVERHEAD + this.tokensOf(contentText(m.content));
-    for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) tokens += this.tokensOf(call.function?.name ?? "") + this.tokensOf(call.function?.arguments ?? "");
+    return hit && hit.content === m.content && hit.calls === m.tool_calls ? hit.tokens : undefined;
+  }
+
+  private remember(m: Message, tokens: number): number {
     this.cache.set(m, { content: m.content, calls: m.tool_calls, tokens });
     return tokens;
   }
@@ -563,17 +574,14 @@ class TokenCounter {
   async countRawYielding(messages: readonly Message[]): Promise<number> {
     let total = 0;
     for (const m of messages) {
-      const hit = this.cache.get(m);
-      const fresh = !hit || hit.content !== m.content || hit.calls !== m.tool_calls;
-      const text = fresh ? contentText(m.content) : "";
-      if (fresh && text.length > TokenCounter.SLICE) {
+      if (this.cached(m) === undefined && contentText(m.content).length > TokenCounter.SLICE) {
         let tokens = PER_MESSAGE_OVERHEAD;
-        for (let at = 0; at < text.length; at += TokenCounter.SLICE) {
-          tokens += this.tokensOf(text.slice(at, at + TokenCounter.SLICE));
-          await new Promise((resolve) => setImmediate(resolve));
-        }
-        for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) tokens += this.tokensOf(call.function?.name ?? "") + this.tokensOf(call.function?.arguments ?? "");
-        this.cache.set(m, { content: m.content, calls: m.tool_calls, tokens });
+        for (const text of countedTexts(m))
+          for (let at = 0; at < text.length; at += TokenCounter.SLICE) {
+            tokens += this.tokensOf(text.slice(at, at + TokenCounter.SLICE));
+            await new Promise((resolve) => setImmediate(resolve));
+          }
+        this.remember(m, tokens);
       }
       total += this.countMessage(m);
     }
@@ -3103,7 +3111,7 @@ function keyToBytes(key: KeyEvent, applicationCursor = false): string {
 class ConsoleStream {
   private decoder = new TextDecoder();
   private current = "";
-  private incoming: string[] = [];
+  private incoming: { text: string; bytes: number }[] = [];
   private incomingBytes = 0;
   private scheduled = false;
 
@@ -3113,10 +3121,10 @@ class ConsoleStream {
   ) {}
 
   write(bytes: Uint8Array): void {
-    this.incoming.push(this.decoder.decode(bytes, { stream: true }));
+    this.incoming.push({ text: this.decoder.decode(bytes, { stream: true }), bytes: bytes.length });
     this.incomingBytes += bytes.length;
     // Between two frames, keep only what can still be shown: the newest bytes.
-    while (this.incoming.length > 1 && this.incomingBytes > 4 * 1024 * 1024) this.incomingBytes -= this.incoming.shift()!.length;
+    while (this.incoming.length > 1 && this.incomingBytes > 4 * 1024 * 1024) this.incomingBytes -= this.incoming.shift()!.bytes;
     if (!this.scheduled) {
       this.scheduled = true;
       this.schedule(() => this.flush());
@@ -3126,7 +3134,7 @@ class ConsoleStream {
   flush(): void {
     this.scheduled = false;
     if (!this.incoming.length) return;
-    const text = Bun.stripANSI(this.incoming.join("")).replace(/\r\n/g, "\n");
+    const text = Bun.stripANSI(this.incoming.map((c) => c.text).join("")).replace(/\r\n/g, "\n");
     this.incoming = [];
     this.incomingBytes = 0;
     let lines = text.split("\n");
