@@ -1881,11 +1881,30 @@ function loadXterm(): Promise<typeof import("@xterm/headless").Terminal> {
   return xtermClass;
 }
 
-/** Syscall numbers that mean "blocked reading" and "waiting for a child", per architecture. */
-const SYSCALLS: Record<string, { read: number[]; wait: number[] }> = {
-  x64: { read: [0, 17, 19], wait: [61, 247] },
-  arm64: { read: [63, 65, 67], wait: [260, 95] },
+/**
+ * Syscall numbers, per architecture: a blocking read, waiting for a child,
+ * and waiting on several descriptors (readline-style prompts in node or
+ * prompt_toolkit block there, not in read). For the poll family, which
+ * argument says "no timeout" and how: a program with a timer pending (merely
+ * slow) waits with a finite timeout and is never taken for a prompt.
+ */
+type Forever = [argument: number, meaning: "minus-one" | "null"];
+const SYSCALLS: Record<string, { read: number[]; wait: number[]; poll: Record<number, Forever> }> = {
+  x64: {
+    read: [0, 17, 19],
+    wait: [61, 247],
+    poll: { 7: [2, "minus-one"], 23: [4, "null"], 232: [3, "minus-one"], 270: [4, "null"], 271: [2, "null"], 281: [3, "minus-one"], 441: [3, "null"] },
+  },
+  arm64: { read: [63, 65, 67], wait: [260, 95], poll: { 22: [3, "minus-one"], 72: [4, "null"], 73: [2, "null"], 441: [3, "null"] } },
 };
+
+/** Whether a poll-family call (its /proc/<pid>/syscall fields) waits with no timeout. */
+function waitsForever(forever: Forever, fields: string[]): boolean {
+  const raw = fields[1 + forever[0]];
+  if (!raw) return false;
+  const value = BigInt(raw);
+  return forever[1] === "null" ? value === 0n : BigInt.asIntN(32, value) === -1n;
+}
 
 /** Every live process whose process group is `pgid`. */
 function processesInGroup(pgid: number): number[] {
@@ -1903,9 +1922,28 @@ function processesInGroup(pgid: number): number[] {
   return pids;
 }
 
+const isTerminal = (target: string) => /^\/dev\/(pts\/|tty)/.test(target);
+
+/** Whether `pid` blocks in a poll-like wait that can only be for its terminal: stdin is one, and it holds no socket. */
+function pollsOnlyItsTerminal(pid: number): boolean {
+  try {
+    if (!isTerminal(fs.readlinkSync(`/proc/${pid}/fd/0`))) return false;
+    return !fs.readdirSync(`/proc/${pid}/fd`).some((fd) => {
+      try {
+        return fs.readlinkSync(`/proc/${pid}/fd/${fd}`).startsWith("socket:");
+      } catch {
+        return false;
+      }
+    });
+  } catch {
+    return false;
+  }
+}
+
 /**
  * True when the whole group is stuck on its terminal: at least one process
- * blocked reading the PTY and every other one waiting for a child. A command
+ * blocked reading the PTY (directly, or polling with nothing but the
+ * terminal to wait for) and every other one waiting for a child. A command
  * that is merely slow (sleeping, computing, on the network) is not.
  */
 function groupWaitsForTerminalInput(pgid: number): boolean {
@@ -1921,6 +1959,11 @@ function groupWaitsForTerminalInput(pgid: number): boolean {
     }
     const nr = Number(fields[0]);
     if (table.wait.includes(nr)) continue;
+    const forever = table.poll[nr];
+    if (forever && waitsForever(forever, fields) && pollsOnlyItsTerminal(pid)) {
+      readers++;
+      continue;
+    }
     if (!table.read.includes(nr)) return false;
     let target = "";
     try {
@@ -1928,7 +1971,7 @@ function groupWaitsForTerminalInput(pgid: number): boolean {
     } catch {
       return false;
     }
-    if (!/^\/dev\/(pts\/|tty)/.test(target)) return false;
+    if (!isTerminal(target)) return false;
     readers++;
   }
   return readers > 0;

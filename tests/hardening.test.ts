@@ -133,3 +133,19 @@ describe("never hangs, never hides", () => {
     expect(lastTool(srv)).toContain("Command could not be started");
   });
 });
+
+describe("prompts that poll instead of read", () => {
+  // node's readline waits in epoll with no timeout on the terminal: stopped as waiting for input;
+  // a node timer waits with a finite timeout and is merely slow: left alone.
+  test("a node readline prompt is stopped; a silent node timer runs to its end", async () => {
+    const prompt = `node -e "require('readline').createInterface({input: process.stdin, output: process.stdout}).question('name? ', a => { console.log('hi ' + a); process.exit(0) })"`;
+    const timer = `node -e "setTimeout(() => console.log('timer done'), 14000)"`;
+    const srv = fixtures.serve([bash(prompt, "call_prompt"), bash(timer, "call_timer"), { content: "TASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--timeout", "60", "prompts"]);
+    expect(run.code).toBe(0);
+    const tools = srv.requests.at(-1)!.body.messages.filter((m: any) => m.role === "tool");
+    expect(tools[0].content).toContain("waiting for input");
+    expect(tools[1].content).toStartWith("Command executed with exit code 0.");
+    expect(tools[1].content).toContain("timer done");
+  }, 90_000);
+});
