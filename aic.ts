@@ -385,6 +385,16 @@ class MarkerFilter {
 class PlainSink implements EventSink {
   private readonly out = useColor(process.stdout);
   private readonly outIsTerminal = Boolean(process.stdout.isTTY);
+  /** A chunk that ended in \r whose \n may start the next chunk. */
+  private heldReturn = false;
+
+  /** The PTY ends lines with \r\n; a log file or pipe wants plain \n (latin1 keeps every byte as it is). */
+  private plainLineEnds(data: Uint8Array): Buffer {
+    let text = (this.heldReturn ? "\r" : "") + Buffer.from(data).toString("latin1");
+    this.heldReturn = text.endsWith("\r");
+    if (this.heldReturn) text = text.slice(0, -1);
+    return Buffer.from(text.replaceAll("\r\n", "\n"), "latin1");
+  }
   private readonly err = useColor(process.stderr);
   private readonly marker = new MarkerFilter();
   private midLine = false;
@@ -434,11 +444,12 @@ class PlainSink implements EventSink {
         if (e.decision === "suggestion") this.stderr(`command rejected with a suggestion: ${e.suggestion}`);
         return;
       case "command_output":
-        // The PTY ends lines with \r\n; a log file or pipe wants plain \n (latin1 keeps every byte as it is).
-        writeOut(1, this.outIsTerminal ? e.data : Buffer.from(Buffer.from(e.data).toString("latin1").replaceAll("\r\n", "\n"), "latin1"));
+        writeOut(1, this.outIsTerminal ? e.data : this.plainLineEnds(e.data));
         if (e.data.length) this.midLine = e.data[e.data.length - 1] !== 0x0a;
         return;
       case "command_result": {
+        if (this.heldReturn) writeOut(1, "\r");
+        this.heldReturn = false;
         const note = e.status === "exited" ? `exit code ${e.exit_code}` : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
         if (this.midLine) this.stdout("\n");
         return this.stdout(paint(this.out, e.exit_code === 0 ? "2" : "33", `[${note}]`) + "\n");
