@@ -1296,6 +1296,8 @@ class SessionStore {
   /** Writes one checkpoint atomically; a failure is reported once and the run goes on. */
   /** Set when a broken file could not be moved aside: then it is never written over. */
   private frozen = false;
+  /** What the last fsynced write held: the message list, its length, its last message and the system text. */
+  private durable: unknown[] | undefined;
 
   save(reason: string, state: SessionState): boolean {
     if (this.frozen) return false;
@@ -1317,7 +1319,13 @@ class SessionStore {
       // write-file-atomic follows symlinks; a command could plant one to make aic (unconfined) overwrite another file.
       if (fs.lstatSync(this.path, { throwIfNoEntry: false })?.isSymbolicLink()) throw new Error("it has been replaced by a symbolic link; not writing through it");
       const writeFileAtomic = require("write-file-atomic") as typeof import("write-file-atomic");
-      writeFileAtomic.sync(this.path, this.serialise(doc, state.messages), { mode: 0o600, fsync: true });
+      // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
+      // (before_llm_call right after tool_result, say), losing this write to a power cut loses
+      // only its label: the rename stays atomic, the fsync is skipped.
+      const signature = [state.messages, state.messages.length, state.messages[state.messages.length - 1], state.messages[0]?.content];
+      const durableAlready = this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
+      writeFileAtomic.sync(this.path, this.serialise(doc, state.messages), { mode: 0o600, fsync: !durableAlready });
+      if (!durableAlready) this.durable = signature;
       return true;
     } catch (error) {
       if (!this.failureReported) {

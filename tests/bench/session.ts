@@ -108,6 +108,8 @@ function timeSaves(messages: Message[]): SaveFigures {
   const stringifyMs: number[] = [];
   try {
     for (let i = 0; i < WARMUP + WRITES; i++) {
+      // A new message each time, as a real checkpoint has: an unchanged history would skip the fsync.
+      messages.push({ role: "user", content: `[Suggestion from user] step ${i}` });
       const started = performance.now();
       if (!store.save("tool_result", state)) throw new Error(`SessionStore.save failed in ${dir}`);
       const ms = performance.now() - started;
