@@ -2991,6 +2991,8 @@ class LogPane {
     this.blocks = [];
     this.total = 0;
     this.dirty.clear();
+    // Whatever the reader had scrolled to is gone: follow new text again.
+    this.box.scrollTo(Number.MAX_SAFE_INTEGER);
   }
 }
 
@@ -3365,7 +3367,9 @@ class Tui implements EventSink {
     this.prompt.on(ot.InputRenderableEvents.ENTER, (value: string) => void this.submit(value));
     r.keyInput.on("keypress", (key: KeyEvent) => this.onKey(key));
     r.keyInput.on("paste", (event: { bytes: Uint8Array; preventDefault(): void }) => {
+      if (this.tooSmall.visible) return event.preventDefault();
       if (this.tab !== "shell" || !this.shell) return;
+      this.shell.term.scrollToBottom();
       event.preventDefault();
       const text = new TextDecoder().decode(event.bytes);
       this.shell.pty.terminal.write(this.shell.term.modes.bracketedPasteMode ? `\x1b[200~${text}\x1b[201~` : text);
@@ -3406,8 +3410,9 @@ class Tui implements EventSink {
 
   private buildModal() {
     const { ot, r } = this;
-    const overlay = new ot.BoxRenderable(r, { position: "absolute", left: 0, top: 0, width: "100%", height: "100%", zIndex: 50, justifyContent: "center", alignItems: "center", visible: false });
-    const dialog = new ot.BoxRenderable(r, { width: "70%", border: true, borderStyle: "rounded", title: " Approve command? ", backgroundColor: "#1c1c3a", flexDirection: "column", padding: 1, gap: 1 });
+    // Only as big as the dialog, so the wheel still scrolls the panes around it.
+    const overlay = new ot.BoxRenderable(r, { position: "absolute", left: "15%", top: "25%", width: "70%", zIndex: 50, visible: false });
+    const dialog = new ot.BoxRenderable(r, { width: "100%", border: true, borderStyle: "rounded", title: " Approve command? ", backgroundColor: "#1c1c3a", flexDirection: "column", padding: 1, gap: 1 });
     const text = new ot.TextRenderable(r, { content: "", wrapMode: "char" });
     const buttons = new ot.BoxRenderable(r, { flexDirection: "row", justifyContent: "center", gap: 4, height: 1 });
     const button = (label: string, color: string, answer: Approval) => {
@@ -3430,8 +3435,9 @@ class Tui implements EventSink {
 
   private requestApproval({ command }: { id: string; command: string }): Promise<Approval> {
     return new Promise((resolve) => {
+      if (this.searching) this.endSearch(this.searching.saved);
       this.pending = { command, resolve };
-      this.modal.text.content = `${command}\n\nY or Enter approves · N or Escape rejects · or type /suggest <text>`;
+      this.modal.text.content = `${command}\n\nY or Enter approves · N or Escape rejects · or type /suggest <text>  (with the prompt empty)`;
       this.modal.overlay.visible = this.tab === "console";
       this.refreshStatus();
     });
@@ -3513,6 +3519,7 @@ class Tui implements EventSink {
       await this.run;
     }
     this.agent.clear();
+    this.step = 0;
     this.agentPane.clear();
     this.consolePane.clear();
     this.agentPane.line(`[SESSION] cleared; new session ${this.session?.sessionId ?? "(not saved)"}`, COLORS.info);
@@ -3538,6 +3545,7 @@ class Tui implements EventSink {
     const loaded = this.session.load(this.systemPrompt);
     for (const line of loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
     this.agent.restore(loaded.messages ? loaded : { ...loaded, messages: [], stepCount: 0, usage: emptyUsage() });
+    this.step = 0;
     this.refreshStatus();
   }
 
@@ -3545,6 +3553,12 @@ class Tui implements EventSink {
 
   private onKey(key: KeyEvent): void {
     const id = `${key.ctrl ? "C-" : ""}${key.meta ? "M-" : ""}${key.shift ? "S-" : ""}${key.name}`;
+    // Nothing is visible on a too-small terminal: nothing may be typed, sent or approved blind.
+    if (this.tooSmall.visible) {
+      key.preventDefault();
+      if (id === "C-c") void this.quit(EXIT.sigint, "interrupted");
+      return;
+    }
     if (this.searching) return this.onSearchKey(key, id);
     if (id === "tab") {
       key.preventDefault();
@@ -3554,22 +3568,39 @@ class Tui implements EventSink {
       key.preventDefault();
       // Shift+Tab is the shell's Tab (completion), since Tab itself switches panes.
       const bytes = id === "S-tab" ? "\t" : keyToBytes(key, this.shell.term.modes.applicationCursorKeysMode);
-      if (bytes) this.shell.pty.terminal.write(bytes);
+      if (bytes) {
+        this.shell.term.scrollToBottom(); // typing brings a scrolled-back shell view back, as in any terminal
+        this.shell.pty.terminal.write(bytes);
+      }
       return;
     }
-    // While a command waits for approval, Y/N answer it, unless a slash command (/suggest …) is being typed.
-    if (this.modal.overlay.visible && !this.prompt.value.startsWith("/")) {
-      if (key.sequence === "/") return;
-      key.preventDefault();
-      if (["y", "S-y", "return"].includes(id)) this.answerApproval({ kind: "approve" });
-      else if (["n", "S-n", "escape"].includes(id)) this.answerApproval({ kind: "reject" });
-      else if (id === "C-c") void this.quit(EXIT.sigint, "interrupted");
-      return;
-    }
+    if (this.modal.overlay.visible && this.onApprovalKey(key, id)) return;
     const action = TUI_KEYS[id];
     if (!action) return;
     key.preventDefault();
     action(this);
+  }
+
+  /**
+   * Keys while a command waits for approval; true when the key was used.
+   * Y/Enter approve and N/Escape reject while the prompt is empty. Text
+   * being typed keeps going to the prompt (a `y` typed as the dialog popped
+   * up must not approve a command nobody read); Escape then clears it, as it
+   * cancels a slash command (/suggest …) being typed. Paging still scrolls.
+   */
+  private onApprovalKey(key: KeyEvent, id: string): boolean {
+    if (id === "C-c" || TUI_PAGING.has(id)) return false; // quitting and paging work as always
+    if (this.prompt.value !== "") {
+      if (id !== "escape") return false;
+      key.preventDefault();
+      this.prompt.value = "";
+      return true;
+    }
+    if (key.sequence === "/") return false;
+    key.preventDefault();
+    if (["y", "S-y", "return"].includes(id)) this.answerApproval({ kind: "approve" });
+    else if (["n", "S-n", "escape"].includes(id)) this.answerApproval({ kind: "reject" });
+    return true;
   }
 
   historyOlder(): void {
@@ -3623,6 +3654,7 @@ class Tui implements EventSink {
   // ── panes, tabs, shell ───────────────────────────────────────────────────
 
   setTab(tab: "console" | "shell"): void {
+    if (this.searching) this.endSearch(this.searching.saved);
     this.tab = tab;
     this.consolePane.box.visible = tab === "console";
     this.shellBox.visible = tab === "shell";
@@ -3650,17 +3682,30 @@ class Tui implements EventSink {
     const { ot, r } = this;
     const cols = Math.max(20, Math.floor(r.width / 2) - 2);
     const rows = Math.max(5, r.height - 8);
-    const term = new this.o.Terminal({ cols, rows, scrollback: 2000, allowProposedApi: true });
-    const TerminalView = defineTerminalView(ot);
-    const view = new TerminalView(r, term, { flexGrow: 1, width: "100%", height: "100%" });
     const shellPath = process.env.SHELL && fs.existsSync(process.env.SHELL) ? process.env.SHELL : fs.existsSync("/bin/bash") ? "/bin/bash" : "/bin/sh";
+    // Output that arrives before the emulator exists waits here (a few bytes of prompt at most).
+    let early: Uint8Array[] | undefined = [];
+    let term: XTerm | undefined;
     let pty: PtyProcess;
     try {
-      pty = spawnPty(this.sandbox.wrap([shellPath, "-i"]), { cwd: process.cwd(), env: { ...commandEnvironment(), TERM: "xterm-256color" }, cols, rows, onData: (bytes) => term.write(bytes) });
+      pty = spawnPty(this.sandbox.wrap([shellPath, "-i"]), {
+        cwd: process.cwd(),
+        env: { ...commandEnvironment(), TERM: "xterm-256color" },
+        cols,
+        rows,
+        onData: (bytes) => (term ? term.write(bytes) : early?.push(bytes)),
+      });
     } catch (error) {
       this.agentPane.line(`cannot start the shell ${shellPath}: ${(error as Error).message}`, COLORS.error);
+      this.tab = "shell"; // so that setTab below switches everything back
+      queueMicrotask(() => this.setTab("console"));
       return;
     }
+    term = new this.o.Terminal({ cols, rows, scrollback: 2000, allowProposedApi: true });
+    for (const bytes of early ?? []) term.write(bytes);
+    early = undefined;
+    const TerminalView = defineTerminalView(ot);
+    const view = new TerminalView(r, term, { flexGrow: 1, width: "100%", height: "100%" });
     term.onData((data) => pty.terminal.write(data));
     view.onSizeChange = () => {
       if (view.width < 2 || view.height < 2) return;
@@ -3853,10 +3898,16 @@ class Tui implements EventSink {
       this.shell.pty.terminal.close();
     }
     removeScratchDirectory();
-    this.r.destroy();
-    await Promise.race([this.r.closed, Bun.sleep(1000)]);
-    if (message) writeOut(2, message);
-    this.o.onExit(code);
+    try {
+      this.r.destroy();
+      // A hung-up terminal cannot take the restore bytes: `closed` then rejects, and exiting must not depend on it.
+      await Promise.race([this.r.closed.catch(() => undefined), Bun.sleep(1000)]);
+    } catch {
+      /* the terminal is gone; nothing left to restore */
+    } finally {
+      if (message) writeOut(2, message);
+      this.o.onExit(code);
+    }
   }
 }
 
@@ -3866,6 +3917,8 @@ function compactCount(n: number): string {
   if (n < 1_000_000) return `${(n / 1000).toFixed(n < 100_000 ? 1 : 0)}k`;
   return `${(n / 1_000_000).toFixed(1)}M`;
 }
+
+const TUI_PAGING = new Set(["pageup", "pagedown", "S-pageup", "S-pagedown"]);
 
 /** Keys handled by the TUI itself when the prompt has focus (everything else goes to the prompt). */
 const TUI_KEYS: Record<string, (tui: Tui) => void> = {

@@ -707,3 +707,59 @@ describe("TokenRate (SPEC §10 footer tok/s)", () => {
     expect(rate.rate(t0 + 2600)).toBe(0);
   });
 });
+
+describe("keys in awkward states (review findings)", () => {
+  // Nothing is visible on a too-small terminal, so nothing typed there may start a run or approve a command.
+  test("a too-small terminal swallows typing and approvals", async () => {
+    const h = await openTui({ request: "run: echo blind-$((3*3))" });
+    await h.until((f) => f.includes("Approve command?"));
+    h.s.resize(40, 10);
+    await h.until((f) => f.includes("too small"));
+    h.s.mockInput.pressKey("y");
+    await h.type("do a thing");
+    await Bun.sleep(300);
+    h.s.resize(120, 40);
+    const frame = await h.until((f) => f.includes("Approve command?"));
+    expect(frame).not.toContain("blind-9");
+    expect(h.requests()).toHaveLength(1);
+    expect(h.tui.prompt.value).toBe("");
+  });
+
+  // Text being typed when the dialog appears stays in the prompt: its `y` approves nothing;
+  // Escape then clears the text and does not quit; with the prompt empty, Y approves.
+  test("typing into the prompt does not answer the dialog; Escape clears it", async () => {
+    const h = await openTui({ request: "run: echo typed-$((4*4))" });
+    await h.until((f) => f.includes("Approve command?"));
+    await h.s.mockInput.typeText("/sug yes");
+    await Bun.sleep(100);
+    expect(h.tui.prompt.value).toBe("/sug yes");
+    h.s.mockInput.pressEscape();
+    await waitFor(() => h.tui.prompt.value === "", "Escape to clear the prompt");
+    expect(h.exitCode).toBeUndefined();
+    expect(await h.frame()).toContain("Approve command?");
+    h.s.mockInput.pressKey("y");
+    await h.until((f) => f.includes("typed-16"));
+  });
+
+  // A dialog appearing while Ctrl+R search is open closes the search, so Y answers the dialog.
+  test("an approval closes an open reverse search", async () => {
+    const h = await openTui({ history: ["git status"] });
+    h.s.mockInput.pressKey("r", { ctrl: true });
+    await h.until((f) => f.includes("reverse-i-search"));
+    const tui = h.tui as unknown as { submit(v: string): Promise<void> };
+    await tui.submit("run: echo searched-$((5*5))");
+    await h.until((f) => f.includes("Approve command?") && !f.includes("reverse-i-search"));
+    h.s.mockInput.pressKey("y");
+    await h.until((f) => f.includes("searched-25"));
+  });
+
+  // /clear starts the footer's step count over.
+  test("/clear resets the footer's step", async () => {
+    const h = await openTui({ request: "usage" });
+    await h.idle(1);
+    await h.until((f) => footer(f).includes("step 1/500"));
+    await h.type("/clear");
+    const frame = await h.until((f) => footer(f).includes("step 0/500"));
+    expect(footer(frame)).toContain("step 0/500");
+  });
+});
