@@ -3437,7 +3437,7 @@ class Tui implements EventSink {
     return new Promise((resolve) => {
       if (this.searching) this.endSearch(this.searching.saved);
       this.pending = { command, resolve };
-      this.modal.text.content = `${command}\n\nY or Enter approves · N or Escape rejects · or type /suggest <text>  (with the prompt empty)`;
+      this.modal.text.content = `${command}\n\nY or Enter approves · N or Escape rejects · /suggest <text> steers instead`;
       this.modal.overlay.visible = this.tab === "console";
       this.refreshStatus();
     });
