@@ -1422,7 +1422,13 @@ const PR_SET_NO_NEW_PRIVS = 38;
 const O_PATH = 0o10000000;
 const O_CLOEXEC = 0o2000000;
 
+/** Linux libc through bun:ffi, opened once (each dlopen compiles its call stubs). */
+let linuxLibc: ReturnType<typeof openLinuxLibc> | undefined;
 function libc() {
+  linuxLibc ??= openLinuxLibc();
+  return linuxLibc;
+}
+function openLinuxLibc() {
   const { dlopen, FFIType } = require("bun:ffi") as typeof import("bun:ffi");
   return dlopen("libc.so.6", {
     // Every argument as a 64-bit integer: pointers are passed as numbers from ptr().
@@ -1431,7 +1437,6 @@ function libc() {
     open: { args: [FFIType.cstring, FFIType.i32], returns: FFIType.i32 },
     close: { args: [FFIType.i32], returns: FFIType.i32 },
     execve: { args: [FFIType.cstring, FFIType.ptr, FFIType.ptr], returns: FFIType.i32 },
-    __errno_location: { args: [], returns: FFIType.ptr },
   });
 }
 
