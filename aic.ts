@@ -34,6 +34,7 @@ const SUMMARY_HEADING = "[Prior conversation summary]";
 const SUMMARY_UNAVAILABLE = "[summary unavailable]";
 const CONTINUE_FALLBACK = "Continue with the current task.";
 const SESSION_RECOVERED = "[SESSION RECOVERED]";
+const SESSION_RECOVERED_NOTICE = `${SESSION_RECOVERED} The previous aic process ended while this command was running. It was NOT re-executed; do not assume it had any effect. Check the state and run it again if it is still needed.`;
 const SKIPPED_BY_USER = "Command execution skipped by user.";
 const NOT_EXECUTED_STOPPED = "Command not executed: the run was stopped before it could run.";
 /** Headers a browser would send, so sites that block bots still answer the model's fetches. */
@@ -337,6 +338,56 @@ interface EventSink {
 const useColor = (stream: NodeJS.WriteStream) => Boolean(stream.isTTY) && !process.env.NO_COLOR;
 const paint = (on: boolean, code: string, text: string) => (on ? `\x1b[${code}m${text}\x1b[0m` : text);
 
+/** C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides that make text read otherwise than it runs. */
+const CONTROL_CHARACTERS = /[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+
+/**
+ * Text from the model, a server or a file, made safe for a person's
+ * terminal: a carriage return is dropped and every other control character
+ * is shown (ESC as ␛, BEL as ␇, an override as <U+202E>) instead of acting,
+ * so no escape sequence can write the clipboard, retitle the window, clear
+ * the screen, or hide part of a command that waits for approval.
+ */
+function visibleControls(text: string): string {
+  return text.replace(CONTROL_CHARACTERS, (c) => {
+    const code = c.charCodeAt(0);
+    if (code === 0x0d) return "";
+    if (code < 0x20) return String.fromCharCode(0x2400 + code);
+    if (code === 0x7f) return "\u2421";
+    return `<U+${code.toString(16).toUpperCase().padStart(4, "0")}>`;
+  });
+}
+
+/** An escape sequence that may still be incomplete at the end of a chunk. */
+const TRAILING_ESCAPE = /\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*|\x1b?)?$/;
+
+/**
+ * A command's output bound for a log or a pipe rather than a terminal:
+ * escape sequences and control characters removed, CR LF and lone CR as LF.
+ * A sequence or a CR LF split across two chunks is held until the next one.
+ */
+class LogText {
+  private decoder = new TextDecoder();
+  private held = "";
+
+  push(bytes: Uint8Array): string {
+    let text = this.held + this.decoder.decode(bytes, { stream: true });
+    const cut = text.search(TRAILING_ESCAPE);
+    const hold = cut >= 0 && text.length - cut <= 256 ? cut : text.endsWith("\r") ? text.length - 1 : text.length;
+    this.held = text.slice(hold);
+    text = text.slice(0, hold);
+    return Bun.stripANSI(text).replace(/\r\n?/g, "\n").replace(CONTROL_CHARACTERS, "");
+  }
+
+  /** The rest, at the end of a command. */
+  end(): string {
+    const rest = this.held + this.decoder.decode();
+    this.held = "";
+    this.decoder = new TextDecoder();
+    return Bun.stripANSI(rest).replace(/\r\n?/g, "\n").replace(CONTROL_CHARACTERS, "");
+  }
+}
+
 const pause = new Int32Array(new SharedArrayBuffer(4));
 
 /**
@@ -381,20 +432,16 @@ class MarkerFilter {
   }
 }
 
-/** Text output for people and logs: content and command output on stdout, diagnostics on stderr. */
+/**
+ * Text output for people and logs: content and command output on stdout,
+ * diagnostics on stderr. Everything but a command's own output has its
+ * control characters made visible; a command's output passes through as the
+ * person would see it on a terminal, and is cleaned for a log or a pipe.
+ */
 class PlainSink implements EventSink {
   private readonly out = useColor(process.stdout);
   private readonly outIsTerminal = Boolean(process.stdout.isTTY);
-  /** A chunk that ended in \r whose \n may start the next chunk. */
-  private heldReturn = false;
-
-  /** The PTY ends lines with \r\n; a log file or pipe wants plain \n (latin1 keeps every byte as it is). */
-  private plainLineEnds(data: Uint8Array): Buffer {
-    let text = (this.heldReturn ? "\r" : "") + Buffer.from(data).toString("latin1");
-    this.heldReturn = text.endsWith("\r");
-    if (this.heldReturn) text = text.slice(0, -1);
-    return Buffer.from(text.replaceAll("\r\n", "\n"), "latin1");
-  }
+  private readonly log = new LogText();
   private readonly err = useColor(process.stderr);
   private readonly marker = new MarkerFilter();
   private midLine = false;
@@ -407,59 +454,82 @@ class PlainSink implements EventSink {
     this.midLine = !text.endsWith("\n");
   }
   private stderr(text: string) {
-    if (this.midLine) { writeOut(1, "\n"); this.midLine = false; }
+    if (this.midLine) {
+      writeOut(1, "\n");
+      this.midLine = false;
+    }
     writeOut(2, text.endsWith("\n") ? text : text + "\n");
+  }
+  private note(color: string, text: string) {
+    this.stderr(paint(this.err, color, visibleControls(text)));
   }
 
   emit(e: AgentEvent): void {
     switch (e.type) {
       case "start":
-        this.stderr(paint(this.err, "2", `aic ${VERSION} · model ${e.model} · ${e.api_base} · ${e.cwd}`));
-        this.stderr(paint(this.err, e.sandbox.startsWith("on") ? "32" : "31", `Sandbox: ${e.sandbox}`));
+        this.note("2", `aic ${VERSION} · model ${e.model} · ${e.api_base} · ${e.cwd}`);
+        this.note(e.sandbox.startsWith("on") ? "32" : "31", `Sandbox: ${e.sandbox}`);
         return;
-      case "info": return this.stderr(paint(this.err, "2", e.text));
-      case "warning": return this.stderr(paint(this.err, "33", `warning: ${e.text}`));
-      case "error": return this.stderr(paint(this.err, "31", `error: ${e.message}`));
-      case "step": return;
+      case "info":
+        return this.note("2", e.text);
+      case "warning":
+        return this.note("33", `warning: ${e.text}`);
+      case "error":
+        return this.note("31", `error: ${e.message}`);
+      case "step":
+        return;
       case "reasoning_delta":
         if (!this.showThinking) return;
-        if (!this.thinking) { this.stderr(paint(this.err, "2", "[THINKING]")); this.thinking = true; }
-        writeOut(2, paint(this.err, "2", e.text));
+        if (!this.thinking) {
+          this.note("2", "[THINKING]");
+          this.thinking = true;
+        }
+        writeOut(2, paint(this.err, "2", visibleControls(e.text)));
         return;
       case "thinking_complete":
-        if (this.showThinking) this.stderr(paint(this.err, "2", "\n[THINKING COMPLETE]"));
+        if (this.showThinking) this.note("2", "\n[THINKING COMPLETE]");
         this.thinking = false;
         return;
-      case "assistant_delta": return this.stdout(this.marker.push(e.text));
+      case "assistant_delta":
+        return this.stdout(visibleControls(this.marker.push(e.text)));
       case "assistant":
-        this.stdout(this.marker.flush());
+        this.stdout(visibleControls(this.marker.flush()));
         if (this.midLine) this.stdout("\n");
         this.thinking = false;
         return;
-      case "reasoning": return;
-      case "retry": return this.stderr(paint(this.err, "33", `model request failed (${e.reason}); retry ${e.attempt} in ${(e.wait_ms / 1000).toFixed(1)} s`));
-      case "command": return this.stdout(`${paint(this.out, "1;36", "$")} ${e.command}\n`);
+      case "reasoning":
+        return;
+      case "retry":
+        return this.note("33", `model request failed (${e.reason}); retry ${e.attempt} in ${(e.wait_ms / 1000).toFixed(1)} s`);
+      case "command":
+        return this.stdout(`${paint(this.out, "1;36", "$")} ${visibleControls(e.command)}\n`);
       case "approval":
         if (e.decision === "rejected") this.stderr("command rejected");
-        if (e.decision === "suggestion") this.stderr(`command rejected with a suggestion: ${e.suggestion}`);
+        if (e.decision === "suggestion") this.note("0", `command rejected with a suggestion: ${e.suggestion}`);
         return;
-      case "command_output":
-        writeOut(1, this.outIsTerminal ? e.data : this.plainLineEnds(e.data));
-        if (e.data.length) this.midLine = e.data[e.data.length - 1] !== 0x0a;
+      case "command_output": {
+        const text = this.outIsTerminal ? e.data : this.log.push(e.data);
+        if (!text.length) return;
+        writeOut(1, text);
+        this.midLine = typeof text === "string" ? !text.endsWith("\n") : text[text.length - 1] !== 0x0a;
         return;
+      }
       case "command_result": {
-        if (this.heldReturn) writeOut(1, "\r");
-        this.heldReturn = false;
+        if (!this.outIsTerminal) this.stdout(this.log.end());
         const note = e.status === "exited" ? `exit code ${e.exit_code}` : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
         if (this.midLine) this.stdout("\n");
         return this.stdout(paint(this.out, e.exit_code === 0 ? "2" : "33", `[${note}]`) + "\n");
       }
-      case "compression": return this.stderr(paint(this.err, "35", `[COMPRESSION] ${e.algorithm}: ${e.before_tokens} → ${e.after_tokens} tokens; ${e.detail}`));
-      case "summary_delta": writeOut(2, paint(this.err, "2", e.text)); return;
-      case "usage": return;
+      case "compression":
+        return this.note("35", `[COMPRESSION] ${e.algorithm}: ${e.before_tokens} → ${e.after_tokens} tokens; ${e.detail}`);
+      case "summary_delta":
+        writeOut(2, paint(this.err, "2", visibleControls(e.text)));
+        return;
+      case "usage":
+        return;
       case "end": {
         const u = e.usage;
-        this.stderr(paint(this.err, "2", `[${e.status}] ${e.steps} step(s) · ${u.input_tokens} in / ${u.output_tokens} out / ${u.cached_tokens} cached tokens`));
+        this.note("2", `[${e.status}] ${e.steps} step(s) · ${u.input_tokens} in / ${u.output_tokens} out / ${u.cached_tokens} cached tokens`);
         return;
       }
     }
@@ -1069,6 +1139,408 @@ async function compressAnchored(
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// Own files on hostile ground
+// Owns: every file aic opens where a command can write (the cwd, /tmp). aic is
+// not confined, so a command that plants a link, a FIFO or a device where aic
+// keeps its files could make aic write, block or read for it. Here no path is
+// followed through a symbolic link, nothing but a regular file within a size
+// bound is read or written, nothing is opened in a way a FIFO could block,
+// and files are created and replaced relative to a directory descriptor aic
+// holds, so renaming or swapping the directory cannot redirect aic's writes.
+// ════════════════════════════════════════════════════════════════════════════
+
+/**
+ * Linux libc through bun:ffi, opened once (each dlopen compiles its call
+ * stubs); undefined elsewhere, where the features that need it (locks,
+ * Landlock, restoring stream flags) are reported as unavailable.
+ */
+let linuxLibc: ReturnType<typeof openLinuxLibc> | null | undefined;
+function libc() {
+  if (linuxLibc === undefined) {
+    try {
+      linuxLibc = process.platform === "linux" ? openLinuxLibc() : null;
+    } catch {
+      linuxLibc = null;
+    }
+  }
+  return linuxLibc ?? undefined;
+}
+function openLinuxLibc() {
+  const { dlopen, FFIType } = require("bun:ffi") as typeof import("bun:ffi");
+  return dlopen("libc.so.6", {
+    // Every argument as a 64-bit integer: pointers are passed as numbers from ptr().
+    syscall: { args: [FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64], returns: FFIType.i64 },
+    prctl: { args: [FFIType.i32, FFIType.u64, FFIType.u64, FFIType.u64, FFIType.u64], returns: FFIType.i32 },
+    open: { args: [FFIType.cstring, FFIType.i32], returns: FFIType.i32 },
+    close: { args: [FFIType.i32], returns: FFIType.i32 },
+    execve: { args: [FFIType.cstring, FFIType.ptr, FFIType.ptr], returns: FFIType.i32 },
+    flock: { args: [FFIType.i32, FFIType.i32], returns: FFIType.i32 },
+    fcntl: { args: [FFIType.i32, FFIType.i32, FFIType.i64], returns: FFIType.i32 },
+  });
+}
+
+/** Bigger files of aic's own (a session, a lock) are refused whole, never half-read. */
+const MAX_OWN_FILE_BYTES = 256 * 1024 * 1024;
+const OUTPUT_DIR_PREFIX = "aic-out-";
+const OUTPUT_DIR_MAX_AGE_MS = 7 * 24 * 3600 * 1000;
+const O = fs.constants;
+/** Linux can reopen a descriptor through /proc/self/fd, which resolves to the very inode aic holds. */
+const PROC_FD = process.platform === "linux" && fs.existsSync("/proc/self/fd");
+
+/** Why one of aic's own files cannot be used: it is missing, of the wrong type (planted), not ours to open, or something else. */
+type OwnFileProblem = "missing" | "type" | "access" | "other";
+
+class OwnFileError extends Error {
+  constructor(
+    message: string,
+    readonly problem: OwnFileProblem = "other",
+  ) {
+    super(message);
+  }
+  get missing(): boolean {
+    return this.problem === "missing";
+  }
+}
+
+function fileKind(st: fs.Stats): string {
+  if (st.isSymbolicLink()) return "a symbolic link, which aic never follows for its own files";
+  if (st.isDirectory()) return "a directory";
+  if (st.isFIFO()) return "a FIFO";
+  if (st.isSocket()) return "a socket";
+  if (st.isCharacterDevice() || st.isBlockDevice()) return "a device";
+  return "not a regular file";
+}
+
+function ownFileError(error: unknown): OwnFileError {
+  if (error instanceof OwnFileError) return error;
+  const code = (error as NodeJS.ErrnoException).code;
+  if (code === "ENOENT") return new OwnFileError("it does not exist", "missing");
+  if (code === "ELOOP") return new OwnFileError("it is a symbolic link, which aic never follows for its own files", "type");
+  if (code === "ENXIO") return new OwnFileError("it is a FIFO or socket, not a regular file", "type");
+  if (code === "EISDIR") return new OwnFileError("it is a directory", "type");
+  if (code === "EACCES" || code === "EPERM") return new OwnFileError("permission denied", "access");
+  return new OwnFileError((error as Error).message);
+}
+
+/**
+ * Opens `file` only if it is a regular file (created when `flags` has
+ * O_CREAT). On Linux the path is first pinned with O_PATH|O_NOFOLLOW, which
+ * opens nothing, and reopened through /proc/self/fd once its type is known:
+ * a device or FIFO is never opened at all. Throws OwnFileError.
+ */
+function openRegular(file: string, flags: number, mode = 0o600): number {
+  const create = (flags & O.O_CREAT) !== 0;
+  const plain = (flags & ~(O.O_CREAT | O.O_EXCL)) | O.O_NOFOLLOW | O.O_NONBLOCK;
+  for (let attempt = 0; attempt < 3; attempt++) {
+    let pinned: number;
+    try {
+      pinned = fs.openSync(file, PROC_FD ? O_PATH | O.O_NOFOLLOW : plain);
+    } catch (error) {
+      const e = ownFileError(error);
+      if (!e.missing || !create) throw e;
+      try {
+        return fs.openSync(file, (flags & ~O.O_TRUNC) | O.O_EXCL | O.O_NOFOLLOW | O.O_NONBLOCK, mode);
+      } catch (raced) {
+        if ((raced as NodeJS.ErrnoException).code === "EEXIST") continue; // made meanwhile: look again
+        throw ownFileError(raced);
+      }
+    }
+    let keep = false;
+    try {
+      const st = fs.fstatSync(pinned);
+      if (!st.isFile()) throw new OwnFileError(`it is ${fileKind(st)}`, "type");
+      if (!PROC_FD) return (keep = true), pinned;
+      return fs.openSync(`/proc/self/fd/${pinned}`, plain & ~O.O_NOFOLLOW);
+    } catch (error) {
+      throw ownFileError(error);
+    } finally {
+      if (!keep) fs.closeSync(pinned);
+    }
+  }
+  throw new OwnFileError("it keeps changing while aic opens it", "type");
+}
+
+/**
+ * Reads one of aic's own files: a regular file only, never through a link.
+ * Over `max` bytes it is refused (`head` false) or only its first `max`
+ * bytes are read (`head` true, for instructions cut to a budget anyway).
+ */
+function readOwnFile(file: string, max = MAX_OWN_FILE_BYTES, head = false): Buffer {
+  const fd = openRegular(file, O.O_RDONLY);
+  try {
+    const size = fs.fstatSync(fd).size;
+    if (size > max && !head) throw new OwnFileError(`it is ${size} bytes, more than the ${max} bytes aic reads of its own files`, "type");
+    const buffer = Buffer.alloc(Math.min(size, max) + 1);
+    let length = 0;
+    for (let n; length < buffer.length && (n = fs.readSync(fd, buffer, length, buffer.length - length, null)) > 0; ) length += n;
+    if (length > max) {
+      if (!head) throw new OwnFileError(`it grew past the ${max} bytes aic reads of its own files`, "type");
+      length = max;
+    }
+    return buffer.subarray(0, length);
+  } finally {
+    fs.closeSync(fd);
+  }
+}
+
+const randomName = () => Math.random().toString(36).slice(2, 10);
+
+/**
+ * A directory aic holds open. Files in it are reached through the
+ * descriptor, so a command that renames the directory and puts a link in
+ * its place cannot move aic's writes; `isStillAtPath` tells whether the path
+ * people and the model are given still leads to it.
+ */
+class HeldDirectory {
+  private closed = false;
+  private constructor(
+    readonly path: string,
+    private readonly fd: number,
+  ) {}
+
+  /**
+   * Opens `dir` without following a link in its place. A link there that the
+   * person chose (`--session linked-dir/s.json`) is resolved once, at start,
+   * before any command has run.
+   */
+  static open(dir: string): HeldDirectory {
+    const flags = O.O_RDONLY | O.O_DIRECTORY | O.O_NOFOLLOW;
+    try {
+      return new HeldDirectory(dir, fs.openSync(dir, flags));
+    } catch (error) {
+      if ((error as NodeJS.ErrnoException).code !== "ELOOP" && (error as NodeJS.ErrnoException).code !== "ENOTDIR") throw error;
+      const real = fs.realpathSync(dir);
+      return new HeldDirectory(real, fs.openSync(real, flags));
+    }
+  }
+
+  /** A fresh private directory (0700) under the system's temporary directory. */
+  static createTemporary(prefix: string): HeldDirectory {
+    return HeldDirectory.open(fs.mkdtempSync(path.join(os.tmpdir(), prefix)));
+  }
+
+  /** The path that reaches `name` through the held descriptor. */
+  at(name = ""): string {
+    if (!PROC_FD) return path.join(this.path, name);
+    return name ? `/proc/self/fd/${this.fd}/${name}` : `/proc/self/fd/${this.fd}`;
+  }
+
+  /** The path of `name` as a person (or the model) would write it. */
+  display(name: string): string {
+    return path.join(this.path, name);
+  }
+
+  isStillAtPath(): boolean {
+    try {
+      const here = fs.fstatSync(this.fd);
+      const there = fs.lstatSync(this.path);
+      return there.isDirectory() && here.ino === there.ino && here.dev === there.dev;
+    } catch {
+      return false;
+    }
+  }
+
+  read(name: string, max?: number): Buffer {
+    return readOwnFile(this.at(name), max);
+  }
+
+  open(name: string, flags: number): number {
+    return openRegular(this.at(name), flags);
+  }
+
+  /** A new file that did not exist before: nothing planted under that name can be reused. */
+  createExclusive(name: string): number {
+    return fs.openSync(this.at(name), O.O_WRONLY | O.O_CREAT | O.O_EXCL | O.O_NOFOLLOW, 0o600);
+  }
+
+  /**
+   * Replaces `name` atomically: a temporary file created exclusively under
+   * a random name, written (and flushed to disk when `durable`), renamed over
+   * the old one. A link planted at `name` is replaced, never written through.
+   */
+  replace(name: string, data: string | Uint8Array, durable: boolean): void {
+    const temporary = `.${name}.${randomName()}.tmp`;
+    const fd = this.createExclusive(temporary);
+    try {
+      try {
+        writeAll(fd, data);
+        if (durable) fs.fsyncSync(fd);
+      } finally {
+        fs.closeSync(fd);
+      }
+      fs.renameSync(this.at(temporary), this.at(name));
+      if (durable) fs.fsyncSync(this.fd);
+    } catch (error) {
+      try {
+        fs.unlinkSync(this.at(temporary));
+      } catch {
+        /* never created, or already renamed */
+      }
+      throw error;
+    }
+  }
+
+  /** Gives `from` the new name `to` unless `to` exists (link, then unlink: no overwrite). */
+  renameNoReplace(from: string, to: string): void {
+    fs.linkSync(this.at(from), this.at(to));
+    fs.unlinkSync(this.at(from));
+  }
+
+  /**
+   * Removes everything in the directory, then the directory itself if its
+   * path still leads to it. Subdirectories (a command may make some) are
+   * entered through descriptors opened with O_NOFOLLOW, so a link swapped in
+   * mid-way is removed as a link, never followed.
+   */
+  remove(): void {
+    this.empty();
+    if (this.isStillAtPath()) {
+      try {
+        fs.rmdirSync(this.path);
+      } catch {
+        /* something new appeared in it; leave it */
+      }
+    }
+    this.close();
+  }
+
+  private empty(): void {
+    let names: string[];
+    try {
+      names = fs.readdirSync(this.at());
+    } catch {
+      return;
+    }
+    for (const name of names) {
+      try {
+        if (fs.lstatSync(this.at(name)).isDirectory()) {
+          const child = new HeldDirectory(path.join(this.path, name), fs.openSync(this.at(name), O.O_RDONLY | O.O_DIRECTORY | O.O_NOFOLLOW));
+          child.empty();
+          child.close();
+          fs.rmdirSync(this.at(name));
+        } else fs.unlinkSync(this.at(name));
+      } catch {
+        /* changed under us: leave it */
+      }
+    }
+  }
+
+  close(): void {
+    if (this.closed) return;
+    this.closed = true;
+    try {
+      fs.closeSync(this.fd);
+    } catch {
+      /* already closed */
+    }
+  }
+}
+
+function writeAll(fd: number, data: string | Uint8Array): void {
+  let rest = typeof data === "string" ? Buffer.from(data) : data;
+  while (rest.length) rest = rest.subarray(fs.writeSync(fd, rest));
+}
+
+/**
+ * Where the whole output of a long command is kept so the model can read it
+ * in slices. A path the model was given stays valid as long as the
+ * conversation naming it: with a session file the directory belongs to the
+ * session (its path is saved in it; pruned once unused for a week, removed
+ * by /clear); without one it is removed when aic exits.
+ */
+class OutputStore {
+  private dir: HeldDirectory | undefined;
+  private tag: string;
+
+  constructor(
+    private readonly persistent: boolean,
+    tag: string,
+    remembered?: string,
+    /** Told the directory's path whenever it changes, so the session can record it. */
+    private readonly onDirectory: (dir: string | undefined) => void = () => {},
+  ) {
+    this.tag = tag;
+    if (remembered) this.dir = OutputStore.adopt(remembered);
+    this.onDirectory(this.dir?.path);
+  }
+
+  /** The directory's path, once there is one (saved in the session). */
+  get path(): string | undefined {
+    return this.dir?.path;
+  }
+
+  /**
+   * A directory named in a session file is reused only if it is what aic
+   * made: directly in the temporary directory, named like aic's, a real
+   * directory owned by this user and private to it. A session file sits
+   * where commands can write, so it must not steer aic's writes elsewhere.
+   */
+  private static adopt(dir: string): HeldDirectory | undefined {
+    if (path.dirname(dir) !== path.resolve(os.tmpdir()) || !path.basename(dir).startsWith(OUTPUT_DIR_PREFIX)) return undefined;
+    try {
+      const st = fs.lstatSync(dir);
+      if (!st.isDirectory() || st.uid !== process.getuid?.() || (st.mode & 0o077) !== 0) return undefined;
+      const held = HeldDirectory.open(dir);
+      return held.isStillAtPath() ? held : (held.close(), undefined);
+    } catch {
+      return undefined;
+    }
+  }
+
+  /** A new file for one command's whole output: its descriptor, and the path to give the model. */
+  createFile(): { fd: number; path: string } {
+    // A command may have renamed the directory and put something else at its path: start a new one.
+    if (this.dir && !this.dir.isStillAtPath()) {
+      this.dir.close();
+      this.dir = undefined;
+    }
+    if (!this.dir) {
+      this.dir = HeldDirectory.createTemporary(`${OUTPUT_DIR_PREFIX}${this.tag}-`);
+      this.onDirectory(this.dir.path);
+    }
+    const name = `output-${Date.now()}-${randomName()}.txt`;
+    return { fd: this.dir.createExclusive(name), path: this.dir.display(name) };
+  }
+
+  /** Forgets every saved output (/clear); later outputs go to a new directory. */
+  clear(newTag: string): void {
+    this.dir?.remove();
+    this.dir = undefined;
+    this.tag = newTag;
+    this.onDirectory(undefined);
+  }
+
+  /** At exit: a session keeps its outputs; otherwise nothing refers to them any more. */
+  close(): void {
+    if (this.persistent) this.dir?.close();
+    else this.dir?.remove();
+    this.dir = undefined;
+  }
+
+  /** Removes this user's output directories left unused for a week (their sessions are long over). */
+  static pruneOld(now = Date.now()): void {
+    let names: string[];
+    try {
+      const tmp = HeldDirectory.open(os.tmpdir());
+      names = fs.readdirSync(tmp.at());
+      tmp.close();
+    } catch {
+      return;
+    }
+    for (const name of names) {
+      if (!name.startsWith(OUTPUT_DIR_PREFIX)) continue;
+      const dir = path.join(os.tmpdir(), name);
+      try {
+        const st = fs.lstatSync(dir);
+        if (st.isDirectory() && st.uid === process.getuid?.() && now - st.mtimeMs > OUTPUT_DIR_MAX_AGE_MS) HeldDirectory.open(dir).remove();
+      } catch {
+        /* gone meanwhile, or not ours */
+      }
+    }
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // Session store
 // Owns: `.aicsession`, the hand-editable mirror of the conversation (SPEC §7):
 // claiming a file with a kernel flock (released when the process dies, so no
@@ -1087,6 +1559,7 @@ interface LoadedSession extends Partial<SessionState> {
   reports: string[];
 }
 
+
 const emptyUsage = (): Usage => ({ input_tokens: 0, output_tokens: 0, cached_tokens: 0, billable_tokens: 0 });
 
 function newSessionId(now = new Date()): string {
@@ -1099,24 +1572,19 @@ function localIsoSeconds(now = new Date()): string {
   return `${now.getFullYear()}-${p(now.getMonth() + 1)}-${p(now.getDate())}T${p(now.getHours())}:${p(now.getMinutes())}:${p(now.getSeconds())}`;
 }
 
-type FlockFn = (fd: number, op: number) => number;
-let flockFn: FlockFn | null | undefined;
-/** flock(2) through bun:ffi; null when this platform's libc cannot be opened. */
-function loadFlock(): FlockFn | null {
-  if (flockFn !== undefined) return flockFn;
-  flockFn = null;
-  try {
-    const { dlopen, FFIType } = require("bun:ffi") as typeof import("bun:ffi");
-    const libc = process.platform === "darwin" ? "libSystem.B.dylib" : "libc.so.6";
-    const lib = dlopen(libc, { flock: { args: [FFIType.i32, FFIType.i32], returns: FFIType.i32 } });
-    flockFn = (fd, op) => lib.symbols.flock(fd, op) as number;
-  } catch {
-    flockFn = null;
-  }
-  return flockFn;
-}
 const LOCK_EX = 2;
 const LOCK_NB = 4;
+const SESSION_VERSION = 1;
+const MAX_SESSION_INSTANCES = 1000;
+/** Document keys aic writes itself; any other key a person added is kept on rewrite. */
+const SESSION_KEYS = new Set(["aic_session_version", "session_id", "updated_at", "reason", "model", "api_base", "cwd", "instance_number", "step_count", "usage", "messages", "output_dir"]);
+const VALID_ROLES = new Set(["system", "user", "assistant", "tool"]);
+
+/** Content the API accepts: text, nothing, or a list of typed parts. Anything else is turned into text. */
+function isSendableContent(content: unknown): boolean {
+  if (content === null || content === undefined || typeof content === "string") return true;
+  return Array.isArray(content) && content.every((part) => typeof part === "object" && part !== null && typeof (part as { type?: unknown }).type === "string");
+}
 
 /**
  * Repairs a message list so the API accepts it and nothing is silently lost:
@@ -1126,6 +1594,18 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
   const reports: string[] = [];
   let messages = raw.filter((m): m is Message => typeof m === "object" && m !== null && !Array.isArray(m) && typeof (m as Message).role === "string");
   if (messages.length < raw.length) reports.push(`dropped ${raw.length - messages.length} entr${raw.length - messages.length === 1 ? "y" : "ies"} that were not messages (no role)`);
+  const unknownRoles = messages.filter((m) => !VALID_ROLES.has(m.role));
+  if (unknownRoles.length) {
+    messages = messages.filter((m) => VALID_ROLES.has(m.role));
+    reports.push(`dropped ${unknownRoles.length} message(s) with an unknown role (${[...new Set(unknownRoles.map((m) => JSON.stringify(m.role)))].join(", ")})`);
+  }
+  let retyped = 0;
+  messages = messages.map((m) => {
+    if (isSendableContent(m.content)) return m;
+    retyped++;
+    return { ...m, content: typeof m.content === "string" ? m.content : JSON.stringify(m.content) };
+  });
+  if (retyped) reports.push(`turned the content of ${retyped} message(s) into text (it was neither text nor a list of content parts)`);
   let badCalls = 0;
   messages = messages.map((m) => {
     if (!("tool_calls" in m)) return m;
@@ -1151,11 +1631,7 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
   let recovered = 0;
   const closeOpenCalls = () => {
     for (const id of open) {
-      kept.push({
-        role: "tool",
-        tool_call_id: id,
-        content: `${SESSION_RECOVERED} The previous aic process ended while this command was running. It was NOT re-executed; do not assume it had any effect. Check the state and run it again if it is still needed.`,
-      });
+      kept.push({ role: "tool", tool_call_id: id, content: SESSION_RECOVERED_NOTICE });
       recovered++;
     }
     open = new Set();
@@ -1173,74 +1649,130 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
     if (m.role === "assistant" && Array.isArray(m.tool_calls)) open = new Set(m.tool_calls.map((c) => c?.id).filter((id): id is string => typeof id === "string"));
   }
   closeOpenCalls();
-  messages = kept;
   if (orphans) reports.push(`dropped ${orphans} tool message(s) that answered no call`);
   if (recovered) reports.push(`closed ${recovered} unanswered tool call(s) with a ${SESSION_RECOVERED} notice (the command was not re-run)`);
-  let trailing = 0;
-  while (messages.length > 1 && messages[messages.length - 1]!.role === "assistant" && !messages[messages.length - 1]!.tool_calls?.length) {
-    messages.pop();
-    trailing++;
-  }
-  if (trailing) reports.push(`dropped ${trailing} trailing assistant message(s) without tool calls`);
-  return { messages, reports };
+  // A trailing assistant message without tool calls is the model's last answer: it stays, so a resumed model remembers its conclusion.
+  return { messages: kept, reports };
 }
 
 /** Stands in for the message list while the rest of the document is stringified. */
 const MESSAGES_SLOT = "\u0000aic-messages\u0000";
 
-/** One claimed session file and its checkpoints. */
+/** Decodes a session file's bytes; invalid UTF-8 and a byte-order mark are repairs to report. */
+function decodeSessionText(bytes: Uint8Array, reports: string[]): string {
+  let text: string;
+  try {
+    text = new TextDecoder("utf-8", { fatal: true }).decode(bytes);
+  } catch {
+    text = new TextDecoder("utf-8").decode(bytes);
+    reports.push("replaced bytes that were not valid UTF-8 with U+FFFD");
+  }
+  if (text.startsWith("\uFEFF")) {
+    reports.push("removed the byte-order mark at the start");
+    text = text.slice(1);
+  }
+  return text;
+}
+
+/**
+ * One claimed session file and its checkpoints. The file sits where commands
+ * can write, so it is reached through its held directory: read only if it is
+ * a regular file, replaced by an atomic rename, never written through a link.
+ */
 class SessionStore {
   sessionId = newSessionId();
+  /** The directory of saved full outputs that this conversation names. */
+  outputDir: string | undefined;
   private extra: Record<string, unknown> = {};
   private failureReported = false;
+  /** Set when the file could not be read, moved aside or understood: then it is never written over. */
+  private frozen = false;
+  /** What the last fsynced write held: the message list, its length, its last message and the system text. */
+  private durable: unknown[] | undefined;
+  private readonly messageText = new WeakMap<Message, { content: unknown; calls: unknown; text: string }>();
 
   private constructor(
-    readonly path: string,
+    private readonly dir: HeldDirectory,
+    private readonly name: string,
     readonly instanceNumber: number,
     private readonly lockFd: number | undefined,
     private readonly meta: { model: string; apiBase: string },
     private readonly sink: EventSink,
+    /** The file's bytes as read while claiming it (undefined: there was none). */
+    private claimedBytes: Buffer | undefined,
   ) {}
 
+  get path(): string {
+    return this.dir.display(this.name);
+  }
+
   /**
-   * Claims `base`, or `base2`, `base3`, … when another live process holds it.
+   * Claims `base`, or `base2`, `base3`, … when another live process holds it,
+   * or when it cannot be read (a file aic could not read is never replaced).
    * The lock lives in a sidecar `.lock` file because the data file is replaced on every write.
    */
   static claim(base: string, meta: { model: string; apiBase: string }, sink: EventSink): SessionStore {
     const absolute = path.resolve(base);
-    const flock = loadFlock();
-    if (!flock) {
-      sink.emit({ type: "warning", text: "cannot lock the session file on this platform; another aic here could share it" });
-      return new SessionStore(absolute, 1, undefined, meta, sink);
-    }
-    for (let n = 1; n < 1000; n++) {
-      const candidate = n === 1 ? absolute : `${absolute}${n}`;
-      let fd: number;
+    const dir = HeldDirectory.open(path.dirname(absolute));
+    const name = path.basename(absolute);
+    const flock = libc()?.symbols.flock;
+    if (!flock) sink.emit({ type: "warning", text: "cannot lock the session file on this platform; another aic here could share it" });
+    const skipped: string[] = [];
+    for (let n = 1; n < MAX_SESSION_INSTANCES; n++) {
+      const candidate = n === 1 ? name : `${name}${n}`;
+      let lockFd: number | undefined;
+      if (flock) {
+        try {
+          lockFd = dir.open(`${candidate}.lock`, O.O_WRONLY | O.O_CREAT | O.O_APPEND);
+        } catch (error) {
+          const e = ownFileError(error);
+          // Something planted in the lock's place is refused; a directory aic may not write in only costs the lock.
+          if (e.problem === "type") {
+            skipped.push(`cannot use the lock file ${candidate}.lock (${e.message})`);
+            continue;
+          }
+          sink.emit({ type: "warning", text: `cannot create the session lock ${dir.display(`${candidate}.lock`)} (${e.message}); continuing without a lock` });
+        }
+        if (lockFd !== undefined && flock(lockFd, LOCK_EX | LOCK_NB) !== 0) {
+          fs.closeSync(lockFd);
+          skipped.push(`another aic is using ${candidate} in this directory`);
+          continue;
+        }
+      }
+      let bytes: Buffer | undefined;
       try {
-        fd = fs.openSync(`${candidate}.lock`, "a", 0o600);
+        bytes = dir.read(candidate);
       } catch (error) {
-        sink.emit({ type: "warning", text: `cannot create the session lock ${candidate}.lock (${(error as Error).message}); continuing without a lock` });
-        return new SessionStore(candidate, n, undefined, meta, sink);
+        const e = ownFileError(error);
+        if (!e.missing) {
+          if (lockFd !== undefined) fs.closeSync(lockFd);
+          skipped.push(`cannot read ${candidate} (${e.message}), so it is left untouched`);
+          continue;
+        }
       }
-      if (flock(fd, LOCK_EX | LOCK_NB) === 0) {
-        if (n > 1)
-          sink.emit({ type: "warning", text: `another aic is using ${path.basename(absolute)} in this directory; this instance uses ${path.basename(candidate)} instead (instance ${n})` });
-        return new SessionStore(candidate, n, fd, meta, sink);
-      }
-      fs.closeSync(fd);
+      if (skipped.length) sink.emit({ type: "warning", text: `${skipped.join("; ")}; this instance uses ${candidate} instead (instance ${n})` });
+      return new SessionStore(dir, candidate, n, lockFd, meta, sink, bytes);
     }
+    dir.close();
     throw new Error(`could not claim any session file next to ${absolute}`);
   }
 
   /** Reads and repairs the file. Never throws for bad content: it is moved aside and the run starts clean. */
   load(systemPrompt: string): LoadedSession {
-    let text: string;
-    try {
-      text = fs.readFileSync(this.path, "utf8");
-    } catch (error) {
-      if ((error as NodeJS.ErrnoException).code === "ENOENT") return { reports: [`no session yet; this conversation will persist to ${this.path}`] };
-      return { reports: [`cannot read ${this.path} (${(error as Error).message}); starting clean`] };
+    let bytes = this.claimedBytes;
+    this.claimedBytes = undefined;
+    if (bytes === undefined) {
+      try {
+        bytes = this.dir.read(this.name);
+      } catch (error) {
+        const e = ownFileError(error);
+        if (e.missing) return { reports: [`no session yet; this conversation will persist to ${this.path}`] };
+        this.frozen = true;
+        return { reports: [`cannot read ${this.path} (${e.message}); starting clean without saving, so the file stays untouched`] };
+      }
     }
+    const reports: string[] = [];
+    const text = decodeSessionText(bytes, reports);
     let parsed: unknown;
     try {
       parsed = JSON.parse(text);
@@ -1252,40 +1784,68 @@ class SessionStore {
     else if (parsed && typeof parsed === "object") rawMessages = (parsed as Record<string, unknown>).messages;
     if (!Array.isArray(rawMessages)) return this.moveAside("it has no `messages` list");
     const doc = Array.isArray(parsed) ? {} : (parsed as Record<string, unknown>);
-    const { messages, reports } = repairMessages(rawMessages, systemPrompt);
-    const known = new Set(["aic_session_version", "session_id", "updated_at", "reason", "model", "api_base", "cwd", "instance_number", "step_count", "usage", "messages"]);
-    this.extra = Object.fromEntries(Object.entries(doc).filter(([k]) => !known.has(k)));
+    const version = doc.aic_session_version;
+    if (typeof version === "number" && version > SESSION_VERSION) {
+      this.frozen = true;
+      return { reports: [`${this.path} was written by a newer aic (session format ${version}; this aic knows ${SESSION_VERSION}); it is left untouched and this run saves nothing`] };
+    }
+    if (version !== undefined && version !== SESSION_VERSION) reports.push(`read the unknown aic_session_version ${JSON.stringify(version)} as ${SESSION_VERSION}`);
+    const repaired = repairMessages(rawMessages, systemPrompt);
+    reports.push(...repaired.reports);
+    const messages = repaired.messages;
+    const storedPrompt = splitSummary(contentText(messages[0]?.content)).base;
+    if (!repaired.reports.includes("added the missing system prompt") && storedPrompt !== systemPrompt)
+      reports.push("the system prompt in the file differs from this run's (edited by hand, or written by another aic version or with other options); this run uses its own and keeps the conversation summary");
+    this.extra = Object.fromEntries(Object.entries(doc).filter(([k]) => !SESSION_KEYS.has(k)));
     if (typeof doc.session_id === "string" && doc.session_id) this.sessionId = doc.session_id;
+    if (typeof doc.output_dir === "string") this.outputDir = doc.output_dir;
     const usage = emptyUsage();
     const storedUsage = (doc.usage ?? {}) as Record<string, unknown>;
     for (const key of Object.keys(usage) as (keyof Usage)[]) if (typeof storedUsage[key] === "number") usage[key] = storedUsage[key] as number;
     const stepCount = typeof doc.step_count === "number" && doc.step_count >= 0 ? Math.floor(doc.step_count) : 0;
-    const nonSystem = messages.length - 1;
-    reports.push(`Restored ${nonSystem} message(s) from ${this.path} (session ${this.sessionId}, step ${stepCount})`);
+    if (reports.length) reports.push(this.keepOriginal(bytes));
+    reports.push(`Restored ${messages.length - 1} message(s) from ${this.path} (session ${this.sessionId}, step ${stepCount})`);
     return { messages, stepCount, usage, sessionId: this.sessionId, reports };
   }
 
+  /**
+   * Before a repaired file replaces the one a person may have edited by
+   * hand, the original is kept beside it, so a mistyped entry is never lost.
+   */
+  private keepOriginal(bytes: Buffer): string {
+    for (let n = 1; n < MAX_SESSION_INSTANCES; n++) {
+      const name = `${this.name}.orig.${newSessionId()}${n > 1 ? `-${n}` : ""}`;
+      let fd: number;
+      try {
+        fd = this.dir.createExclusive(name);
+      } catch (error) {
+        if ((error as NodeJS.ErrnoException).code === "EEXIST") continue;
+        this.frozen = true;
+        return `could not keep the original beside it (${ownFileError(error).message}), so this run does not write over it`;
+      }
+      try {
+        writeAll(fd, bytes);
+        fs.fsyncSync(fd);
+      } finally {
+        fs.closeSync(fd);
+      }
+      return `kept the file as it was before these changes in ${this.dir.display(name)}`;
+    }
+    this.frozen = true;
+    return "could not keep the original beside it, so this run does not write over it";
+  }
+
   private moveAside(why: string): LoadedSession {
-    let aside = `${this.path}.corrupt.${newSessionId()}`;
     try {
-      // link() (or an exclusive copy where links are not allowed) refuses an existing name,
-      // so two files moved aside in one second never overwrite each other.
-      for (let n = 2; ; n++) {
+      for (let n = 1; ; n++) {
+        const aside = `${this.name}.corrupt.${newSessionId()}${n > 1 ? `-${n}` : ""}`;
         try {
-          try {
-            fs.linkSync(this.path, aside);
-          } catch (error) {
-            if ((error as NodeJS.ErrnoException).code === "EEXIST") throw error;
-            fs.copyFileSync(this.path, aside, fs.constants.COPYFILE_EXCL);
-          }
-          break;
+          this.dir.renameNoReplace(this.name, aside);
+          return { reports: [`${this.path} could not be loaded: ${why}; moved it to ${this.dir.display(aside)} and started a clean session`] };
         } catch (error) {
           if ((error as NodeJS.ErrnoException).code !== "EEXIST") throw error;
-          aside = `${this.path}.corrupt.${newSessionId()}-${n}`;
         }
       }
-      fs.unlinkSync(this.path);
-      return { reports: [`${this.path} could not be loaded: ${why}; moved it to ${aside} and started a clean session`] };
     } catch (error) {
       // It could not be preserved elsewhere, so it must not be overwritten either: this run saves nothing.
       this.frozen = true;
@@ -1294,15 +1854,10 @@ class SessionStore {
   }
 
   /** Writes one checkpoint atomically; a failure is reported once and the run goes on. */
-  /** Set when a broken file could not be moved aside: then it is never written over. */
-  private frozen = false;
-  /** What the last fsynced write held: the message list, its length, its last message and the system text. */
-  private durable: unknown[] | undefined;
-
   save(reason: string, state: SessionState): boolean {
     if (this.frozen) return false;
     const doc: Record<string, unknown> = {
-      aic_session_version: 1,
+      aic_session_version: SESSION_VERSION,
       session_id: this.sessionId,
       updated_at: localIsoSeconds(),
       reason,
@@ -1314,17 +1869,16 @@ class SessionStore {
       usage: state.usage,
       messages: MESSAGES_SLOT,
     };
+    if (this.outputDir) doc.output_dir = this.outputDir;
     for (const [key, value] of Object.entries(this.extra)) if (!(key in doc)) doc[key] = value;
     try {
-      // write-file-atomic follows symlinks; a command could plant one to make aic (unconfined) overwrite another file.
-      if (fs.lstatSync(this.path, { throwIfNoEntry: false })?.isSymbolicLink()) throw new Error("it has been replaced by a symbolic link; not writing through it");
-      const writeFileAtomic = require("write-file-atomic") as typeof import("write-file-atomic");
       // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
       // (before_llm_call right after tool_result, say), losing this write to a power cut loses
       // only its label: the rename stays atomic, the fsync is skipped.
       const signature = [state.messages, state.messages.length, state.messages[state.messages.length - 1], state.messages[0]?.content];
       const durableAlready = this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
-      writeFileAtomic.sync(this.path, this.serialise(doc, state.messages), { mode: 0o600, fsync: !durableAlready });
+      this.noticePlantedLink();
+      this.dir.replace(this.name, this.serialise(doc, state.messages), !durableAlready);
       if (!durableAlready) this.durable = signature;
       return true;
     } catch (error) {
@@ -1334,6 +1888,19 @@ class SessionStore {
       }
       return false;
     }
+  }
+
+  private linkReported = false;
+  /** A command replaced the file with a link: the write replaces the link (never follows it), and the person is told once. */
+  private noticePlantedLink(): void {
+    if (this.linkReported) return;
+    try {
+      if (!fs.lstatSync(this.dir.at(this.name)).isSymbolicLink()) return;
+    } catch {
+      return;
+    }
+    this.linkReported = true;
+    this.sink.emit({ type: "warning", text: `${this.path} had been replaced by a symbolic link (by a command?); aic replaces the link with the session file and never writes through it` });
   }
 
   /**
@@ -1351,15 +1918,21 @@ class SessionStore {
     const list = parts.length ? `[\n${parts.join(",\n")}\n  ]` : "[]";
     return JSON.stringify(doc, null, 2).replace(JSON.stringify(MESSAGES_SLOT), () => list) + "\n";
   }
-  private readonly messageText = new WeakMap<Message, { content: unknown; calls: unknown; text: string }>();
 
   /** Starts a new session id (after /clear). */
   renew(): void {
     this.sessionId = newSessionId();
+    this.outputDir = undefined;
   }
 
   release(): void {
-    if (this.lockFd !== undefined) try { fs.closeSync(this.lockFd); } catch { /* already closed */ }
+    if (this.lockFd !== undefined)
+      try {
+        fs.closeSync(this.lockFd);
+      } catch {
+        /* already closed */
+      }
+    this.dir.close();
   }
 }
 
@@ -1393,6 +1966,13 @@ interface Sandbox {
 
 const SANDBOX_EXEC = "__sandbox-exec";
 
+/** A directory commands may write in, with the identity it had when aic started. */
+interface WritablePath {
+  path: string;
+  dev: number;
+  ino: number;
+}
+
 function sandboxOff(reason: string): Sandbox {
   return { status: `off (${reason})`, enabled: false, writable: [], wrap: (argv) => argv };
 }
@@ -1422,29 +2002,13 @@ const PR_SET_NO_NEW_PRIVS = 38;
 const O_PATH = 0o10000000;
 const O_CLOEXEC = 0o2000000;
 
-/** Linux libc through bun:ffi, opened once (each dlopen compiles its call stubs). */
-let linuxLibc: ReturnType<typeof openLinuxLibc> | undefined;
-function libc() {
-  linuxLibc ??= openLinuxLibc();
-  return linuxLibc;
-}
-function openLinuxLibc() {
-  const { dlopen, FFIType } = require("bun:ffi") as typeof import("bun:ffi");
-  return dlopen("libc.so.6", {
-    // Every argument as a 64-bit integer: pointers are passed as numbers from ptr().
-    syscall: { args: [FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64], returns: FFIType.i64 },
-    prctl: { args: [FFIType.i32, FFIType.u64, FFIType.u64, FFIType.u64, FFIType.u64], returns: FFIType.i32 },
-    open: { args: [FFIType.cstring, FFIType.i32], returns: FFIType.i32 },
-    close: { args: [FFIType.i32], returns: FFIType.i32 },
-    execve: { args: [FFIType.cstring, FFIType.ptr, FFIType.ptr], returns: FFIType.i32 },
-  });
-}
-
 /** The Landlock ABI version the kernel offers, or the reason there is none. */
 function landlockAbi(): number | string {
   if (process.platform !== "linux") return `not Linux (${process.platform})`;
   try {
-    const abi = Number(libc().symbols.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0));
+    const c = libc();
+    if (!c) return "cannot open libc.so.6 through bun:ffi";
+    const abi = Number(c.symbols.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0));
     return abi >= 1 ? abi : "this kernel does not offer Landlock";
   } catch (error) {
     return `cannot call the kernel through libc (${(error as Error).message})`;
@@ -1462,22 +2026,26 @@ function writeRights(abi: number): bigint {
  * Runs in the `__sandbox-exec` child: confines this process to `writable`
  * and replaces it with `argv`. Only returns on failure (exit code 126).
  */
-function sandboxExec(writable: string[], argv: string[]): number {
+function sandboxExec(writable: WritablePath[], argv: string[]): number {
   const fail = (what: string) => {
     writeOut(2, `aic sandbox: ${what}\n`);
     return 126;
   };
   const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
-  const c = libc().symbols;
+  const c = libc()?.symbols;
+  if (!c) return fail("cannot open libc.so.6 through bun:ffi");
   const abi = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0));
   if (abi < 1) return fail("Landlock is not available");
   const handled = writeRights(abi);
   const rulesetAttr = new BigUint64Array([handled]);
   const rulesetFd = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, ptr(rulesetAttr), 8, 0, 0));
   if (rulesetFd < 0) return fail("landlock_create_ruleset was refused");
-  for (const dir of writable) {
-    const fd = c.open(Buffer.from(dir + "\0"), O_PATH | O_CLOEXEC);
+  for (const { path: dir, dev, ino } of writable) {
+    const fd = c.open(Buffer.from(dir + "\0"), O_PATH | O.O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0) continue; // a missing directory needs no rule
+    // A command may have renamed this directory and put a link (to / , say) in its place: the rule must not follow it.
+    const st = fs.fstatSync(fd);
+    if (st.dev !== dev || st.ino !== ino) return fail(`${dir} is no longer the directory it was when aic started (moved or replaced by a command), so commands cannot be confined; restart aic`);
     // struct landlock_path_beneath_attr { u64 allowed_access; s32 parent_fd; } __attribute__((packed))
     const attr = new Uint8Array(12);
     const view = new DataView(attr.buffer);
@@ -1502,33 +2070,94 @@ function sandboxExec(writable: string[], argv: string[]): number {
   return fail(`cannot execute ${argv[0]}`);
 }
 
+/** Environment variables whose values are secrets: commands never get them, and /proc shows asterisks. */
+const SECRET_ENV = ["AIC_API_KEY", "OPENAI_API_KEY", "AIC_HEADERS"];
+/** Options whose values are secrets, as `--option VALUE` or `--option=VALUE`. */
+const SECRET_OPTIONS = ["--api-key", "--header"];
+const PR_SET_DUMPABLE = 4;
+const MASK = 0x2a; // "*"
+
 /**
- * Keeps commands from reading the API key out of aic's own /proc entries
- * (environ, cmdline, memory): a non-dumpable process's /proc files belong
- * to root. Best effort; Linux only.
+ * Keeps commands from reading the API key (and header values) out of aic's
+ * own /proc entries. A non-dumpable process's /proc files belong to root,
+ * which stops other users; a root command can still read them, so the
+ * secrets' bytes are also overwritten where /proc/<pid>/environ and
+ * /proc/<pid>/cmdline read them: the original environment and argument
+ * blocks. aic keeps its own copies. Linux only; best effort.
  */
-function protectSecrets(config: Config): void {
-  if (process.platform !== "linux" || !config.apiKey) return;
+function protectSecrets(): void {
+  if (process.platform !== "linux") return;
+  libc()?.symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
   try {
-    libc().symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    const stat = fs.readFileSync("/proc/self/stat", "latin1");
+    // Fields 48–51 of stat(5): arg_start, arg_end, env_start, env_end; the list below starts at field 3.
+    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+    const [argStart, argEnd, envStart, envEnd] = [48, 49, 50, 51].map((n) => Number(fields[n - 3]));
+    const { toArrayBuffer } = require("bun:ffi") as typeof import("bun:ffi");
+    const block = (start: number | undefined, end: number | undefined) =>
+      start && end && end > start && end - start < 1 << 24 ? new Uint8Array(toArrayBuffer(start as unknown as import("bun:ffi").Pointer, 0, end - start)) : undefined;
+    const args = block(argStart, argEnd);
+    const env = block(envStart, envEnd);
+    if (args) maskSecretArguments(args);
+    if (env) maskSecretVariables(env);
   } catch {
-    /* not fatal: the key is still kept out of the commands' environment */
+    /* the key is still kept out of the commands' environment */
   }
 }
-const PR_SET_DUMPABLE = 4;
+
+/** The [start, end) ranges of the NUL-separated strings of a /proc block. */
+function blockStrings(block: Uint8Array): [number, number][] {
+  const ranges: [number, number][] = [];
+  for (let start = 0; start < block.length; ) {
+    let end = block.indexOf(0, start);
+    if (end < 0) end = block.length;
+    ranges.push([start, end]);
+    start = end + 1;
+  }
+  return ranges;
+}
+
+function maskSecretVariables(env: Uint8Array): void {
+  for (const [start, end] of blockStrings(env)) {
+    const text = Buffer.from(env.buffer, env.byteOffset + start, end - start).toString("latin1");
+    const eq = text.indexOf("=");
+    if (eq > 0 && SECRET_ENV.includes(text.slice(0, eq))) env.fill(MASK, start + eq + 1, end);
+  }
+}
+
+function maskSecretArguments(args: Uint8Array): void {
+  const strings = blockStrings(args);
+  for (let i = 1; i < strings.length; i++) {
+    const [start, end] = strings[i]!;
+    const text = Buffer.from(args.buffer, args.byteOffset + start, end - start).toString("latin1");
+    if (text === "--") return; // the task's own words follow
+    if (SECRET_OPTIONS.includes(text) && strings[i + 1]) {
+      const [valueStart, valueEnd] = strings[++i]!;
+      args.fill(MASK, valueStart, valueEnd);
+      continue;
+    }
+    const eq = text.indexOf("=");
+    if (eq > 0 && SECRET_OPTIONS.includes(text.slice(0, eq))) args.fill(MASK, start + eq + 1, end);
+  }
+}
 
 function setUpSandbox(config: Config): Sandbox {
   if (config.disableSandbox) return sandboxOff("--disable-sandbox");
   const abi = landlockAbi();
   if (typeof abi === "string") return sandboxOff(abi);
-  const writable = [...new Set([process.cwd(), "/tmp", "/dev"])];
+  // Real paths, so the launcher can open each without following a link (a command may plant one later).
+  const writable = [...new Set([process.cwd(), "/tmp", "/dev"].map((dir) => (fs.lstatSync(dir).isSymbolicLink() ? fs.realpathSync(dir) : dir)))];
+  const identified: WritablePath[] = writable.map((dir) => {
+    const st = fs.statSync(dir);
+    return { path: dir, dev: st.dev, ino: st.ino };
+  });
   // The launcher must be something a confined command cannot swap out. /proc/self/exe, resolved by
   // the freshly forked child, is this very executable's inode even if its path has been replaced.
   const launcher = selfArgv();
   const script = launcher[1];
   if (script && writable.some((dir) => script === dir || script.startsWith(dir.endsWith("/") ? dir : dir + "/")))
     return sandboxOff(`the aic script ${script} lives where commands may write, so they could change the sandbox launcher; run the compiled binary`);
-  const prefix = ["/proc/self/exe", ...launcher.slice(1), SANDBOX_EXEC, JSON.stringify(writable), "--"];
+  const prefix = ["/proc/self/exe", ...launcher.slice(1), SANDBOX_EXEC, JSON.stringify(identified), "--"];
   // Prove the whole path once (ruleset, restrict, execve) before promising it.
   const probe = Bun.spawnSync([...prefix, "/bin/true"], { stdout: "ignore", stderr: "pipe" });
   if (probe.exitCode !== 0) return sandboxOff(probe.stderr.toString().trim().replace(/^aic sandbox: /, "") || `the self-test exited ${probe.exitCode}`);
@@ -1622,17 +2251,6 @@ function groupAlive(pid: number): boolean {
   }
 }
 
-let scratchDir: string | undefined;
-/** A per-process directory under /tmp for full outputs; removed on normal exit. */
-function scratchDirectory(): string {
-  scratchDir ??= fs.mkdtempSync(path.join(os.tmpdir(), `aic-${process.pid}-`));
-  return scratchDir;
-}
-function removeScratchDirectory(): void {
-  if (scratchDir) fs.rmSync(scratchDir, { recursive: true, force: true });
-  scratchDir = undefined;
-}
-
 const utf8 = new TextEncoder();
 const utf8Decoder = new TextDecoder();
 
@@ -1679,7 +2297,10 @@ class RenderedOutput {
   private fileBufferBytes = 0;
   filePath: string | undefined;
 
-  constructor(private readonly maxBytes: number) {}
+  constructor(
+    private readonly maxBytes: number,
+    private readonly outputs: OutputStore,
+  ) {}
 
   add(line: string): void {
     if (line.trim() === "") {
@@ -1741,8 +2362,9 @@ class RenderedOutput {
   private spill(): void {
     this.spilled = true;
     try {
-      this.filePath = path.join(scratchDirectory(), `output-${Date.now()}-${Math.random().toString(36).slice(2, 8)}.txt`);
-      this.file = fs.openSync(this.filePath, "w", 0o600);
+      const created = this.outputs.createFile();
+      this.file = created.fd;
+      this.filePath = created.path;
       fs.writeSync(this.file, this.lines.join("\n") + "\n");
     } catch (error) {
       this.fileFailed(error);
@@ -2010,13 +2632,13 @@ interface RunOptions {
   canAnswerInput: boolean;
   signal: AbortSignal;
   sandbox: Sandbox;
+  /** Where the whole output of a long command is saved. */
+  outputs: OutputStore;
   onData(bytes: Uint8Array): void;
   /** Lets the caller forward a person's keystrokes to the command; returns a detach function. */
   attachInput?(write: (data: string | Uint8Array) => void): () => void;
 }
 
-/** Variables that carry the model's API key: commands (and so the model) never see them. */
-const SECRET_ENV = ["AIC_API_KEY", "OPENAI_API_KEY"];
 
 /** aic's environment minus the API key, for commands and the Shell tab. */
 function commandEnvironment(): Record<string, string | undefined> {
@@ -2037,7 +2659,7 @@ function commandWrapper(command: string): string {
 
 async function runCommand(opts: RunOptions): Promise<CommandResult> {
   const Terminal = await loadXterm();
-  const rendered = new RenderedOutput(opts.maxOutputBytes);
+  const rendered = new RenderedOutput(opts.maxOutputBytes, opts.outputs);
   // Made on the first byte: most commands print nothing and need no emulator.
   let renderer: TerminalRenderer | undefined;
   const runawayLimit = RUNAWAY_FACTOR * opts.maxOutputBytes;
@@ -2195,9 +2817,9 @@ function readProjectInstructions(cwd: string): PromptFacts["projectInstructions"
     const file = path.join(d, "AGENTS.md");
     let text: string;
     try {
-      text = fs.readFileSync(file, "utf8").trim();
+      text = readOwnFile(file, AGENTS_MD_LIMIT_BYTES, true).toString("utf8").trim();
     } catch {
-      continue;
+      continue; // missing, or not a regular file: a command may have planted a FIFO there
     }
     if (!text || budget <= 0) continue;
     text = headBytes(text, budget);
@@ -2223,8 +2845,6 @@ function selfCommand(): string {
 
 type Approval = { kind: "approve" } | { kind: "reject" } | { kind: "suggest"; text: string } | { kind: "no_input" };
 type ApproveFn = (request: { id: string; command: string }) => Promise<Approval>;
-
-const VALID_ROLES = new Set(["system", "user", "assistant", "tool"]);
 
 /** The same copy every step, so per-message token counts (cached by object) stay cached. */
 const emptyContentCopies = new WeakMap<Message, Message>();
@@ -2272,6 +2892,10 @@ interface AgentOptions {
   sandbox: Sandbox;
   systemPrompt: string;
   session?: SessionStore;
+  /** Where cut command outputs are saved in full. */
+  outputs: OutputStore;
+  /** The directory aic started in, held open: the debug dump is written there. */
+  workDir: HeldDirectory;
   /** Whether a person can type into a running command (decides the stuck-on-input rule). */
   canAnswerInput: () => boolean;
   attachInput?: RunOptions["attachInput"];
@@ -2363,6 +2987,7 @@ class Agent {
     this.contextEstimate = 0;
     this.suggestions = [];
     this.o.session?.renew();
+    this.o.outputs.clear(this.o.session?.sessionId ?? String(process.pid));
     this.checkpoint("cleared");
   }
 
@@ -2431,7 +3056,7 @@ class Agent {
       const counter = this.counter;
       const rawSent = counter ? counter.countRaw(messages) : tokenUpperBound(messages);
       this.contextEstimate = Math.ceil(rawSent * (counter?.ratio ?? 1));
-      if (this.o.config.debug) writeDebugDump(messages, this.contextEstimate, this.budget);
+      if (this.o.config.debug) writeDebugDump(this.o.workDir, messages, this.contextEstimate, this.budget);
       this.checkpoint("before_llm_call");
       let thinking = false;
       void this.tokenCounter();
@@ -2564,6 +3189,7 @@ class Agent {
       canAnswerInput: this.o.canAnswerInput() && !this.autoApprove,
       signal,
       sandbox: this.o.sandbox,
+      outputs: this.o.outputs,
       onData: (data) => this.emit({ type: "command_output", id: call.id, data }),
       attachInput: this.o.attachInput,
       });
@@ -2624,6 +3250,20 @@ class Agent {
   }
 }
 
+/**
+ * The session file (when there is one), what it restored, and the store of
+ * saved outputs that belongs with it: shared by both front ends.
+ */
+function openConversation(config: Config, sink: EventSink, systemPrompt: string, sessionPath: string | undefined) {
+  OutputStore.pruneOld();
+  const session = sessionPath ? SessionStore.claim(sessionPath, { model: config.model, apiBase: config.apiBase }, sink) : undefined;
+  const loaded = session?.load(systemPrompt);
+  const outputs = new OutputStore(session !== undefined, session?.sessionId ?? String(process.pid), session?.outputDir, (dir) => {
+    if (session) session.outputDir = dir;
+  });
+  return { session, loaded, outputs, workDir: HeldDirectory.open(process.cwd()) };
+}
+
 /** Resolves with `promise`, or with undefined as soon as the run is stopped. */
 function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T | undefined> {
   if (signal.aborted) return Promise.resolve(undefined);
@@ -2638,7 +3278,7 @@ function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T | 
 }
 
 /** --debug: the history as it is about to be sent, for diagnosing prompts and compression. */
-function writeDebugDump(messages: readonly Message[], estimate: number, budget: number): void {
+function writeDebugDump(dir: HeldDirectory, messages: readonly Message[], estimate: number, budget: number): void {
   const lines = [
     `time: ${new Date().toISOString()}`,
     `messages: ${messages.length}`,
@@ -2652,13 +3292,8 @@ function writeDebugDump(messages: readonly Message[], estimate: number, budget: 
     lines.push(contentText(m.content));
   });
   try {
-    // O_NOFOLLOW: a command could have planted a symlink here to make unconfined aic write elsewhere.
-    const fd = fs.openSync("commander-debug.txt", fs.constants.O_WRONLY | fs.constants.O_CREAT | fs.constants.O_TRUNC | fs.constants.O_NOFOLLOW, 0o600);
-    try {
-      fs.writeSync(fd, lines.join("\n") + "\n");
-    } finally {
-      fs.closeSync(fd);
-    }
+    // Replaced, not opened: whatever a command planted under this name (a link, a FIFO) is swapped out, never written through.
+    dir.replace("commander-debug.txt", lines.join("\n") + "\n", false);
   } catch {
     /* a debugging aid must never stop the run */
   }
@@ -3203,7 +3838,9 @@ class ConsoleStream {
   flush(): void {
     this.scheduled = false;
     if (!this.incoming.length) return;
-    const text = Bun.stripANSI(this.incoming.map((c) => c.text).join("")).replace(/\r\n/g, "\n");
+    const text = Bun.stripANSI(this.incoming.map((c) => c.text).join(""))
+      .replace(/\r\n/g, "\n")
+      .replace(/[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]/g, "");
     this.incoming = [];
     this.incomingBytes = 0;
     let lines = text.split("\n");
@@ -3278,6 +3915,7 @@ interface TuiOptions {
 class Tui implements EventSink {
   readonly agent: Agent;
   readonly session: SessionStore | undefined;
+  private readonly outputs: OutputStore;
   readonly history: PromptHistory;
   private readonly cursor: HistoryCursor;
   private readonly search: ReverseSearch;
@@ -3382,7 +4020,9 @@ class Tui implements EventSink {
     this.setTab("console");
     this.prompt.focus();
 
-    this.session = config.noSession ? undefined : SessionStore.claim(config.session ?? ".aicsession", { model: config.model, apiBase: config.apiBase }, this);
+    const conversation = openConversation(config, this, this.systemPrompt, config.noSession ? undefined : (config.session ?? ".aicsession"));
+    this.session = conversation.session;
+    this.outputs = conversation.outputs;
     this.agent = new Agent({
       config,
       sink: this,
@@ -3390,14 +4030,15 @@ class Tui implements EventSink {
       sandbox: this.sandbox,
       systemPrompt: this.systemPrompt,
       session: this.session,
+      outputs: this.outputs,
+      workDir: conversation.workDir,
       canAnswerInput: () => false,
       beforeCommand: () => this.followShellCwd(),
     });
     this.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: this.sandbox.status, session: this.session?.path ?? null, request: config.request ?? "" });
-    if (this.session) {
-      const loaded = this.session.load(this.systemPrompt);
-      for (const line of loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
-      this.agent.restore(loaded);
+    if (conversation.loaded) {
+      for (const line of conversation.loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
+      this.agent.restore(conversation.loaded);
     } else this.agentPane.line("[SESSION] off (--no-session): nothing is saved", COLORS.info);
     this.footerTimer = setInterval(() => this.refreshStatus(), 250);
     this.refreshStatus();
@@ -3442,7 +4083,7 @@ class Tui implements EventSink {
     return new Promise((resolve) => {
       if (this.searching) this.endSearch(this.searching.saved);
       this.pending = { command, resolve };
-      this.modal.text.content = `${command}\n\nY or Enter approves · N or Escape rejects · /suggest <text> steers instead`;
+      this.modal.text.content = `${visibleControls(command)}\n\nY or Enter approves · N or Escape rejects · /suggest <text> steers instead`;
       this.modal.overlay.visible = this.tab === "console";
       this.refreshStatus();
     });
@@ -3793,7 +4434,7 @@ class Tui implements EventSink {
 
   private refreshBanner(): void {
     let text = "";
-    if (this.pending) text = ` ⚠ Approval needed: ${this.pending.command.split("\n")[0]}  —  Y/Enter or /approve · N/Esc or /reject · /suggest <text>`;
+    if (this.pending) text = ` ⚠ Approval needed: ${visibleControls(this.pending.command.split("\n")[0] ?? "")}  —  Y/Enter or /approve · N/Esc or /reject · /suggest <text>`;
     else if (!this.agent?.autoApprove && Date.now() - this.startedAt < BANNER_HIDE_MS) text = " ⚠ Commands the agent proposes run for real on this machine once you approve them. /aa turns on auto-approve.";
     if (this.banner.content.toString() !== text) this.banner.content = text;
     this.banner.visible = text !== "";
@@ -3805,15 +4446,15 @@ class Tui implements EventSink {
     const agent = this.agentPane;
     switch (e.type) {
       case "start":
-        agent.line(`aic ${VERSION} · ${e.model} · ${e.api_base} · ${e.cwd}`, COLORS.info);
+        agent.line(visibleControls(`aic ${VERSION} · ${e.model} · ${e.api_base} · ${e.cwd}`), COLORS.info);
         agent.line(`Sandbox: ${e.sandbox}`, e.sandbox.startsWith("on") ? COLORS.ok : COLORS.error);
         return;
       case "info":
-        return agent.line(e.text, COLORS.info);
+        return agent.line(visibleControls(e.text), COLORS.info);
       case "warning":
-        return agent.line(`warning: ${e.text}`, COLORS.warning);
+        return agent.line(visibleControls(`warning: ${e.text}`), COLORS.warning);
       case "error":
-        return agent.line(`error: ${e.message}`, COLORS.error);
+        return agent.line(visibleControls(`error: ${e.message}`), COLORS.error);
       case "step":
         this.step = e.step;
         return this.refreshStatus();
@@ -3824,7 +4465,7 @@ class Tui implements EventSink {
           agent.line("[THINKING]", COLORS.thinking);
           this.thinking = true;
         }
-        return agent.append(e.text, COLORS.thinking);
+        return agent.append(visibleControls(e.text), COLORS.thinking);
       case "thinking_complete":
         if (!this.o.config.noThinking) agent.line("[THINKING COMPLETE]", COLORS.thinking);
         this.thinking = false;
@@ -3835,21 +4476,21 @@ class Tui implements EventSink {
           this.thinking = false;
           agent.append("\n");
         }
-        return agent.append(this.marker.push(e.text));
+        return agent.append(visibleControls(this.marker.push(e.text)));
       case "assistant":
-        agent.append(this.marker.flush());
+        agent.append(visibleControls(this.marker.flush()));
         if (!agent.atLineStart) agent.append("\n");
         this.thinking = false;
         return;
       case "reasoning":
         return;
       case "retry":
-        return agent.line(`model request failed (${e.reason}); retry ${e.attempt} in ${(e.wait_ms / 1000).toFixed(1)} s`, COLORS.warning);
+        return agent.line(visibleControls(`model request failed (${e.reason}); retry ${e.attempt} in ${(e.wait_ms / 1000).toFixed(1)} s`), COLORS.warning);
       case "command":
-        return this.consolePane.line(`$ ${e.command}`, COLORS.command);
+        return this.consolePane.line(`$ ${visibleControls(e.command)}`, COLORS.command);
       case "approval":
         if (e.decision === "rejected") this.consolePane.line("(rejected)", COLORS.bad);
-        if (e.decision === "suggestion") this.consolePane.line(`(rejected with a suggestion: ${e.suggestion})`, COLORS.bad);
+        if (e.decision === "suggestion") this.consolePane.line(visibleControls(`(rejected with a suggestion: ${e.suggestion})`), COLORS.bad);
         return;
       case "command_output":
         return this.consoleStream.write(e.data);
@@ -3861,7 +4502,7 @@ class Tui implements EventSink {
       case "compression":
         return agent.line(`[COMPRESSION] ${e.algorithm}: ${e.before_tokens} → ${e.after_tokens} tokens; ${e.detail}`, COLORS.summary);
       case "summary_delta":
-        return this.consolePane.append(e.text, COLORS.summary);
+        return this.consolePane.append(visibleControls(e.text), COLORS.summary);
       case "usage":
         return this.refreshStatus();
       case "end": {
@@ -3902,7 +4543,7 @@ class Tui implements EventSink {
       }
       this.shell.pty.terminal.close();
     }
-    removeScratchDirectory();
+    this.outputs.close();
     try {
       this.r.destroy();
       // A hung-up terminal cannot take the restore bytes: `closed` then rejects, and exiting must not depend on it.
@@ -4048,7 +4689,7 @@ class StdinReader {
 /** The --nogui approval prompt: y/yes/empty approves, n/no rejects, anything else is a suggestion. */
 function plainApproval(stdin: StdinReader): ApproveFn {
   return async ({ command }) => {
-    writeOut(2, `Approve command? (y/n/suggestion): ${command}\n> `);
+    writeOut(2, `Approve command? (y/n/suggestion): ${visibleControls(command)}\n> `);
     const line = await stdin.readLine();
     if (line === null) return { kind: "no_input" };
     const answer = line.trim();
@@ -4084,7 +4725,7 @@ async function runHeadless(config: Config): Promise<number> {
     selfCommand: selfCommand(),
     projectInstructions: readProjectInstructions(process.cwd()),
   });
-  const session = config.session && !config.noSession ? SessionStore.claim(config.session, { model: config.model, apiBase: config.apiBase }, sink) : undefined;
+  const { session, loaded, outputs, workDir } = openConversation(config, sink, systemPrompt, config.session && !config.noSession ? config.session : undefined);
   const stdinIsTerminal = Boolean(process.stdin.isTTY);
   const agent = new Agent({
     config,
@@ -4093,11 +4734,12 @@ async function runHeadless(config: Config): Promise<number> {
     sandbox,
     systemPrompt,
     session,
+    outputs,
+    workDir,
     canAnswerInput: () => stdinIsTerminal,
     attachInput: stdinIsTerminal ? (write) => stdin.attach(write) : undefined,
   });
-  if (session) {
-    const loaded = session.load(systemPrompt);
+  if (loaded) {
     for (const line of loaded.reports) sink.emit({ type: "info", text: `[SESSION] ${line}` });
     agent.restore(loaded);
   }
@@ -4106,7 +4748,7 @@ async function runHeadless(config: Config): Promise<number> {
   const finish = (code: number, reason: string) => {
     agent.checkpoint(reason);
     session?.release();
-    removeScratchDirectory();
+    outputs.close();
     return code;
   };
   for (const sig of Object.keys(EXIT_SIGNALS) as ExitSignal[]) {
@@ -4137,7 +4779,7 @@ async function runHeadless(config: Config): Promise<number> {
 async function main(argv: string[]): Promise<number> {
   if (argv[0] === SANDBOX_EXEC) {
     const separator = argv.indexOf("--");
-    return sandboxExec(JSON.parse(argv[1] ?? "[]") as string[], argv.slice(separator + 1));
+    return sandboxExec(JSON.parse(argv[1] ?? "[]") as WritablePath[], argv.slice(separator + 1));
   }
   let parsed: ParsedArgs;
   try {
@@ -4157,7 +4799,7 @@ async function main(argv: string[]): Promise<number> {
     case "search":
       return runSearch(parsed.query, parsed.maxResults);
     case "run":
-      protectSecrets(parsed.config);
+      protectSecrets();
       return parsed.config.nogui ? runHeadless(parsed.config) : runTui(parsed.config);
   }
 }
@@ -4174,6 +4816,8 @@ if (import.meta.main) {
 
 export {
   Agent,
+  HeldDirectory,
+  OutputStore,
   HistoryCursor,
   LogPane,
   PromptHistory,

@@ -131,3 +131,15 @@ export function perTestFixtures() {
     },
   };
 }
+
+/**
+ * The Landlock ABI version of the running kernel (0 when it has none), asked
+ * of the kernel directly (landlock_create_ruleset(NULL, 0, VERSION) is
+ * syscall 444), independently of aic.
+ */
+export function kernelLandlockAbi(): number {
+  const probe = Bun.spawnSync(["python3", "-c", "import ctypes; print(ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1))"]);
+  const out = probe.stdout.toString().trim();
+  if (probe.exitCode !== 0 || !/^-?\d+$/.test(out)) throw new Error(`cannot ask the kernel for its Landlock ABI: ${probe.stderr.toString() || out}`);
+  return Math.max(0, Number(out));
+}

@@ -14,21 +14,7 @@ import { existsSync, mkdtempSync, readFileSync, realpathSync, writeFileSync } fr
 import { homedir } from "node:os";
 import { join } from "node:path";
 import { type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
-import { bash, headless, jsonLines, perTestFixtures, runAic } from "./helpers.ts";
-
-/** The Landlock ABI version of the running kernel (0 when it has none), asked of the kernel directly. */
-function kernelLandlockAbi(): number {
-  const probe = Bun.spawnSync([
-    "python3",
-    "-c",
-    "import ctypes; print(ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1))", // 444 = landlock_create_ruleset
-  ]);
-  const out = probe.stdout.toString().trim();
-  if (probe.exitCode !== 0 || !/^-?\d+$/.test(out)) {
-    throw new Error(`cannot ask the kernel for its Landlock ABI: ${probe.stderr.toString() || out}`);
-  }
-  return Math.max(0, Number(out));
-}
+import { bash, headless, jsonLines, kernelLandlockAbi, perTestFixtures, runAic } from "./helpers.ts";
 
 const ABI = kernelLandlockAbi();
 const HOME = homedir();

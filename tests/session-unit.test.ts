@@ -6,9 +6,9 @@
  * moves the file aside intact. A sample of the fuzzed files also goes through dist/aic.
  */
 import { afterEach, describe, expect, test } from "bun:test";
-import { existsSync, readFileSync, readdirSync, statSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, readdirSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { Agent, SessionStore, parseArgs, repairMessages, type AgentEvent, type EventSink, type Sandbox } from "../aic.ts";
+import { Agent, HeldDirectory, OutputStore, SessionStore, parseArgs, repairMessages, type AgentEvent, type EventSink, type Sandbox } from "../aic.ts";
 import { startFakeServer, type FakeServer } from "./fake-openai.ts";
 import { headless, runAic, scratch } from "./helpers.ts";
 
@@ -42,7 +42,7 @@ const state = (messages: any[], stepCount = 0) => ({ messages, stepCount, usage:
 /**
  * Why a loaded history would be refused by the API or lose track of a command, or [] if fine:
  * system first; each tool message answers a call of the assistant message before it; every such
- * call is answered; no trailing assistant message without tool calls; and `tool_calls`, where
+ * call is answered; and `tool_calls`, where
  * present, is a list of calls with string ids (anything else cannot be answered, and aic itself
  * cannot count or send it).
  */
@@ -70,8 +70,7 @@ function sequenceProblems(messages: unknown): string[] {
     open = new Set(m.role === "assistant" && Array.isArray(m.tool_calls) ? m.tool_calls.map((c: any) => c?.id).filter((id: unknown) => typeof id === "string") : []);
   });
   if (open.size) problems.push(`call(s) ${[...open].join(", ")} at the end have no answer`);
-  const last: any = messages.at(-1);
-  if (last?.role === "assistant" && !(Array.isArray(last.tool_calls) && last.tool_calls.length > 0)) problems.push("ends in an assistant message without tool calls");
+  // A trailing assistant message without tool calls is the model's last answer and is kept: the next request appends the new task after it.
   return problems;
 }
 
@@ -101,11 +100,27 @@ describe("repairMessages (SPEC §7 loading)", () => {
     expect(sequenceProblems(messages)).toEqual([]);
   });
 
-  test("drops a trailing assistant message without tool calls", () => {
-    const raw: any[] = [{ role: "system", content: "s" }, { role: "user", content: "u" }, { role: "assistant", content: "TASKCOMPLETE" }];
+  // The model's last answer survives a resume, so the resumed model remembers its own conclusion.
+  test("keeps a trailing assistant message without tool calls, and reports nothing", () => {
+    const raw: any[] = [{ role: "system", content: "s" }, { role: "user", content: "u" }, { role: "assistant", content: "Done: all 12 tests pass. TASKCOMPLETE" }];
+    const { messages, reports } = repairMessages(structuredClone(raw), SYSTEM);
+    expect(messages).toEqual(raw);
+    expect(reports).toEqual([]);
+  });
+
+  // Content of the right JSON type but not one the API takes (a number, a list of numbers) becomes text.
+  test("turns content that is neither text nor content parts into text", () => {
+    const raw: any[] = [{ role: "system", content: "s" }, { role: "user", content: 123 }, { role: "assistant", content: [1, 2] }, { role: "user", content: [{ type: "text", text: "parts stay" }] }];
     const { messages, reports } = repairMessages(raw, SYSTEM);
-    expect(messages).toEqual(raw.slice(0, 2));
+    expect(messages.map((m) => m.content)).toEqual(["s", "123", "[1,2]", [{ type: "text", text: "parts stay" }]]);
     expect(reports).toHaveLength(1);
+  });
+
+  test("drops messages with an unknown role and names the role", () => {
+    const raw: any[] = [{ role: "system", content: "s" }, { role: "usr", content: "typo" }, { role: "user", content: "u" }];
+    const { messages, reports } = repairMessages(raw, SYSTEM);
+    expect(messages).toEqual([raw[0], raw[2]]);
+    expect(reports).toEqual(['dropped 1 message(s) with an unknown role ("usr")']);
   });
 
   test("drops entries that are not messages", () => {
@@ -152,9 +167,12 @@ describe("SessionStore (SPEC §7)", () => {
 
   // A failing write returns false, leaves no partial file, and is reported once however often it recurs.
   test("a write failure is reported once and the run can go on", () => {
-    const dir = scratch();
+    const dir = join(scratch(), "vanishing");
+    mkdirSync(dir);
     const sink = recorder();
-    const store = claim(join(dir, "missing-dir", "s.json"), sink);
+    const store = claim(join(dir, "s.json"), sink);
+    // Nothing can be created in a directory that no longer exists, through any descriptor.
+    rmSync(dir, { recursive: true });
     const results = Array.from({ length: 5 }, () => store.save("tool_result", state([])));
     expect(results).toEqual([false, false, false, false, false]);
     expect(sink.warnings().filter((w) => w.includes("s.json") && !w.includes(".lock"))).toHaveLength(1);
@@ -195,7 +213,7 @@ describe("Agent.clear() (SPEC §7 /clear)", () => {
     const sink = recorder();
     const store = claim(path, sink);
     const sandbox: Sandbox = { status: "off (unit test)", enabled: false, writable: [], wrap: (argv) => argv };
-    const agent = new Agent({ config: parsed.config, sink, approve: async () => ({ kind: "approve" }), sandbox, systemPrompt: SYSTEM, session: store, canAnswerInput: () => false });
+    const agent = new Agent({ config: parsed.config, sink, approve: async () => ({ kind: "approve" }), sandbox, systemPrompt: SYSTEM, session: store, outputs: new OutputStore(false, "unit"), workDir: HeldDirectory.open(dir), canAnswerInput: () => false });
     agent.restore(store.load(SYSTEM));
     expect(agent.messages).toHaveLength(4);
 
@@ -411,7 +429,16 @@ const FUZZ_COUNT = 1500;
 
 describe("fuzzed session files (SPEC §7 loading)", () => {
   const cases = fuzzCases(FUZZ_SEED, FUZZ_COUNT);
-  const outcome = new Map<number, "loaded" | "moved">();
+  const outcome = new Map<number, "loaded" | "moved" | "untouched">();
+  /** Whether the bytes are a JSON document whose aic_session_version is a number above 1. */
+  const isNewerFormat = (bytes: Buffer): boolean => {
+    try {
+      const version = JSON.parse(bytes.toString("utf8"))?.aic_session_version;
+      return typeof version === "number" && version > 1;
+    } catch {
+      return false;
+    }
+  };
 
   // Never throws; either a history the API accepts, or the file moved aside holding its original bytes.
   test(`${FUZZ_COUNT} mutated files: load never throws and never loses the file`, () => {
@@ -437,6 +464,11 @@ describe("fuzzed session files (SPEC §7 loading)", () => {
         const problems = sequenceProblems(loaded.messages);
         if (problems.length) failures.push(`${name} [${c.kinds}]: ${problems.join("; ")}`);
         if (aside.length) failures.push(`${name} [${c.kinds}]: loaded and also moved aside`);
+      } else if (isNewerFormat(c.bytes)) {
+        // A file claiming a newer format is neither read nor moved nor rewritten.
+        outcome.set(c.index, "untouched");
+        if (aside.length) failures.push(`${name} [${c.kinds}]: a newer-format file was moved aside`);
+        if (!existsSync(path) || !readFileSync(path).equals(c.bytes)) failures.push(`${name} [${c.kinds}]: a newer-format file was changed`);
       } else {
         outcome.set(c.index, "moved");
         if (aside.length !== 1) failures.push(`${name} [${c.kinds}]: no messages, and ${aside.length} files moved aside`);
@@ -449,7 +481,8 @@ describe("fuzzed session files (SPEC §7 loading)", () => {
     // Both paths were exercised many times over.
     const loaded = [...outcome.values()].filter((o) => o === "loaded").length;
     expect(loaded).toBeGreaterThan(FUZZ_COUNT / 5);
-    expect(FUZZ_COUNT - loaded).toBeGreaterThan(FUZZ_COUNT / 5);
+    const moved = [...outcome.values()].filter((o) => o === "moved").length;
+    expect(moved).toBeGreaterThan(FUZZ_COUNT / 5);
   });
 
   // The same files through the real binary: a sample covering every mutation kind, loaded or moved
