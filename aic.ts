@@ -51,6 +51,11 @@ const KILL_GRACE_MS = 500;
 const MAX_TIMEOUT_SEC = Math.floor((2 ** 31 - 1) / 1000);
 const MAX_MODEL_ATTEMPTS = 5;
 const MAX_CONTEXT_RETRIES = 3;
+/** While a run has had no answer, an endpoint where nothing listens is tried this many times, this far apart (×1, ×2): a few seconds in all. */
+const UNREACHABLE_FIRST_ATTEMPTS = 3;
+const UNREACHABLE_FIRST_WAIT_MS = 500;
+/** The SDK's limit for a request before its headers arrive; the stream's own silence limit is STREAM_IDLE_MS. */
+const MODEL_REQUEST_TIMEOUT_MS = 10 * 60 * 1000;
 const BACKOFF_CAP_MS = 60_000;
 /** Silence from a model stream (before the first chunk or between two) after which the attempt counts as failed. */
 const STREAM_IDLE_MS = Number(process.env.AIC_STREAM_IDLE_MS) > 0 ? Number(process.env.AIC_STREAM_IDLE_MS) : 300_000;
@@ -109,6 +114,8 @@ interface Config {
   apiBase: string;
   model: string;
   apiKey: string | undefined;
+  /** Extra HTTP headers for every model request (gateways route by them); their values are secrets. */
+  headers: Record<string, string>;
   autoApprove: boolean;
   noThinking: boolean;
   timeoutSec: number;
@@ -130,26 +137,29 @@ interface Config {
   warnings: string[];
 }
 
-type FlagKind = "bool" | "string" | "int" | "fraction";
+type FlagKind = "bool" | "string" | "url" | "int" | "fraction" | "header";
 interface FlagSpec {
   name: string;
   kind: FlagKind;
   key: keyof Config;
   env?: string[];
   default?: string;
+  /** The largest value a number may take: beyond it a timer, a buffer or a budget would be absurd. */
+  max?: number;
   help: string;
 }
 
 const FLAGS: readonly FlagSpec[] = [
-  { name: "--api-base", kind: "string", key: "apiBase", env: ["AIC_API_BASE", "OPENAI_BASE_URL"], help: "OpenAI-compatible base URL (…/v1). Required." },
+  { name: "--api-base", kind: "url", key: "apiBase", env: ["AIC_API_BASE", "OPENAI_BASE_URL"], help: "OpenAI-compatible base URL, http(s)://…/v1. Required." },
   { name: "--model", kind: "string", key: "model", env: ["AIC_MODEL"], help: "Model name. Required." },
   { name: "--api-key", kind: "string", key: "apiKey", env: ["AIC_API_KEY", "OPENAI_API_KEY"], help: "API key (local servers need none). Never written to any file." },
+  { name: "--header", kind: "header", key: "headers", env: ["AIC_HEADERS"], help: "Extra request header 'Name: value', repeatable (env: one per line). Never shown." },
   { name: "--auto-approve", kind: "bool", key: "autoApprove", help: "Run commands without asking." },
   { name: "--no-thinking", kind: "bool", key: "noThinking", help: "Do not show reasoning tokens." },
-  { name: "--timeout", kind: "int", key: "timeoutSec", default: "120", help: "Per-command timeout in seconds." },
-  { name: "--max-prompt-len", kind: "int", key: "maxPromptLen", default: "80000", help: "Prompt budget in tokens." },
-  { name: "--max-output-bytes", kind: "int", key: "maxOutputBytes", default: "10240", help: "Cap on the command output handed to the model." },
-  { name: "--max-steps", kind: "int", key: "maxSteps", default: "500", help: "Loop steps before giving up (exit 3)." },
+  { name: "--timeout", kind: "int", key: "timeoutSec", default: "120", max: MAX_TIMEOUT_SEC, help: "Per-command timeout in seconds." },
+  { name: "--max-prompt-len", kind: "int", key: "maxPromptLen", default: "80000", max: 10_000_000, help: "Prompt budget in tokens." },
+  { name: "--max-output-bytes", kind: "int", key: "maxOutputBytes", default: "10240", max: 16 * 1024 * 1024, help: "Cap on the command output handed to the model." },
+  { name: "--max-steps", kind: "int", key: "maxSteps", default: "500", max: 1_000_000, help: "Loop steps before giving up (exit 3)." },
   { name: "--debug", kind: "bool", key: "debug", help: "Write the history to commander-debug.txt before each model call." },
   { name: "--nogui", kind: "bool", key: "nogui", help: "Plain output, no TUI. No session file unless --session is given." },
   { name: "--session", kind: "string", key: "session", help: "Session file (TUI default: ./.aicsession)." },
@@ -172,88 +182,124 @@ function helpText(): string {
     "  aic [options] [request…]           TUI (default); a lone - reads the request from stdin",
     "  aic --nogui [options] request…     plain output, for scripts and CI",
     "  aic search QUERY [--max-results N] web search, prints a JSON array",
+    "  A request that starts with a dash goes after --.",
     "",
     "Options:",
   ];
   for (const f of FLAGS) {
-    const arg = f.kind === "bool" ? "" : f.kind === "string" ? " VALUE" : " N";
+    const arg = f.kind === "bool" ? "" : f.kind === "int" || f.kind === "fraction" ? " N" : " VALUE";
     const extras = [f.default ? `default ${f.default}` : "", f.env ? `env ${f.env.join(", then ")}` : ""].filter(Boolean);
     lines.push(`  ${(f.name + arg).padEnd(26)} ${f.help}${extras.length ? ` (${extras.join("; ")})` : ""}`);
   }
-  lines.push("  --version                  Print the version and exit.", "  --help                     Print this help and exit.");
+  lines.push("  -V, --version              Print the version and exit.", "  -h, --help                 Print this help and exit.");
   lines.push("", "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 129/130/143 signals.");
   return lines.join("\n");
 }
 
-type ParsedArgs =
-  | { kind: "help" }
-  | { kind: "version" }
-  | { kind: "search"; query: string; maxResults: number }
-  | { kind: "run"; config: Config };
+type ParsedArgs = { kind: "help" } | { kind: "version" } | { kind: "search"; query: string; maxResults: number } | { kind: "run"; config: Config };
 
 function describeFlag(f: FlagSpec): string {
   return f.env ? `${f.name} (or ${f.env.join(" / ")})` : f.name;
 }
 
+const flag = (name: string): FlagSpec => FLAGS.find((f) => f.name === name)!;
+
+/** Whole numbers in plain decimal only: " 5", "0x10", "1e3" and "+5" are typing mistakes, not numbers. */
 function parseNumberFlag(f: FlagSpec, raw: string): number {
-  const value = Number(raw.trim());
-  if (raw.trim() === "" || !Number.isFinite(value)) throw new UsageError(`${f.name} needs a number, got '${raw}'`);
   if (f.kind === "int") {
-    if (!Number.isInteger(value) || value <= 0) throw new UsageError(`${f.name} needs a positive whole number, got '${raw}'`);
-    // Timers overflow past 2^31 - 1 ms (about 24.8 days) and would fire at once.
-    if (f.key === "timeoutSec" && value > MAX_TIMEOUT_SEC) throw new UsageError(`${f.name} can be at most ${MAX_TIMEOUT_SEC} seconds, got '${raw}'`);
-  } else if (!(value > 0 && value < 1)) {
-    throw new UsageError(`${f.name} needs a fraction between 0 and 1 (exclusive), got '${raw}'`);
+    if (!/^[0-9]+$/.test(raw) || Number(raw) <= 0) throw new UsageError(`${describeFlag(f)} needs a positive whole number, got '${raw}'`);
+    const value = Number(raw);
+    if (f.max !== undefined && value > f.max) throw new UsageError(`${describeFlag(f)} can be at most ${f.max}, got '${raw}'`);
+    return value;
   }
+  const value = Number(raw);
+  if (!/^([0-9]+\.?[0-9]*|\.[0-9]+)$/.test(raw) || !(value > 0 && value < 1)) throw new UsageError(`${describeFlag(f)} needs a fraction between 0 and 1 (exclusive), got '${raw}'`);
   return value;
+}
+
+function parseUrlFlag(f: FlagSpec, raw: string): string {
+  let url: URL | undefined;
+  try {
+    url = new URL(raw);
+  } catch {
+    /* refused below */
+  }
+  if (!url || (url.protocol !== "http:" && url.protocol !== "https:") || !url.hostname) throw new UsageError(`${describeFlag(f)} needs an http:// or https:// URL such as http://localhost:8000/v1, got '${raw}'`);
+  return raw;
+}
+
+/** The HTTP token characters a header name may use. */
+const HEADER_NAME = /^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/;
+
+/** `Name: value` lines into headers. The value is a secret: an error never repeats it. */
+function parseHeaders(f: FlagSpec, lines: string[]): Record<string, string> {
+  const headers: Record<string, string> = {};
+  for (const line of lines) {
+    const colon = line.indexOf(":");
+    const name = colon > 0 ? line.slice(0, colon).trim() : "";
+    const value = colon > 0 ? line.slice(colon + 1).trim() : "";
+    if (!HEADER_NAME.test(name) || /[\r\n\0]/.test(value)) throw new UsageError(`${describeFlag(f)} needs 'Name: value' (one header each; the value you gave is not shown)`);
+    headers[name] = value;
+  }
+  return headers;
 }
 
 function parseArgs(argv: string[], env: Record<string, string | undefined>): ParsedArgs {
   if (argv[0] === "search") return parseSearchArgs(argv.slice(1));
-  const given = new Map<FlagSpec, string>();
+  const given = new Map<FlagSpec, string[]>();
   const words: string[] = [];
   let onlyWords = false;
   for (let i = 0; i < argv.length; i++) {
     const arg = argv[i]!;
-    if (onlyWords || !arg.startsWith("--") || arg === "-") {
+    if (onlyWords || arg === "-" || !arg.startsWith("-")) {
       words.push(arg);
       continue;
     }
-    if (arg === "--") { onlyWords = true; continue; }
-    if (arg === "--help") return { kind: "help" };
-    if (arg === "--version") return { kind: "version" };
-    const eq = arg.indexOf("=");
+    if (arg === "--") {
+      onlyWords = true;
+      continue;
+    }
+    if (arg === "--help" || arg === "-h") return { kind: "help" };
+    if (arg === "--version" || arg === "-V") return { kind: "version" };
+    const eq = arg.startsWith("--") ? arg.indexOf("=") : -1;
     const name = eq >= 0 ? arg.slice(0, eq) : arg;
     const spec = FLAGS.find((f) => f.name === name);
-    if (!spec) throw new UsageError(`unknown option ${name} (see aic --help)`);
+    if (!spec) throw new UsageError(`unknown option ${name} (see aic --help; a request that starts with a dash goes after --)`);
     if (spec.kind === "bool") {
       if (eq >= 0) throw new UsageError(`${name} takes no value`);
-      given.set(spec, "1");
-    } else {
-      const value = eq >= 0 ? arg.slice(eq + 1) : argv[++i];
-      if (value === undefined) throw new UsageError(`${name} needs a value`);
-      given.set(spec, value);
+      given.set(spec, ["1"]);
+      continue;
     }
+    const value = eq >= 0 ? arg.slice(eq + 1) : argv[++i];
+    if (value === undefined) throw new UsageError(`${name} needs a value`);
+    given.set(spec, spec.kind === "header" ? [...(given.get(spec) ?? []), value] : [value]);
   }
-  const pick = (f: FlagSpec): string | undefined => {
-    if (given.has(f)) return given.get(f);
-    for (const name of f.env ?? []) if (env[name]) return env[name];
-    return f.default;
-  };
+  const fromEnv = (f: FlagSpec): string | undefined => (f.env ?? []).map((name) => env[name]).find((v) => v);
   const config: Record<string, unknown> = { warnings: [] as string[] };
   for (const f of FLAGS) {
-    const raw = pick(f);
+    if (f.kind === "header") {
+      // Headers from the environment first, then the flags (a flag overrides the same name).
+      const lines = [...(fromEnv(f) ?? "").split("\n").filter((l) => l.trim()), ...(given.get(f) ?? [])];
+      config[f.key] = parseHeaders(f, lines);
+      continue;
+    }
+    const raw = given.get(f)?.[0] ?? fromEnv(f) ?? f.default;
     if (f.kind === "bool") config[f.key] = raw !== undefined;
+    else if (raw === undefined) config[f.key] = undefined;
     else if (f.kind === "string") config[f.key] = raw;
-    else config[f.key] = raw === undefined ? undefined : parseNumberFlag(f, raw);
+    else if (f.kind === "url") config[f.key] = parseUrlFlag(f, raw);
+    else config[f.key] = parseNumberFlag(f, raw);
   }
   const c = config as unknown as Config;
-  const flag = (name: string) => FLAGS.find((f) => f.name === name)!;
   if (!c.apiBase) throw new UsageError(`missing the model endpoint: give ${describeFlag(flag("--api-base"))}`);
   if (!c.model) throw new UsageError(`missing the model name: give ${describeFlag(flag("--model"))}`);
   if (c.json && !c.nogui) throw new UsageError("--json needs --nogui");
   if (c.session !== undefined && c.noSession) throw new UsageError("--session and --no-session contradict each other");
   if (c.session === "") throw new UsageError("--session needs a file path");
+  if (c.session !== undefined) {
+    const dir = path.dirname(path.resolve(c.session));
+    if (!fs.statSync(dir, { throwIfNoEntry: false })?.isDirectory()) throw new UsageError(`--session ${c.session}: the directory ${dir} does not exist`);
+  }
   if (c.compressAlg !== "context-compressor-llm" && c.compressAlg !== "truncate") {
     c.warnings.push(`unknown --compress-alg '${c.compressAlg}', using truncate`);
     c.compressAlg = "truncate";
@@ -287,7 +333,7 @@ function parseSearchArgs(argv: string[]): ParsedArgs {
 /** Budget for the prompt: non-gpt models reserve room for their output inside the context window. */
 function promptBudget(config: Pick<Config, "maxPromptLen" | "model">): number {
   const reserve = isGptModel(config.model) ? 0 : OUTPUT_RESERVATION_TOKENS;
-  return Math.max(1000, config.maxPromptLen - reserve);
+  return Math.max(0, config.maxPromptLen - reserve);
 }
 
 function isGptModel(model: string): boolean {
@@ -305,6 +351,8 @@ interface Usage {
   output_tokens: number;
   cached_tokens: number;
   billable_tokens: number;
+  /** Set once any figure was counted by aic because the server reported none. */
+  estimated?: boolean;
 }
 
 type AgentEvent =
@@ -318,13 +366,15 @@ type AgentEvent =
   | { type: "assistant"; content: string; tool_calls: { id: string; name: string; arguments: string }[] }
   | { type: "reasoning"; text: string }
   | { type: "retry"; attempt: number; wait_ms: number; reason: string }
+  | { type: "discarded"; reason: string }
+  | { type: "context"; estimate: number; budget: number }
   | { type: "command"; id: string; command: string }
   | { type: "approval"; id: string; decision: "approved" | "auto" | "rejected" | "suggestion" | "no_input"; suggestion?: string }
   | { type: "command_output"; id: string; data: Uint8Array }
   | { type: "command_result"; id: string; exit_code: number | null; status: CommandStatus; output: string; saved_to?: string }
   | { type: "compression"; algorithm: string; before_tokens: number; after_tokens: number; removed: number; detail: string }
   | { type: "summary_delta"; text: string }
-  | { type: "usage"; prompt_tokens: number; completion_tokens: number; cached_tokens: number; total: Usage; context_estimate: number; budget: number }
+  | { type: "usage"; prompt_tokens: number; completion_tokens: number; cached_tokens: number; estimated: boolean; total: Usage; context_estimate: number; budget: number }
   | { type: "error"; message: string }
   | { type: "end"; status: RunStatus; exit_code: number; steps: number; usage: Usage };
 
@@ -443,9 +493,14 @@ class PlainSink implements EventSink {
   private readonly outIsTerminal = Boolean(process.stdout.isTTY);
   private readonly log = new LogText();
   private readonly err = useColor(process.stderr);
-  private readonly marker = new MarkerFilter();
+  private marker = new MarkerFilter();
   private midLine = false;
   private thinking = false;
+  /**
+   * Off a terminal, the answer of an attempt waits here until the attempt is
+   * known good: an answer a retry discards never reaches a log unmarked.
+   */
+  private answer: string[] = [];
   constructor(private readonly showThinking: boolean) {}
 
   private stdout(text: string) {
@@ -490,12 +545,24 @@ class PlainSink implements EventSink {
         if (this.showThinking) this.note("2", "\n[THINKING COMPLETE]");
         this.thinking = false;
         return;
-      case "assistant_delta":
-        return this.stdout(visibleControls(this.marker.push(e.text)));
+      case "assistant_delta": {
+        const text = visibleControls(this.marker.push(e.text));
+        if (this.outIsTerminal) return this.stdout(text);
+        this.answer.push(text);
+        return;
+      }
       case "assistant":
-        this.stdout(visibleControls(this.marker.flush()));
+        this.stdout(this.answer.splice(0).join("") + visibleControls(this.marker.flush()));
         if (this.midLine) this.stdout("\n");
         this.thinking = false;
+        return;
+      case "discarded":
+        this.marker = new MarkerFilter();
+        this.answer = [];
+        this.thinking = false;
+        if (this.outIsTerminal && this.midLine) this.stdout(`\n${paint(this.out, "33", "[the answer above was discarded; asking again]")}\n`);
+        return this.note("33", `the model's attempt failed (${e.reason}); its partial answer was discarded`);
+      case "context":
         return;
       case "reasoning":
         return;
@@ -529,7 +596,8 @@ class PlainSink implements EventSink {
         return;
       case "end": {
         const u = e.usage;
-        this.note("2", `[${e.status}] ${e.steps} step(s) · ${u.input_tokens} in / ${u.output_tokens} out / ${u.cached_tokens} cached tokens`);
+        const about = u.estimated ? "~" : "";
+        this.note("2", `[${e.status}] ${e.steps} step(s) · ${about}${u.input_tokens} in / ${about}${u.output_tokens} out / ${u.cached_tokens} cached tokens${u.estimated ? " (~ counted by aic: the server reported no usage)" : ""}`);
         return;
       }
     }
@@ -538,7 +606,7 @@ class PlainSink implements EventSink {
 
 /** JSON Lines for machines: one object per line, each with `type` and `ts`; deltas are folded into whole turns. */
 class JsonSink implements EventSink {
-  private static readonly SKIP = new Set<AgentEventType>(["assistant_delta", "reasoning_delta", "thinking_complete", "command_output", "summary_delta"]);
+  private static readonly SKIP = new Set<AgentEventType>(["assistant_delta", "reasoning_delta", "thinking_complete", "command_output", "summary_delta", "context"]);
   emit(e: AgentEvent): void {
     if (JsonSink.SKIP.has(e.type)) return;
     const record = Object.assign({ type: e.type, ts: new Date().toISOString() }, e);
@@ -580,7 +648,29 @@ function contentText(content: unknown): string {
 }
 
 interface Encoder {
-  encode(text: string): Uint32Array;
+  count(text: string): number;
+}
+
+/**
+ * BPE costs grow with the square of a word's length (a 100 KB run without
+ * spaces took 11 s, and 1 MB aborted inside tiktoken's WASM): a run of
+ * non-space characters longer than this is counted in slices of it. Ordinary
+ * text has no such runs and is counted exactly.
+ */
+const LONGEST_WORD = 256;
+const LONG_RUN = new RegExp(`\\S{${LONGEST_WORD + 1},}`);
+
+function countBounded(text: string, count: (piece: string) => number): number {
+  if (!LONG_RUN.test(text)) return count(text);
+  let total = 0;
+  let at = 0;
+  for (const run of text.matchAll(new RegExp(LONG_RUN.source, "g"))) {
+    if (run.index > at) total += count(text.slice(at, run.index));
+    for (let i = 0; i < run[0].length; i += LONGEST_WORD) total += count(run[0].slice(i, i + LONGEST_WORD));
+    at = run.index + run[0].length;
+  }
+  if (at < text.length) total += count(text.slice(at));
+  return total;
 }
 
 // Embedded in the compiled binary: tiktoken's default entry would read the
@@ -598,7 +688,7 @@ function loadEncoder(): Promise<Encoder> {
     await init((imports) => WebAssembly.instantiate(wasm, imports));
     const model = (await Bun.file(o200kPath as unknown as string).json()) as { bpe_ranks: string; special_tokens: Record<string, number>; pat_str: string };
     const tiktoken = new Tiktoken(model.bpe_ranks, model.special_tokens, model.pat_str);
-    return { encode: (text: string) => tiktoken.encode(text, "all") };
+    return { count: (text: string) => countBounded(text, (piece) => tiktoken.encode(piece, "all").length) };
   })();
   return encoderPromise;
 }
@@ -628,7 +718,7 @@ class TokenCounter {
   }
 
   tokensOf(text: string): number {
-    return text ? this.encoder.encode(text).length : 0;
+    return text ? this.encoder.count(text) : 0;
   }
 
   /** Raw tiktoken count of one message; cached until its content or calls change. */
@@ -702,9 +792,13 @@ interface AssistantTurn {
   usage: { prompt_tokens: number; completion_tokens: number; cached_tokens: number } | undefined;
 }
 
-type FailureKind = "fatal" | "context" | "retry";
+type FailureKind = "fatal" | "context" | "retry" | "unreachable";
 class ModelError extends Error {
-  constructor(message: string, readonly kind: FailureKind, readonly retryAfterMs?: number) {
+  constructor(
+    message: string,
+    readonly kind: FailureKind,
+    readonly retryAfterMs?: number,
+  ) {
     super(message);
   }
 }
@@ -714,7 +808,65 @@ class StoppedError extends Error {
   }
 }
 
-const CONTEXT_TOO_LONG = /context[ _-]?(length|window)|too many tokens|maximum context|prompt is too long|too long for|reduce the length|input is too long|exceeds? the (max|limit)|token limit|context_length_exceeded/i;
+/**
+ * Context overflow as OpenAI-compatible servers word it: each phrase is taken
+ * from a server's own source or documentation (OpenAI, Azure, vLLM, llama.cpp,
+ * Ollama, LM Studio, TGI, SGLang, LiteLLM, OpenRouter, Mistral, Groq,
+ * DeepSeek, Together, Anthropic's and Gemini's compatible layers, xAI,
+ * Cerebras, Kimi); tests/context-overflow-fixtures.ts keeps one reply per
+ * shape with its source.
+ */
+const CONTEXT_OVERFLOW = new RegExp(
+  [
+    "context[_ ]length[_ ]exceeded",
+    "maximum context length",
+    "exceeds? the available context size",
+    "exceed_context_size_error",
+    "context size has been exceeded",
+    "longer than the (model'?s )?context length",
+    "greater than the context length",
+    "when context the overflows",
+    "context length of only",
+    "does not fit in (the )?context length",
+    "exceeded max context length",
+    "prompt is too long",
+    "exceeds? (the )?context limit",
+    "exceeds the maximum number of tokens allowed",
+    "maximum prompt length is",
+    "exceeds the maximum allowed length",
+    "requested token count exceeds",
+    "input tokens exceed the configured limit",
+    "`?inputs`? tokens \\+ `?max_new_tokens`? must be <=",
+    "`?inputs`? must have less than \\d+ tokens",
+    "reduce the length of the messages",
+    "exceeded model token limit",
+    "exceeded max_prompt_tokens",
+    "context length is only \\d+",
+    "too large for model with \\d+ maximum context length",
+    "too many tokens",
+    "input is too long",
+  ].join("|"),
+  "i",
+);
+/** Wordings that look like an overflow but are about the requested output or a rate: compressing cannot fix them. */
+const NOT_CONTEXT_OVERFLOW =
+  /max_tokens is too large: \d+\. This model supports at most|cannot be greater than max_model_len|`?max_completion_tokens`? must be less than or equal|rate_limit_exceeded|tokens per min|upper bound for 0 input tokens/i;
+/** An exhausted quota or billing problem: waiting does not help, the account needs attention. */
+const QUOTA_EXHAUSTED = /insufficient[_ ]quota|exceeded your current quota|billing|credit balance|out of credits|requires more credits|payment required/i;
+const AUTH_CODES = ["invalid_api_key", "authentication_error", "permission_denied", "permission_error", "unauthenticated", "unauthorized", "invalid_authentication"];
+const MODEL_CODES = ["model_not_found", "not_found", "not_found_error"];
+const QUOTA_CODES = ["insufficient_quota", "billing_hard_limit_reached", "billing_not_active"];
+const OVERFLOW_CODES = ["context_length_exceeded", "exceed_context_size_error"];
+const RATE_CODES = ["rate_limit_exceeded", "rate_limit_error", "resource_exhausted"];
+const UNREACHABLE_CODES: Record<string, string> = {
+  ECONNREFUSED: "connection refused: nothing is listening there",
+  ConnectionRefused: "connection refused: nothing is listening there",
+  ENOTFOUND: "the host name does not resolve",
+  EAI_AGAIN: "the host name cannot be resolved right now",
+  EHOSTUNREACH: "the host is unreachable",
+  ENETUNREACH: "the network is unreachable",
+  FailedToOpenSocket: "cannot open a connection",
+};
 
 /** Reads `Retry-After` (seconds or an HTTP date) or `retry-after-ms` from whatever header shape the SDK hands over. */
 function retryAfterMs(headers: unknown): number | undefined {
@@ -733,45 +885,110 @@ function retryAfterMs(headers: unknown): number | undefined {
   return Number.isFinite(date) ? Math.max(0, date - Date.now()) : undefined;
 }
 
-/** Flattens an error body of any shape (error object, flat object, array, text) into one readable line. */
-function errorBodyText(body: unknown): string {
-  if (body === undefined || body === null) return "";
+/** Flattens an error body of any shape (error object or string, flat object, array, nested message, text) into one readable line. */
+function errorBodyText(body: unknown, depth = 0): string {
+  if (body === undefined || body === null || depth > 5) return "";
   if (typeof body === "string") return body;
-  if (Array.isArray(body)) return body.map(errorBodyText).filter(Boolean).join("; ");
-  if (typeof body === "object") {
-    const o = body as Record<string, unknown>;
-    if (o.error !== undefined) return errorBodyText(o.error);
-    const parts = ["message", "detail", "msg", "type", "code"].map((k) => o[k]).filter((v) => typeof v === "string" && v);
-    return parts.length ? (parts as string[]).join(" — ") : JSON.stringify(o);
+  if (typeof body !== "object") return String(body);
+  if (Array.isArray(body)) return body.map((b) => errorBodyText(b, depth + 1)).filter(Boolean).join("; ");
+  const o = body as Record<string, unknown>;
+  if (o.error !== undefined && o.error !== null) return errorBodyText(o.error, depth + 1);
+  const parts = ["message", "detail", "msg", "type", "code"].map((k) => (typeof o[k] === "object" ? errorBodyText(o[k], depth + 1) : o[k])).filter((v) => typeof v === "string" && v);
+  return parts.length ? (parts as string[]).join(" — ") : JSON.stringify(o);
+}
+
+/** What an error body says about itself: its text, an HTTP-like status, its code/type names, and llama.cpp's overflow fields. */
+interface ErrorFields {
+  text: string;
+  status: number | undefined;
+  codes: string[];
+  overflowFields: boolean;
+}
+
+function errorFields(body: unknown): ErrorFields {
+  const fields: ErrorFields = { text: errorBodyText(body), status: undefined, codes: [], overflowFields: false };
+  const visit = (value: unknown, depth: number): void => {
+    if (value === null || typeof value !== "object" || depth > 4) return;
+    if (Array.isArray(value)) return value.slice(0, 4).forEach((v) => visit(v, depth + 1));
+    const o = value as Record<string, unknown>;
+    for (const key of ["code", "status", "http_status_code", "status_code", "type", "error_type"]) {
+      const v = o[key];
+      if (typeof v === "number" && v >= 100 && v < 600) fields.status ??= v;
+      else if (typeof v === "string" && /^\d{3}$/.test(v)) fields.status ??= Number(v);
+      else if (typeof v === "string") fields.codes.push(v.toLowerCase());
+    }
+    if ("n_prompt_tokens" in o && "n_ctx" in o) fields.overflowFields = true;
+    visit(o.error, depth + 1);
+  };
+  visit(body, 0);
+  return fields;
+}
+
+/** A server that counts our requested output alone as too big for its window: no compression can help. */
+function outputExceedsWindow(text: string): { output: number; window: number } | undefined {
+  const window = Number(/maximum context length is (\d+)|context length (?:is|of) (?:only )?(\d+)/i.exec(text)?.slice(1).find(Boolean));
+  const output = Number(/is too large: (\d+)|requested (\d+) output tokens|max_tokens=(\d+)/i.exec(text)?.slice(1).find(Boolean));
+  return window > 0 && output >= window ? { output, window } : undefined;
+}
+
+/** Secrets (the API key, header values) a server might echo back are never shown. */
+let secretsToRedact: string[] = [];
+function redactSecrets(text: string): string {
+  let out = text;
+  for (const secret of secretsToRedact) if (secret.length >= 4) out = out.split(secret).join("[redacted]");
+  return out;
+}
+
+/**
+ * Decides what a failed model call means, from the HTTP status and the
+ * error's own fields (an error inside a 200 stream carries its status as a
+ * numeric code or status, and names such as `invalid_api_key`): give up
+ * naming what to fix, compress harder, or wait and retry.
+ */
+function classifyModelFailure(httpStatus: number | undefined, body: unknown, headers?: unknown): ModelError {
+  const f = errorFields(body);
+  const status = httpStatus ?? f.status;
+  const has = (names: string[]) => f.codes.some((c) => names.includes(c));
+  const where = status === undefined ? "" : ` (HTTP ${status})`;
+  const detail = redactSecrets(f.text.replace(/\s+/g, " ").trim()).slice(0, 300) || "no details";
+  const fatal = (message: string) => new ModelError(message, "fatal");
+  if (status === 402 || has(QUOTA_CODES) || QUOTA_EXHAUSTED.test(f.text))
+    return fatal(`the account behind this API key has no quota or credit left${where}: ${detail} — check the plan and billing of that account with the provider`);
+  const overflow = (f.overflowFields || has(OVERFLOW_CODES) || CONTEXT_OVERFLOW.test(f.text) || status === 413) && !NOT_CONTEXT_OVERFLOW.test(f.text);
+  if (overflow) {
+    const tooBig = outputExceedsWindow(f.text);
+    if (tooBig)
+      return fatal(`the model's context window (${tooBig.window} tokens) cannot hold the answer aic asks for (max_tokens ${tooBig.output})${where}: ${detail} — serve the model with a larger context`);
+    if (status === undefined || status === 400 || status === 413 || status === 422 || status === 500) return new ModelError(`the prompt is too long for the model${where}: ${detail}`, "context");
   }
-  return String(body);
+  if (status === 401 || status === 403 || has(AUTH_CODES))
+    return fatal(`the endpoint refused the API key${where}: ${detail} — check --api-key (or AIC_API_KEY / OPENAI_API_KEY)${/header/i.test(f.text) ? " and --header" : ""}`);
+  if (status === 404 || has(MODEL_CODES)) return fatal(`the endpoint does not know this model or path${where}: ${detail} — check --model (AIC_MODEL) and --api-base (AIC_API_BASE)`);
+  // One request bigger than the account's whole per-minute allowance never fits, however long aic waits.
+  if (/request too large/i.test(f.text) && /per min/i.test(f.text))
+    return fatal(`the request is bigger than the account's per-minute token limit${where}: ${detail} — lower --max-prompt-len or raise the account's rate limit`);
+  if (status === 429 || has(RATE_CODES)) return new ModelError(`rate limited${where}: ${detail}`, "retry", retryAfterMs(headers));
+  if (status !== undefined && status >= 400 && status < 500 && status !== 408 && status !== 409) {
+    const hint = /header/i.test(f.text) ? "check --header (gateways such as Portkey route by header)" : "check --model, --api-base and --reasoning-effort";
+    return fatal(`the endpoint rejected the request${where}: ${detail} — ${hint}`);
+  }
+  return new ModelError(status === undefined ? detail : `HTTP ${status}: ${detail}`, "retry", retryAfterMs(headers));
 }
 
-/** Decides what a failed model call means: give up with a fix to suggest, compress harder, or wait and retry. */
-function classifyModelFailure(status: number | undefined, text: string, headers?: unknown): ModelError {
-  const detail = text.replace(/\s+/g, " ").trim().slice(0, 300) || "no details";
-  if ((status === 400 || status === 413) && CONTEXT_TOO_LONG.test(text)) return new ModelError(`the prompt is too long for the model (HTTP ${status}): ${detail}`, "context");
-  if (status === undefined && CONTEXT_TOO_LONG.test(text)) return new ModelError(`the prompt is too long for the model: ${detail}`, "context");
-  if (status === 401 || status === 403)
-    return new ModelError(`the endpoint refused the API key (HTTP ${status}): ${detail} — check --api-key (or AIC_API_KEY / OPENAI_API_KEY)`, "fatal");
-  if (status === 404)
-    return new ModelError(`the endpoint does not know this model or path (HTTP 404): ${detail} — check --model (AIC_MODEL) and --api-base (AIC_API_BASE)`, "fatal");
-  if (status !== undefined && status >= 400 && status < 500 && status !== 408 && status !== 409 && status !== 429)
-    return new ModelError(`the endpoint rejected the request (HTTP ${status}): ${detail} — check --model, --api-base and --reasoning-effort`, "fatal");
-  const label = status === undefined ? detail : `HTTP ${status}: ${detail}`;
-  return new ModelError(label, "retry", retryAfterMs(headers));
-}
-
-/** Narrows whatever the SDK or fetch threw into a ModelError. */
-function modelErrorFrom(error: unknown): ModelError {
+/** Narrows whatever the SDK or fetch threw into a ModelError, in aic's words (never Bun's internals). */
+function modelErrorFrom(error: unknown, url: string, midStream: boolean): ModelError {
   if (error instanceof ModelError) return error;
-  const e = error as { status?: unknown; error?: unknown; message?: unknown; headers?: unknown; cause?: unknown; name?: unknown };
+  const e = error as { status?: unknown; error?: unknown; message?: unknown; headers?: unknown; cause?: { code?: unknown; message?: unknown }; code?: unknown; name?: unknown };
   const status = typeof e?.status === "number" ? e.status : undefined;
-  const body = errorBodyText(e?.error);
-  const message = typeof e?.message === "string" ? e.message : String(error);
-  const cause = e?.cause instanceof Error ? ` (${e.cause.message})` : "";
-  // The SDK's message repeats the body behind the status; the body alone says it once.
-  return classifyModelFailure(status, (body || message) + cause, e?.headers);
+  // An HTTP error, or an error object inside the stream: classified from its own fields.
+  if (status !== undefined || (e?.error !== undefined && e?.error !== null)) return classifyModelFailure(status, e.error ?? e.message, e.headers);
+  const code = String(e?.cause?.code ?? e?.code ?? "");
+  if (UNREACHABLE_CODES[code]) return new ModelError(`cannot reach ${url} (${UNREACHABLE_CODES[code]}) — check --api-base (AIC_API_BASE / OPENAI_BASE_URL)`, "unreachable");
+  const message = String(e?.message ?? error).replace(/\s*For more information, pass `verbose: true`.*$/s, "");
+  if (code === "ECONNRESET" || /socket connection was closed|ECONNRESET/.test(message))
+    return new ModelError(midStream ? `the connection to ${url} was dropped in the middle of the answer` : `the connection to ${url} was closed before any answer`, "retry");
+  if (e?.name === "APIConnectionTimeoutError") return new ModelError(`no answer from ${url} in time`, "retry");
+  return classifyModelFailure(undefined, message);
 }
 
 /** A sleep that ends early, with StoppedError, when the run is stopped. */
@@ -829,20 +1046,53 @@ interface CompletionRequest {
  */
 class ModelClient {
   private clientPromise: Promise<import("openai").OpenAI> | undefined;
-  constructor(private readonly config: Config, private readonly sink: EventSink) {}
+  /** Whether the current attempt's stream carried `data: [DONE]` (seen on the wire: the SDK hides it). */
+  private sawDone = false;
+  /** Whether any call of this run has been answered: until then, an endpoint nobody answers at is given up on quickly. */
+  private answered = false;
+  constructor(
+    private readonly config: Config,
+    private readonly sink: EventSink,
+  ) {}
 
   private client(): Promise<import("openai").OpenAI> {
-    this.clientPromise ??= import("openai").then(({ OpenAI }) =>
-      new OpenAI({
-        baseURL: this.config.apiBase,
-        // Local servers need no key, but the SDK insists on one; it is never written anywhere.
-        apiKey: this.config.apiKey || "not-needed",
-        maxRetries: 0,
-        timeout: 10 * 60 * 1000,
-        defaultHeaders: { "User-Agent": BROWSER_USER_AGENT },
-      }),
+    this.clientPromise ??= import("openai").then(
+      ({ OpenAI }) =>
+        new OpenAI({
+          baseURL: this.config.apiBase,
+          // Local servers need no key, but the SDK insists on one; it is never written anywhere.
+          apiKey: this.config.apiKey || "not-needed",
+          maxRetries: 0,
+          timeout: MODEL_REQUEST_TIMEOUT_MS,
+          defaultHeaders: { "User-Agent": BROWSER_USER_AGENT, ...this.config.headers },
+          fetch: (url: string | URL | Request, init?: RequestInit) => this.watchedFetch(url, init),
+        }),
     );
     return this.clientPromise;
+  }
+
+  /** fetch, with the response body watched for the `data: [DONE]` line that marks a complete stream. */
+  private async watchedFetch(url: string | URL | Request, init?: RequestInit): Promise<Response> {
+    const response = await fetch(url, init);
+    if (!response.ok || !response.body) return response;
+    const decoder = new TextDecoder();
+    let tail = "";
+    const body = response.body.pipeThrough(
+      new TransformStream<Uint8Array, Uint8Array>({
+        transform: (chunk, controller) => {
+          const text = tail + decoder.decode(chunk, { stream: true });
+          if (/(^|\n)data: ?\[DONE\]/.test(text)) this.sawDone = true;
+          tail = text.slice(-16);
+          controller.enqueue(chunk);
+        },
+      }),
+    );
+    return new Response(body, { status: response.status, statusText: response.statusText, headers: response.headers });
+  }
+
+  /** A new run starts: its first request again gives up quickly on an endpoint where nothing answers. */
+  newRun(): void {
+    this.answered = false;
   }
 
   private params(req: CompletionRequest): Record<string, unknown> {
@@ -874,6 +1124,7 @@ class ModelClient {
     let finished = false;
     let usage: AssistantTurn["usage"];
     const calls = new ToolCallAssembler();
+    this.sawDone = false;
     // The SDK's own timeout ends once headers arrive; a stream that then goes silent would hang forever.
     const idle = new AbortController();
     let idleTimer = setTimeout(() => idle.abort(), STREAM_IDLE_MS);
@@ -885,7 +1136,7 @@ class ModelClient {
         clearTimeout(idleTimer);
         idleTimer = setTimeout(() => idle.abort(), STREAM_IDLE_MS);
         const chunk = raw as { error?: unknown; choices?: { delta?: Record<string, unknown>; finish_reason?: unknown }[]; usage?: Record<string, unknown> };
-        if (chunk.error) throw classifyModelFailure(undefined, errorBodyText(chunk.error) || "error inside the stream");
+        if (chunk.error) throw classifyModelFailure(undefined, chunk.error);
         if (chunk.usage) usage = readUsage(chunk.usage);
         if (chunk.choices?.[0]?.finish_reason) finished = true;
         const delta = chunk.choices?.[0]?.delta;
@@ -905,38 +1156,50 @@ class ModelClient {
     } catch (error) {
       if (signal.aborted) throw new StoppedError();
       if (idle.signal.aborted) throw new ModelError(`no data from the model for ${STREAM_IDLE_MS / 1000} s`, "retry");
-      throw modelErrorFrom(error);
+      throw modelErrorFrom(error, this.config.apiBase, chunks > 0);
     } finally {
       clearTimeout(idleTimer);
     }
     if (signal.aborted) throw new StoppedError();
     if (chunks === 0) throw new ModelError("the stream ended without any data", "retry");
-    // The SDK ends quietly when a connection drops mid-answer; a turn without finish_reason is not an answer.
-    if (!finished) throw new ModelError("the stream was cut off before the answer finished", "retry");
+    // A complete stream ends with [DONE] or a finish_reason (the official SDK accepts either); a dropped connection has neither.
+    if (!finished && !this.sawDone) throw new ModelError("the stream was cut off: it ended with neither a finish_reason nor data: [DONE]", "retry");
+    this.answered = true;
     return { content, reasoning, toolCalls: calls.finish(), usage };
   }
 
   /**
-   * The retry policy of SPEC §3: fatal errors surface at once, a context
-   * overflow goes back to the caller (which compresses harder), everything
-   * else waits 1 s, 2 s, 4 s … (or Retry-After) up to five attempts.
+   * The retry policy: fatal errors surface at once, a context overflow goes
+   * back to the caller (which compresses harder), everything else waits 1 s,
+   * 2 s, 4 s … (or Retry-After) up to five attempts. An endpoint where nothing
+   * answers at all is given up on after a few seconds while the run has had
+   * no answer yet: it is a wrong --api-base, not a busy server.
    */
-  async completeWithRetries(req: () => CompletionRequest, signal: AbortSignal, cb: StreamCallbacks & { onDiscard?(): void }): Promise<AssistantTurn> {
+  async completeWithRetries(req: () => CompletionRequest, signal: AbortSignal, cb: StreamCallbacks & { onDiscard?(reason: string): void }): Promise<AssistantTurn> {
     // Whether the failed attempt showed any text that the person must now be told to disregard.
     let partial = false;
     const watched: StreamCallbacks = {
-      onContent: (text) => { partial = true; cb.onContent?.(text); },
-      onReasoning: (text) => { partial = true; cb.onReasoning?.(text); },
+      onContent: (text) => {
+        partial = true;
+        cb.onContent?.(text);
+      },
+      onReasoning: (text) => {
+        partial = true;
+        cb.onReasoning?.(text);
+      },
       onThinkingComplete: () => cb.onThinkingComplete?.(),
     };
     for (let attempt = 1; ; attempt++) {
       try {
         return await this.complete(req(), signal, watched);
       } catch (error) {
-        if (!(error instanceof ModelError) || error.kind !== "retry" || attempt >= MAX_MODEL_ATTEMPTS) throw error;
-        if (partial) cb.onDiscard?.();
+        if (partial && !(error instanceof StoppedError)) cb.onDiscard?.(error instanceof Error ? error.message : String(error));
         partial = false;
-        const backoff = Math.min(BACKOFF_CAP_MS, 1000 * 2 ** (attempt - 1));
+        if (!(error instanceof ModelError)) throw error;
+        const unreachable = error.kind === "unreachable";
+        if (unreachable && !this.answered && attempt >= UNREACHABLE_FIRST_ATTEMPTS) throw new ModelError(error.message, "fatal");
+        if ((error.kind !== "retry" && !unreachable) || attempt >= MAX_MODEL_ATTEMPTS) throw unreachable ? new ModelError(error.message, "fatal") : error;
+        const backoff = unreachable && !this.answered ? UNREACHABLE_FIRST_WAIT_MS * attempt : Math.min(BACKOFF_CAP_MS, 1000 * 2 ** (attempt - 1));
         const wait = Math.min(BACKOFF_CAP_MS, error.retryAfterMs ?? backoff);
         this.sink.emit({ type: "retry", attempt, wait_ms: wait, reason: error.message });
         await abortableSleep(wait, signal);
@@ -1801,7 +2064,8 @@ class SessionStore {
     if (typeof doc.output_dir === "string") this.outputDir = doc.output_dir;
     const usage = emptyUsage();
     const storedUsage = (doc.usage ?? {}) as Record<string, unknown>;
-    for (const key of Object.keys(usage) as (keyof Usage)[]) if (typeof storedUsage[key] === "number") usage[key] = storedUsage[key] as number;
+    for (const key of ["input_tokens", "output_tokens", "cached_tokens", "billable_tokens"] as const) if (typeof storedUsage[key] === "number") usage[key] = storedUsage[key] as number;
+    if (storedUsage.estimated === true) usage.estimated = true;
     const stepCount = typeof doc.step_count === "number" && doc.step_count >= 0 ? Math.floor(doc.step_count) : 0;
     if (reports.length) reports.push(this.keepOriginal(bytes));
     reports.push(`Restored ${messages.length - 1} message(s) from ${this.path} (session ${this.sessionId}, step ${stepCount})`);
@@ -2422,7 +2686,7 @@ class TerminalRenderer {
     /** Back-pressure on the command: it is paused while xterm is far behind, so nothing is lost and memory stays flat. */
     private readonly flow: { pause(): void; resume(): void },
   ) {
-    this.term = new TerminalClass({ cols: COMMAND_COLUMNS, rows: COMMAND_ROWS, scrollback: TerminalRenderer.SLICE + COMMAND_ROWS, allowProposedApi: true, convertEol: false });
+    this.term = new TerminalClass({ cols: COMMAND_COLUMNS, rows: COMMAND_ROWS, scrollback: TerminalRenderer.SLICE + COMMAND_ROWS, allowProposedApi: true, convertEol: false, logLevel: "off" });
   }
 
   /** Bytes handed to xterm and not parsed yet. */
@@ -2923,8 +3187,8 @@ class Agent {
   usage: Usage = emptyUsage();
   autoApprove: boolean;
   running = false;
-  /** The last estimate of the prompt, in the server's tokens. */
-  contextEstimate = 0;
+  /** The last estimate of the prompt, in the server's tokens; every change is told to the sink as a `context` event. */
+  private context = 0;
   private basePrompt: string;
   private summary: string | undefined;
   private suggestions: string[] = [];
@@ -2942,6 +3206,16 @@ class Agent {
     return promptBudget(this.o.config);
   }
 
+  get contextEstimate(): number {
+    return this.context;
+  }
+
+  private set contextEstimate(tokens: number) {
+    if (tokens === this.context) return;
+    this.context = tokens;
+    this.emit({ type: "context", estimate: tokens, budget: this.budget });
+  }
+
   /** Takes over a restored session; the stored summary stays after the fresh system prompt. */
   restore(loaded: LoadedSession): void {
     if (!loaded.messages) return;
@@ -2950,6 +3224,13 @@ class Agent {
     this.stepCount = loaded.stepCount ?? 0;
     this.usage = loaded.usage ?? emptyUsage();
     this.refreshSystemPrompt();
+    // The context figure shows the restored history at once: a byte bound now, the token count once tiktoken is loaded.
+    this.contextEstimate = tokenUpperBound(this.messages);
+    const restored = this.messages;
+    void this.tokenCounter().then(async (counter) => {
+      const tokens = Math.ceil((await counter.countRawYielding(restored)) * counter.ratio);
+      if (this.messages === restored && !this.running) this.contextEstimate = tokens;
+    });
   }
 
   private refreshSystemPrompt(): void {
@@ -3011,7 +3292,9 @@ class Agent {
     this.running = true;
     if (this.messages.length === 0) this.messages.push({ role: "system", content: systemContent(this.basePrompt, this.summary) });
     else this.refreshSystemPrompt();
-    this.messages.push({ role: "user", content: request });
+    const requestMessage: Message = { role: "user", content: request };
+    this.messages.push(requestMessage);
+    this.client.newRun();
     this.checkpoint("user_request");
     let status: RunStatus = "step_limit";
     let steps = 0;
@@ -3038,6 +3321,7 @@ class Agent {
       }
     } finally {
       this.answerOpenCalls(NOT_EXECUTED_STOPPED);
+      if (status === "failed") this.withdrawUnanswered(requestMessage);
       this.running = false;
       this.abort = undefined;
       this.checkpoint(status === "stopped" ? "interrupted" : "loop_terminated");
@@ -3046,6 +3330,19 @@ class Agent {
     const exitCode = status === "stopped" ? this.stopExitCode : EXIT_FOR_STATUS[status];
     this.emit({ type: "end", status, exit_code: exitCode, steps, usage: { ...this.usage } });
     return { status, exitCode };
+  }
+
+  /**
+   * A request whose run failed before the model answered it leaves the
+   * history (the person still has it, in the prompt history or the command
+   * line): otherwise failed attempts would pile up as unanswered requests
+   * that a model later takes as still pending.
+   */
+  private withdrawUnanswered(request: Message): void {
+    const at = this.messages.indexOf(request);
+    if (at < 0 || this.messages.slice(at).some((m) => m.role === "assistant")) return;
+    this.messages.splice(at);
+    this.emit({ type: "info", text: "the request was taken back out of the conversation, since the model never answered it" });
   }
 
   /** Streams one model turn; a context overflow compresses harder and tries again. */
@@ -3065,12 +3362,12 @@ class Agent {
           onContent: (text) => this.emit({ type: "assistant_delta", text }),
           onReasoning: (text) => { thinking = true; this.emit({ type: "reasoning_delta", text }); },
           onThinkingComplete: () => { if (thinking) this.emit({ type: "thinking_complete" }); thinking = false; },
-          onDiscard: () => this.emit({ type: "warning", text: "the model's partial answer above was discarded; asking again" }),
+          onDiscard: (reason) => this.emit({ type: "discarded", reason }),
         });
         if (turn.usage) {
           counter?.calibrate(rawSent, turn.usage.prompt_tokens);
-          this.addUsage(turn.usage);
-        }
+          this.addUsage(turn.usage, false);
+        } else this.addUsage(await this.estimateUsage(messages, turn), true);
         return turn;
       } catch (error) {
         if (!(error instanceof ModelError) || error.kind !== "context" || overflow >= MAX_CONTEXT_RETRIES) throw error;
@@ -3082,13 +3379,24 @@ class Agent {
     }
   }
 
-  private addUsage(u: NonNullable<AssistantTurn["usage"]>): void {
+  /** `estimated`: the server reported no usage, so aic counted the figures itself. */
+  private addUsage(u: NonNullable<AssistantTurn["usage"]>, estimated: boolean): void {
     this.usage.input_tokens += u.prompt_tokens;
     this.usage.output_tokens += u.completion_tokens;
     this.usage.cached_tokens += u.cached_tokens;
     this.usage.billable_tokens = this.usage.input_tokens - this.usage.cached_tokens + this.usage.output_tokens;
+    if (estimated) this.usage.estimated = true;
     this.contextEstimate = u.prompt_tokens;
-    this.emit({ type: "usage", prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens, cached_tokens: u.cached_tokens, total: { ...this.usage }, context_estimate: this.contextEstimate, budget: this.budget });
+    this.emit({ type: "usage", prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens, cached_tokens: u.cached_tokens, estimated, total: { ...this.usage }, context_estimate: this.contextEstimate, budget: this.budget });
+  }
+
+  /** A server that reports no usage still gets counted: tiktoken over what was sent and what came back. */
+  private async estimateUsage(sent: readonly Message[], turn: AssistantTurn): Promise<NonNullable<AssistantTurn["usage"]>> {
+    const counter = await this.tokenCounter();
+    const prompt = Math.ceil((await counter.countRawYielding(sent)) * counter.ratio);
+    let completion = counter.tokensOf(turn.content) + counter.tokensOf(turn.reasoning);
+    for (const call of turn.toolCalls) completion += counter.tokensOf(call.function.name) + counter.tokensOf(call.function.arguments);
+    return { prompt_tokens: prompt, completion_tokens: completion, cached_tokens: 0 };
   }
 
   /** Stores the assistant turn and acts on it; returns a final status, or undefined to go on. */
@@ -3240,7 +3548,7 @@ class Agent {
         onContent: (text) => this.emit({ type: "summary_delta", text }),
       });
       this.emit({ type: "summary_delta", text: "\n" });
-      if (turn.usage) this.addUsage(turn.usage);
+      this.addUsage(turn.usage ?? (await this.estimateUsage(request, turn)), !turn.usage);
       return turn.content;
     } catch (error) {
       if (error instanceof StoppedError) throw error;
@@ -3902,6 +4210,8 @@ interface TuiOptions {
   Terminal: typeof import("@xterm/headless").Terminal;
   /** Called once, when the TUI has shut down and wants the process to end with `code`. */
   onExit(code: number): void;
+  /** The sandbox and system prompt; made here when not given (tests). */
+  prepared?: PreparedRun;
   historyFile?: string;
 }
 
@@ -3954,15 +4264,11 @@ class Tui implements EventSink {
     const { config, renderer: r, ot } = o;
     this.r = r;
     this.ot = ot;
-    this.sandbox = setUpSandbox(config);
-    this.systemPrompt = buildSystemPrompt({
-      fast: config.fast,
-      timeoutSec: config.timeoutSec,
-      maxOutputBytes: config.maxOutputBytes,
-      sandbox: this.sandbox,
-      selfCommand: selfCommand(),
-      projectInstructions: readProjectInstructions(process.cwd()),
-    });
+    const sandbox = o.prepared?.sandbox ?? setUpSandbox(config);
+    this.sandbox = sandbox;
+    this.systemPrompt =
+      o.prepared?.systemPrompt ??
+      buildSystemPrompt({ fast: config.fast, timeoutSec: config.timeoutSec, maxOutputBytes: config.maxOutputBytes, sandbox, selfCommand: selfCommand(), projectInstructions: readProjectInstructions(process.cwd()) });
     this.history = new PromptHistory(o.historyFile ?? path.join(os.homedir(), ".aic_history"));
     this.cursor = new HistoryCursor(() => this.history.entries);
     this.search = new ReverseSearch(() => this.history.entries);
@@ -4347,7 +4653,7 @@ class Tui implements EventSink {
       queueMicrotask(() => this.setTab("console"));
       return;
     }
-    term = new this.o.Terminal({ cols, rows, scrollback: 2000, allowProposedApi: true });
+    term = new this.o.Terminal({ cols, rows, scrollback: 2000, allowProposedApi: true, logLevel: "off" });
     for (const bytes of early ?? []) term.write(bytes);
     early = undefined;
     const TerminalView = defineTerminalView(ot);
@@ -4486,6 +4792,11 @@ class Tui implements EventSink {
         return;
       case "retry":
         return agent.line(visibleControls(`model request failed (${e.reason}); retry ${e.attempt} in ${(e.wait_ms / 1000).toFixed(1)} s`), COLORS.warning);
+      case "discarded":
+        this.thinking = false;
+        return agent.line(visibleControls(`[the answer above was discarded: ${e.reason}]`), COLORS.warning);
+      case "context":
+        return this.refreshStatus();
       case "command":
         return this.consolePane.line(`$ ${visibleControls(e.command)}`, COLORS.command);
       case "approval":
@@ -4581,7 +4892,7 @@ const TUI_KEYS: Record<string, (tui: Tui) => void> = {
   escape: (t) => void t.quit(EXIT.ok, "interrupted"),
 };
 
-async function runTui(config: Config): Promise<number> {
+async function runTui(config: Config, prepared: PreparedRun): Promise<number> {
   if (!process.stdin.isTTY || !process.stdout.isTTY) {
     writeOut(2, "aic: error: the terminal UI needs a terminal on stdin and stdout; use --nogui for scripts and pipes\n");
     return EXIT.usage;
@@ -4599,7 +4910,7 @@ async function runTui(config: Config): Promise<number> {
     return EXIT.failure;
   }
   return new Promise<number>((resolve) => {
-    const tui = new Tui({ config, renderer, ot, Terminal, onExit: resolve });
+    const tui = new Tui({ config, renderer, ot, Terminal, onExit: resolve, prepared });
     for (const sig of Object.keys(EXIT_SIGNALS) as ExitSignal[])
       process.on(sig, () => void tui.quit(EXIT_SIGNALS[sig], `signal_${os.constants.signals[sig]}`));
     const crash = (error: unknown) => void tui.quit(EXIT.failure, "process_exit", `aic: internal error: ${(error as Error)?.stack ?? error}\n`);
@@ -4702,7 +5013,7 @@ function plainApproval(stdin: StdinReader): ApproveFn {
 const EXIT_SIGNALS = { SIGINT: EXIT.sigint, SIGTERM: EXIT.sigterm, SIGHUP: EXIT.sighup } as const;
 type ExitSignal = keyof typeof EXIT_SIGNALS;
 
-async function runHeadless(config: Config): Promise<number> {
+async function runHeadless(config: Config, prepared: PreparedRun): Promise<number> {
   const sink: EventSink = config.json ? new JsonSink() : new PlainSink(!config.noThinking);
   for (const w of config.warnings) sink.emit({ type: "warning", text: w });
   const stdin = new StdinReader();
@@ -4716,15 +5027,7 @@ async function runHeadless(config: Config): Promise<number> {
       return EXIT.usage;
     }
   }
-  const sandbox = setUpSandbox(config);
-  const systemPrompt = buildSystemPrompt({
-    fast: config.fast,
-    timeoutSec: config.timeoutSec,
-    maxOutputBytes: config.maxOutputBytes,
-    sandbox,
-    selfCommand: selfCommand(),
-    projectInstructions: readProjectInstructions(process.cwd()),
-  });
+  const { sandbox, systemPrompt } = prepared;
   const { session, loaded, outputs, workDir } = openConversation(config, sink, systemPrompt, config.session && !config.noSession ? config.session : undefined);
   const stdinIsTerminal = Boolean(process.stdin.isTTY);
   const agent = new Agent({
@@ -4776,31 +5079,89 @@ async function runHeadless(config: Config): Promise<number> {
   return finish(outcome.exitCode, "process_exit");
 }
 
+const F_GETFL = 3;
+const F_SETFL = 4;
+
+/**
+ * Remembers the file-status flags of stdin, stdout and stderr, and returns
+ * what puts them back. Bun makes a pipe it writes to non-blocking, and the
+ * flag lives on the open file description shared with the parent (a CI
+ * shell, tee, /usr/bin/time), whose own writes would then fail with EAGAIN.
+ */
+function rememberStreamFlags(): () => void {
+  const c = libc()?.symbols;
+  if (!c) return () => {};
+  const saved = [0, 1, 2].map((fd) => c.fcntl(fd, F_GETFL, 0));
+  return () =>
+    saved.forEach((flags, fd) => {
+      if (flags >= 0 && c.fcntl(fd, F_GETFL, 0) !== flags) c.fcntl(fd, F_SETFL, flags);
+    });
+}
+
+/** A budget must leave room for a conversation beside the system prompt, or nothing could ever be compressed into it. */
+const MIN_CONVERSATION_TOKENS = 1024;
+
+async function checkPromptRoom(config: Config, systemPrompt: string): Promise<void> {
+  const budget = promptBudget(config);
+  // Bytes bound tokens from above: most budgets are clearly big enough without loading tiktoken.
+  if (budget >= Buffer.byteLength(systemPrompt) + PER_MESSAGE_OVERHEAD + MIN_CONVERSATION_TOKENS) return;
+  const prompt = (await loadEncoder()).count(systemPrompt) + PER_MESSAGE_OVERHEAD;
+  if (budget >= prompt + MIN_CONVERSATION_TOKENS) return;
+  const reserved = isGptModel(config.model) ? 0 : OUTPUT_RESERVATION_TOKENS;
+  const reserve = reserved ? ` after the ${reserved} tokens reserved for the answer of models whose name lacks "gpt"` : "";
+  const least = reserved + prompt + MIN_CONVERSATION_TOKENS;
+  throw new UsageError(`--max-prompt-len ${config.maxPromptLen} leaves no room for the conversation: the budget is ${budget} tokens${reserve}, and the system prompt alone takes ${prompt}; give at least ${least}`);
+}
+
+interface PreparedRun {
+  sandbox: Sandbox;
+  systemPrompt: string;
+}
+
+/** What either front end needs before anything runs: the sandbox, the system prompt, and a budget with room in it. */
+async function prepareRun(config: Config): Promise<PreparedRun> {
+  const sandbox = setUpSandbox(config);
+  const systemPrompt = buildSystemPrompt({
+    fast: config.fast,
+    timeoutSec: config.timeoutSec,
+    maxOutputBytes: config.maxOutputBytes,
+    sandbox,
+    selfCommand: selfCommand(),
+    projectInstructions: readProjectInstructions(process.cwd()),
+  });
+  await checkPromptRoom(config, systemPrompt);
+  return { sandbox, systemPrompt };
+}
+
 async function main(argv: string[]): Promise<number> {
   if (argv[0] === SANDBOX_EXEC) {
     const separator = argv.indexOf("--");
     return sandboxExec(JSON.parse(argv[1] ?? "[]") as WritablePath[], argv.slice(separator + 1));
   }
-  let parsed: ParsedArgs;
+  process.on("exit", rememberStreamFlags());
   try {
-    parsed = parseArgs(argv, process.env);
+    const parsed = parseArgs(argv, process.env);
+    switch (parsed.kind) {
+      case "help":
+        writeOut(1, helpText() + "\n");
+        return EXIT.ok;
+      case "version":
+        writeOut(1, `aic ${VERSION}\n`);
+        return EXIT.ok;
+      case "search":
+        return await runSearch(parsed.query, parsed.maxResults);
+      case "run": {
+        const config = parsed.config;
+        secretsToRedact = [config.apiKey ?? "", ...Object.values(config.headers)];
+        protectSecrets();
+        const prepared = await prepareRun(config);
+        return config.nogui ? await runHeadless(config, prepared) : await runTui(config, prepared);
+      }
+    }
   } catch (error) {
     if (!(error instanceof UsageError)) throw error;
     writeOut(2, `aic: error: ${error.message}\n`);
     return EXIT.usage;
-  }
-  switch (parsed.kind) {
-    case "help":
-      writeOut(1, helpText() + "\n");
-      return EXIT.ok;
-    case "version":
-      writeOut(1, `aic ${VERSION}\n`);
-      return EXIT.ok;
-    case "search":
-      return runSearch(parsed.query, parsed.maxResults);
-    case "run":
-      protectSecrets();
-      return parsed.config.nogui ? runHeadless(parsed.config) : runTui(parsed.config);
   }
 }
 

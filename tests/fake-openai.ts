@@ -33,8 +33,12 @@ export type ReplyTurn = {
   reasoningPieces?: number;
   /** Pause between chunks. */
   delayMs?: number;
-  /** Override the finish_reason (default "tool_calls" when toolCalls is non-empty, else "stop"). */
-  finishReason?: string;
+  /** Override the finish_reason (default "tool_calls" when toolCalls is non-empty, else "stop"); null sends none at all. */
+  finishReason?: string | null;
+  /** Leave out the final `data: [DONE]` line. */
+  omitDone?: boolean;
+  /** Send no usage chunk even when asked for one (some servers never report usage). */
+  noUsage?: boolean;
   usage?: { prompt_tokens?: number; completion_tokens?: number; cached_tokens?: number };
 };
 
@@ -45,6 +49,8 @@ export type Turn =
   | { type: "empty_stream" }
   /** 200 stream: role + partial content, then close without finish_reason or [DONE] (dropped connection). */
   | { type: "truncated_stream"; partialContent: string }
+  /** 200 stream: role + partial content, then the connection is reset mid-answer. */
+  | { type: "drop_stream"; partialContent: string }
   | { type: "hang" };
 
 export interface RecordedRequest {
@@ -60,6 +66,8 @@ export interface FakeServer {
   /** Every POST /v1/chat/completions body, parsed, in order. */
   requests: RecordedRequest[];
   close(): void;
+  /** Stops listening at once, resetting open connections without answering them (a server that died). */
+  kill(): void;
 }
 
 export interface FakeServerOptions {
@@ -253,15 +261,15 @@ export function renderReplyFrames(turn: ReplyTurn, ctx: ReplyContext): string[] 
     });
   });
 
-  const finish = turn.finishReason ?? (calls.length > 0 ? "tool_calls" : "stop");
+  const finish = turn.finishReason === undefined ? (calls.length > 0 ? "tool_calls" : "stop") : turn.finishReason;
   frames.push(sseData(chunk({}, finish)));
 
   // Real OpenAI only sends the usage chunk when asked to; the agent must request it.
-  if (ctx.body?.stream_options?.include_usage) {
+  if (ctx.body?.stream_options?.include_usage && !turn.noUsage) {
     const last = chunk({});
     frames.push(sseData({ ...last, choices: [], usage: usageFor(turn, ctx) }));
   }
-  frames.push("data: [DONE]\n\n");
+  if (!turn.omitDone) frames.push("data: [DONE]\n\n");
   return frames;
 }
 
@@ -345,6 +353,19 @@ export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
         if (turn.partialContent) frames.push(sseData(chunk({ content: turn.partialContent })));
         return streamFrames(frames, 0, req.signal);
       }
+      case "drop_stream": {
+        const chunk = chunkFactory(ctx);
+        const encoder = new TextEncoder();
+        const body = new ReadableStream<Uint8Array>({
+          async start(controller) {
+            controller.enqueue(encoder.encode(sseData(chunk({ role: "assistant" }))));
+            controller.enqueue(encoder.encode(sseData(chunk({ content: turn.partialContent }))));
+            await sleep(50);
+            controller.error(new Error("connection reset by the fake server"));
+          },
+        });
+        return new Response(body, { status: 200, headers: SSE_HEADERS });
+      }
       case "hang":
         return new Promise<Response>((resolve) => {
           const release = () => {
@@ -386,6 +407,10 @@ export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
     requests,
     close() {
       for (const release of [...hanging]) release();
+      server.stop(true);
+    },
+    kill() {
+      hanging.clear();
       server.stop(true);
     },
   };

@@ -6,7 +6,7 @@ import { afterEach } from "bun:test";
 import { mkdtempSync, realpathSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
-import { startFakeServer, type FakeServer, type FakeServerOptions, type Turn } from "./fake-openai.ts";
+import { startFakeServer, type FakeServer, type FakeServerOptions } from "./fake-openai.ts";
 
 export const ROOT = resolve(import.meta.dir, "..");
 export const AIC = join(ROOT, "dist", "aic");
@@ -120,7 +120,7 @@ export function perTestFixtures() {
     for (const p of paths.splice(0)) rmSync(p, { recursive: true, force: true });
   });
   return {
-    serve(turns: Turn[], options: Omit<FakeServerOptions, "turns"> = {}): FakeServer {
+    serve(turns: NonNullable<FakeServerOptions["turns"]>, options: Omit<FakeServerOptions, "turns"> = {}): FakeServer {
       const srv = startFakeServer({ ...options, turns });
       servers.push(srv);
       return srv;

@@ -763,3 +763,16 @@ describe("keys in awkward states (review findings)", () => {
     expect(footer(frame)).toContain("step 0/500");
   });
 });
+
+describe("resume shows the restored context at once", () => {
+  // The footer's context figure is the restored history's estimate before any model call, never 0.
+  test("the footer's ctx figure is the restored history's size before the first call", async () => {
+    const dir = scratch("aic-tui-");
+    const history = Array.from({ length: 30 }, (_, i) => ({ role: i % 2 ? "assistant" : "user", content: `message ${i} `.repeat(40) }));
+    writeFileSync(join(dir, ".aicsession"), JSON.stringify({ aic_session_version: 1, messages: [{ role: "system", content: "s" }, ...history] }));
+    const h = await openTui({ dir });
+    const frame = await h.until((f) => /ctx [1-9][\d.]*k?\//.test(footer(f)));
+    expect(h.requests()).toHaveLength(0);
+    expect(footer(frame)).toMatch(/ctx [1-9]/);
+  });
+});
