@@ -127,6 +127,9 @@ interface Config {
   session: string | undefined;
   noSession: boolean;
   disableSandbox: boolean;
+  /** More paths commands may write under (real paths, validated). */
+  allowWrite: string[];
+  allowReadSecrets: boolean;
   compressAlg: CompressAlg;
   compressTarget: number;
   fast: boolean;
@@ -137,7 +140,7 @@ interface Config {
   warnings: string[];
 }
 
-type FlagKind = "bool" | "string" | "url" | "int" | "fraction" | "header";
+type FlagKind = "bool" | "string" | "url" | "int" | "fraction" | "header" | "paths";
 interface FlagSpec {
   name: string;
   kind: FlagKind;
@@ -165,6 +168,8 @@ const FLAGS: readonly FlagSpec[] = [
   { name: "--session", kind: "string", key: "session", help: "Session file (TUI default: ./.aicsession)." },
   { name: "--no-session", kind: "bool", key: "noSession", help: "No session file at all." },
   { name: "--disable-sandbox", kind: "bool", key: "disableSandbox", help: "Do not confine commands with Landlock." },
+  { name: "--allow-write", kind: "paths", key: "allowWrite", env: ["AIC_ALLOW_WRITE"], help: "Another path commands may write under, repeatable (env: colon-separated)." },
+  { name: "--allow-read-secrets", kind: "bool", key: "allowReadSecrets", help: "Let commands read ~/.ssh, ~/.aws and the other secret stores." },
   { name: "--compress-alg", kind: "string", key: "compressAlg", default: "context-compressor-llm", help: "context-compressor-llm (anchored LLM summary) or truncate." },
   { name: "--compress-target", kind: "fraction", key: "compressTarget", default: "0.4", help: "Fraction of the budget kept after compression, 0 < F < 1." },
   { name: "--fast", kind: "bool", key: "fast", help: "Force truncate and the short system prompt." },
@@ -228,6 +233,27 @@ function parseUrlFlag(f: FlagSpec, raw: string): string {
   return raw;
 }
 
+/**
+ * A path to open for writing: it must exist (Landlock needs it), and must
+ * not be / or the home directory itself, which would undo the sandbox.
+ */
+function parseWritablePath(f: FlagSpec, raw: string): string {
+  let real: string;
+  try {
+    real = fs.realpathSync(raw);
+  } catch {
+    throw new UsageError(`${describeFlag(f)}: ${raw} does not exist`);
+  }
+  let home = "";
+  try {
+    home = fs.realpathSync(os.homedir());
+  } catch {
+    /* no home directory to protect */
+  }
+  if (real === "/" || real === home) throw new UsageError(`${describeFlag(f)}: ${raw} would make ${real === "/" ? "everything" : "the whole home directory"} writable; name a narrower path`);
+  return real;
+}
+
 /** The HTTP token characters a header name may use. */
 const HEADER_NAME = /^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/;
 
@@ -272,7 +298,7 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
     }
     const value = eq >= 0 ? arg.slice(eq + 1) : argv[++i];
     if (value === undefined) throw new UsageError(`${name} needs a value`);
-    given.set(spec, spec.kind === "header" ? [...(given.get(spec) ?? []), value] : [value]);
+    given.set(spec, spec.kind === "header" || spec.kind === "paths" ? [...(given.get(spec) ?? []), value] : [value]);
   }
   const fromEnv = (f: FlagSpec): string | undefined => (f.env ?? []).map((name) => env[name]).find((v) => v);
   const config: Record<string, unknown> = { warnings: [] as string[] };
@@ -281,6 +307,11 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
       // Headers from the environment first, then the flags (a flag overrides the same name).
       const lines = [...(fromEnv(f) ?? "").split("\n").filter((l) => l.trim()), ...(given.get(f) ?? [])];
       config[f.key] = parseHeaders(f, lines);
+      continue;
+    }
+    if (f.kind === "paths") {
+      const paths = [...(fromEnv(f) ?? "").split(":").filter(Boolean), ...(given.get(f) ?? [])];
+      config[f.key] = paths.map((p) => parseWritablePath(f, p));
       continue;
     }
     const raw = given.get(f)?.[0] ?? fromEnv(f) ?? f.default;
@@ -356,7 +387,7 @@ interface Usage {
 }
 
 type AgentEvent =
-  | { type: "start"; model: string; api_base: string; cwd: string; sandbox: string; session: string | null; request: string }
+  | { type: "start"; model: string; api_base: string; cwd: string; sandbox: string; sandbox_rules: number; session: string | null; request: string }
   | { type: "info"; text: string }
   | { type: "warning"; text: string }
   | { type: "step"; step: number; max_steps: number }
@@ -2223,22 +2254,128 @@ interface Sandbox {
   /** `on (writes: …)` or `off (reason)` — shown at start, in the status bar and in the system prompt. */
   readonly status: string;
   readonly enabled: boolean;
+  /** Where commands may write: the start directory, /tmp, /dev, the package caches, --allow-write paths. */
   readonly writable: readonly string[];
+  /** The package-manager caches under the home directory among `writable`. */
+  readonly caches: readonly string[];
+  /** The secret stores commands may not read (empty with --allow-read-secrets). */
+  readonly secrets: readonly string[];
+  /** How many Landlock rules each command's ruleset holds. */
+  readonly ruleCount: number;
   /** The argv that runs `argv` confined (identity when off). */
   wrap(argv: string[]): string[];
 }
 
 const SANDBOX_EXEC = "__sandbox-exec";
 
-/** A directory commands may write in, with the identity it had when aic started. */
-interface WritablePath {
+/**
+ * Package managers' caches under the home directory. Installing
+ * dependencies is most tasks' first step, so commands may write these (and
+ * nothing else there): caches, never configuration or credentials.
+ */
+const CACHE_DIRS = [".npm", ".cache", ".bun/install/cache", ".cargo/registry", ".cargo/git", "go/pkg/mod", ".m2/repository", ".gradle/caches", ".local/share/pnpm", ".yarn/berry/cache"];
+/** The usual secret stores under the home directory: commands cannot read them unless --allow-read-secrets. */
+const SECRET_STORES = [".ssh", ".aws", ".azure", ".config/gcloud", ".gnupg", ".kube", ".docker/config.json", ".netrc", ".git-credentials", ".npmrc", ".pypirc"];
+
+/** One Landlock rule: what commands may do beneath `path`, and the identity `path` had when aic started. */
+interface SandboxRule {
   path: string;
+  access: "rw" | "w" | "r";
   dev: number;
   ino: number;
 }
 
+/** What the launcher confines each command to: reads are confined only when some are denied. */
+interface SandboxPlan {
+  confineReads: boolean;
+  rules: SandboxRule[];
+}
+
 function sandboxOff(reason: string): Sandbox {
-  return { status: `off (${reason})`, enabled: false, writable: [], wrap: (argv) => argv };
+  return { status: `off (${reason})`, enabled: false, writable: [], caches: [], secrets: [], ruleCount: 0, wrap: (argv) => argv };
+}
+
+const isBeneath = (inner: string, outer: string) => inner.startsWith(outer === "/" ? "/" : outer + "/");
+
+/** The person's home directory, resolved, or undefined when there is none worth guarding ("/", missing). */
+function homeDirectory(): string | undefined {
+  try {
+    const home = fs.realpathSync(os.homedir());
+    return home !== "/" && fs.statSync(home).isDirectory() ? home : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/** The cache directories, made if missing (with the person's ownership, since aic runs as the person). */
+function prepareCaches(home: string): string[] {
+  const dirs = CACHE_DIRS.map((d) => path.join(home, d));
+  if (process.env.XDG_CACHE_HOME && path.isAbsolute(process.env.XDG_CACHE_HOME)) dirs.push(process.env.XDG_CACHE_HOME);
+  const ready: string[] = [];
+  for (const dir of dirs) {
+    try {
+      fs.mkdirSync(dir, { recursive: true, mode: 0o755 });
+      const real = fs.realpathSync(dir);
+      if (fs.statSync(real).isDirectory()) ready.push(real);
+    } catch {
+      /* a read-only home: that cache stays unwritable */
+    }
+  }
+  return ready;
+}
+
+/**
+ * Landlock only grants, so reading is denied beneath `denied` by granting it
+ * on everything else: every entry of a directory on the way to a denied path
+ * but that path, recursively. A link is skipped: its target is judged where
+ * it lies.
+ */
+function readableEntries(dir: string, denied: readonly string[], out: string[]): void {
+  let names: string[];
+  try {
+    names = fs.readdirSync(dir);
+  } catch {
+    return;
+  }
+  for (const name of names) {
+    const entry = dir === "/" ? `/${name}` : `${dir}/${name}`;
+    if (denied.includes(entry)) continue;
+    let st: fs.Stats;
+    try {
+      st = fs.lstatSync(entry);
+    } catch {
+      continue;
+    }
+    if (st.isSymbolicLink()) continue;
+    if (st.isDirectory() && denied.some((d) => isBeneath(d, entry))) readableEntries(entry, denied, out);
+    else out.push(entry);
+  }
+}
+
+function planSandbox(writable: readonly string[], secrets: readonly string[]): SandboxPlan {
+  const identify = (p: string, access: SandboxRule["access"]): SandboxRule | undefined => {
+    try {
+      const st = fs.lstatSync(p);
+      return { path: p, access, dev: st.dev, ino: st.ino };
+    } catch {
+      return undefined;
+    }
+  };
+  const denied = secrets.filter((s) => fs.lstatSync(path.dirname(s), { throwIfNoEntry: false }));
+  const confineReads = denied.length > 0;
+  const rules = writable.map((w) => identify(w, "rw"));
+  if (confineReads) {
+    const readable: string[] = [];
+    readableEntries("/", denied, readable);
+    const full = new Set(writable);
+    for (const entry of readable) if (!full.has(entry)) rules.push(identify(entry, "r"));
+  }
+  return { confineReads, rules: rules.filter((r): r is SandboxRule => r !== undefined) };
+}
+
+/** `~/x` for paths in the home directory: the status line stays readable. */
+function tildePath(p: string, home: string | undefined): string {
+  return home && isBeneath(p, home) ? `~${p.slice(home.length)}` : p;
 }
 
 /** Landlock filesystem rights (linux/landlock.h), with the ABI that introduced each. */
@@ -2257,6 +2394,8 @@ const LANDLOCK_FS = {
   TRUNCATE: [1n << 14n, 3],
   IOCTL_DEV: [1n << 15n, 5],
 } as const;
+/** Reading a file's contents; listing directories (READ_DIR) is left alone, so names stay visible everywhere. */
+const LANDLOCK_READ_FILE = 1n << 2n;
 const SYS_LANDLOCK_CREATE_RULESET = 444;
 const SYS_LANDLOCK_ADD_RULE = 445;
 const SYS_LANDLOCK_RESTRICT_SELF = 446;
@@ -2290,7 +2429,7 @@ function writeRights(abi: number): bigint {
  * Runs in the `__sandbox-exec` child: confines this process to `writable`
  * and replaces it with `argv`. Only returns on failure (exit code 126).
  */
-function sandboxExec(writable: WritablePath[], argv: string[]): number {
+function sandboxExec(plan: SandboxPlan, argv: string[]): number {
   const fail = (what: string) => {
     writeOut(2, `aic sandbox: ${what}\n`);
     return 126;
@@ -2300,24 +2439,30 @@ function sandboxExec(writable: WritablePath[], argv: string[]): number {
   if (!c) return fail("cannot open libc.so.6 through bun:ffi");
   const abi = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0));
   if (abi < 1) return fail("Landlock is not available");
-  const handled = writeRights(abi);
+  const write = writeRights(abi);
+  const read = plan.confineReads ? LANDLOCK_READ_FILE : 0n;
+  const handled = write | read;
   const rulesetAttr = new BigUint64Array([handled]);
   const rulesetFd = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, ptr(rulesetAttr), 8, 0, 0));
   if (rulesetFd < 0) return fail("landlock_create_ruleset was refused");
-  for (const { path: dir, dev, ino } of writable) {
-    const fd = c.open(Buffer.from(dir + "\0"), O_PATH | O.O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) continue; // a missing directory needs no rule
+  // struct landlock_path_beneath_attr { u64 allowed_access; s32 parent_fd; } __attribute__((packed))
+  const attr = new Uint8Array(12);
+  const view = new DataView(attr.buffer);
+  for (const rule of plan.rules) {
+    const fd = c.open(Buffer.from(rule.path + "\0"), O_PATH | O.O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) continue; // gone since start: nothing to grant
     // A command may have renamed this directory and put a link (to / , say) in its place: the rule must not follow it.
     const st = fs.fstatSync(fd);
-    if (st.dev !== dev || st.ino !== ino) return fail(`${dir} is no longer the directory it was when aic started (moved or replaced by a command), so commands cannot be confined; restart aic`);
-    // struct landlock_path_beneath_attr { u64 allowed_access; s32 parent_fd; } __attribute__((packed))
-    const attr = new Uint8Array(12);
-    const view = new DataView(attr.buffer);
-    view.setBigUint64(0, handled, true);
+    if (st.dev !== rule.dev || st.ino !== rule.ino) {
+      c.close(fd);
+      if (rule.access === "r") continue; // a read grant on something replaced is simply not given
+      return fail(`${rule.path} is no longer the directory it was when aic started (moved or replaced by a command), so commands cannot be confined; restart aic`);
+    }
+    view.setBigUint64(0, (rule.access === "r" ? 0n : write) | (rule.access === "w" ? 0n : read), true);
     view.setInt32(8, fd, true);
     const rc = Number(c.syscall(SYS_LANDLOCK_ADD_RULE, rulesetFd, LANDLOCK_RULE_PATH_BENEATH, ptr(attr), 0));
     c.close(fd);
-    if (rc !== 0) return fail(`landlock_add_rule for ${dir} was refused`);
+    if (rc !== 0) return fail(`landlock_add_rule for ${rule.path} was refused`);
   }
   if (c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) !== 0) return fail("prctl(PR_SET_NO_NEW_PRIVS) was refused");
   if (Number(c.syscall(SYS_LANDLOCK_RESTRICT_SELF, rulesetFd, 0, 0, 0)) !== 0) return fail("landlock_restrict_self was refused");
@@ -2409,26 +2554,38 @@ function setUpSandbox(config: Config): Sandbox {
   if (config.disableSandbox) return sandboxOff("--disable-sandbox");
   const abi = landlockAbi();
   if (typeof abi === "string") return sandboxOff(abi);
+  const home = homeDirectory();
+  const caches = home ? prepareCaches(home) : [];
   // Real paths, so the launcher can open each without following a link (a command may plant one later).
-  const writable = [...new Set([process.cwd(), "/tmp", "/dev"].map((dir) => (fs.lstatSync(dir).isSymbolicLink() ? fs.realpathSync(dir) : dir)))];
-  const identified: WritablePath[] = writable.map((dir) => {
-    const st = fs.statSync(dir);
-    return { path: dir, dev: st.dev, ino: st.ino };
-  });
+  const real = (dir: string) => (fs.lstatSync(dir).isSymbolicLink() ? fs.realpathSync(dir) : dir);
+  const writable = [...new Set([process.cwd(), "/tmp", "/dev", ...caches, ...config.allowWrite].map(real))];
+  const stores = home && !config.allowReadSecrets ? SECRET_STORES.map((s) => path.join(home, s)) : [];
+  // A secret store inside a writable tree (aic started in ~) cannot be kept unreadable: commands may rewrite it
+  // anyway, and files they create there later must be readable. It is said at start instead of half-protected.
+  const exposed = stores.filter((s) => writable.some((w) => s === w || isBeneath(s, w)));
+  const secrets = stores.filter((s) => !exposed.includes(s));
+  const plan = planSandbox(writable, secrets);
   // The launcher must be something a confined command cannot swap out. /proc/self/exe, resolved by
   // the freshly forked child, is this very executable's inode even if its path has been replaced.
   const launcher = selfArgv();
   const script = launcher[1];
-  if (script && writable.some((dir) => script === dir || script.startsWith(dir.endsWith("/") ? dir : dir + "/")))
+  if (script && writable.some((dir) => script === dir || isBeneath(script, dir)))
     return sandboxOff(`the aic script ${script} lives where commands may write, so they could change the sandbox launcher; run the compiled binary`);
-  const prefix = ["/proc/self/exe", ...launcher.slice(1), SANDBOX_EXEC, JSON.stringify(identified), "--"];
+  const prefix = ["/proc/self/exe", ...launcher.slice(1), SANDBOX_EXEC, JSON.stringify(plan), "--"];
   // Prove the whole path once (ruleset, restrict, execve) before promising it.
   const probe = Bun.spawnSync([...prefix, "/bin/true"], { stdout: "ignore", stderr: "pipe" });
   if (probe.exitCode !== 0) return sandboxOff(probe.stderr.toString().trim().replace(/^aic sandbox: /, "") || `the self-test exited ${probe.exitCode}`);
+  const shown = (list: readonly string[]) => list.map((p) => tildePath(p, home)).join(", ");
+  const secretsNote =
+    (plan.confineReads ? `; the secret stores ${shown(secrets)} are unreadable` : config.allowReadSecrets ? "; secret stores readable (--allow-read-secrets)" : "") +
+    (exposed.length ? `; ${shown(exposed)} stay readable and writable, since aic started in a directory that holds them` : "");
   return {
-    status: `on (Landlock ABI ${abi}; writes only under ${writable.join(", ")})`,
+    status: `on (Landlock ABI ${abi}; writes only under ${shown(writable)}${secretsNote})`,
     enabled: true,
     writable,
+    caches,
+    secrets: plan.confineReads ? secrets : [],
+    ruleCount: plan.rules.length,
     wrap: (argv) => [...prefix, ...argv],
   };
 }
@@ -3020,9 +3177,12 @@ interface PromptFacts {
 }
 
 function buildSystemPrompt(f: PromptFacts): string {
-  const sandboxLine = f.sandbox.enabled
-    ? `Commands run inside a Landlock sandbox: they may read and execute anything, but may write only under ${f.sandbox.writable.join(", ")}. A "Permission denied" on a write elsewhere comes from the sandbox; do not try to get around it.`
-    : `No sandbox confines your commands (${f.sandbox.status}); they can change anything this user can, so be careful with destructive commands.`;
+  const s = f.sandbox;
+  const caches = s.caches.length ? ` (the package-manager caches among them, so installing dependencies works)` : "";
+  const secrets = s.secrets.length ? ` Files in the usual secret stores (${s.secrets.join(", ")}) cannot be read at all.` : "";
+  const sandboxLine = s.enabled
+    ? `Commands run inside a Landlock sandbox: they may read and execute almost anything, but may write only under ${s.writable.join(", ")}${caches}.${secrets} A "Permission denied" there comes from the sandbox; do not try to get around it.`
+    : `No sandbox confines your commands (${s.status}); they can change anything this user can, so be careful with destructive commands.`;
   const search = `To search the web run: ${f.selfCommand} search "QUERY" (it prints a JSON array of {title, href, body}). To read a page, fetch it with curl -sL or wget -qO-.`;
   const capRule = `Each command's output reaches you capped at ${f.maxOutputBytes} bytes. When it is longer you get its head and tail, a line naming a file that holds the whole output, and the final line "${TRUNCATION_SENTINEL}". When you see that, do not re-run the command: read the saved file in slices (sed -n '100,200p', head -c, tail -c) or search it with grep and wc. For commands you expect to be long, redirect their output to a file yourself and read it the same way.`;
   const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work in the background (nohup … > log 2>&1 &) and poll it, split it into smaller steps, or bound it with timeout.`;
@@ -4287,7 +4447,9 @@ class Tui implements EventSink {
     tabs.add(this.tabShell);
     this.consolePane = new LogPane(ot, r, { flexGrow: 1, width: "100%" });
     this.consoleStream = new ConsoleStream(this.consolePane, (flush) => r.requestAnimationFrame(flush));
-    this.shellBox = new ot.BoxRenderable(r, { flexGrow: 1, width: "100%", visible: false });
+    this.shellBox = new ot.BoxRenderable(r, { flexGrow: 1, width: "100%", visible: false, flexDirection: "column" });
+    // The person's own shell is not the agent's: it is not confined, and the tab says so.
+    this.shellBox.add(new ot.TextRenderable(r, { content: "Your own shell, not sandboxed. Tab goes back to the console.", fg: COLORS.dim, height: 1, width: "100%" }));
     right.add(tabs);
     right.add(this.consolePane.box);
     right.add(this.shellBox);
@@ -4341,7 +4503,7 @@ class Tui implements EventSink {
       canAnswerInput: () => false,
       beforeCommand: () => this.followShellCwd(),
     });
-    this.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: this.sandbox.status, session: this.session?.path ?? null, request: config.request ?? "" });
+    this.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: this.sandbox.status, sandbox_rules: this.sandbox.ruleCount, session: this.session?.path ?? null, request: config.request ?? "" });
     if (conversation.loaded) {
       for (const line of conversation.loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
       this.agent.restore(conversation.loaded);
@@ -4640,7 +4802,8 @@ class Tui implements EventSink {
     let term: XTerm | undefined;
     let pty: PtyProcess;
     try {
-      pty = spawnPty(this.sandbox.wrap([shellPath, "-i"]), {
+      // The person's own shell: not confined by the sandbox, which is for the agent's commands (the tab says so).
+      pty = spawnPty([shellPath, "-i"], {
         cwd: process.cwd(),
         env: { ...commandEnvironment(), TERM: "xterm-256color" },
         cols,
@@ -5071,7 +5234,7 @@ async function runHeadless(config: Config, prepared: PreparedRun): Promise<numbe
   };
   process.on("uncaughtException", crash);
   process.on("unhandledRejection", crash);
-  sink.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: sandbox.status, session: session?.path ?? null, request });
+  sink.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: sandbox.status, sandbox_rules: sandbox.ruleCount, session: session?.path ?? null, request });
   const outcome = await agent.run(request);
   if (signalled) return finish(EXIT_SIGNALS[signalled], `signal_${os.constants.signals[signalled]}`);
   if (outcome.status === "needs_approval")
@@ -5136,7 +5299,7 @@ async function prepareRun(config: Config): Promise<PreparedRun> {
 async function main(argv: string[]): Promise<number> {
   if (argv[0] === SANDBOX_EXEC) {
     const separator = argv.indexOf("--");
-    return sandboxExec(JSON.parse(argv[1] ?? "[]") as WritablePath[], argv.slice(separator + 1));
+    return sandboxExec(JSON.parse(argv[1] ?? "{}") as SandboxPlan, argv.slice(separator + 1));
   }
   process.on("exit", rememberStreamFlags());
   try {
@@ -5177,6 +5340,7 @@ if (import.meta.main) {
 
 export {
   Agent,
+  sandboxOff,
   HeldDirectory,
   OutputStore,
   HistoryCursor,

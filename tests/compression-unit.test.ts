@@ -14,6 +14,7 @@ import {
   splitSummary,
   systemContent,
   type Message,
+  sandboxOff,
 } from "../aic.ts";
 import { countPromptTokens } from "./fake-openai.ts";
 import { sequenceProblems } from "./helpers.ts";
@@ -104,7 +105,7 @@ describe("budget and flags (SPEC §1, §5)", () => {
 
   // §1: --fast also picks the short system prompt, which still carries the rules the loop relies on.
   test("--fast's system prompt is shorter and keeps TASKCOMPLETE, the truncation sentinel, the timeout and the search recipe", () => {
-    const sandbox = { status: "off (test)", enabled: false, writable: [], wrap: (argv: string[]) => argv };
+    const sandbox = sandboxOff("test");
     const facts = { timeoutSec: 77, maxOutputBytes: 4321, sandbox, selfCommand: "/opt/aic/bin/aic" };
     const full = buildSystemPrompt({ ...facts, fast: false });
     const fast = buildSystemPrompt({ ...facts, fast: true });

@@ -8,7 +8,7 @@
 import { afterEach, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, readFileSync, readdirSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { Agent, HeldDirectory, OutputStore, SessionStore, parseArgs, repairMessages, type AgentEvent, type EventSink, type Sandbox } from "../aic.ts";
+import { Agent, HeldDirectory, OutputStore, SessionStore, parseArgs, sandboxOff, repairMessages, type AgentEvent, type EventSink, type Sandbox } from "../aic.ts";
 import { startFakeServer, type FakeServer } from "./fake-openai.ts";
 import { headless, runAic, scratch } from "./helpers.ts";
 
@@ -212,7 +212,7 @@ describe("Agent.clear() (SPEC §7 /clear)", () => {
     if (parsed.kind !== "run") throw new Error(`parseArgs gave ${parsed.kind}`);
     const sink = recorder();
     const store = claim(path, sink);
-    const sandbox: Sandbox = { status: "off (unit test)", enabled: false, writable: [], wrap: (argv) => argv };
+    const sandbox: Sandbox = sandboxOff("unit test");
     const agent = new Agent({ config: parsed.config, sink, approve: async () => ({ kind: "approve" }), sandbox, systemPrompt: SYSTEM, session: store, outputs: new OutputStore(false, "unit"), workDir: HeldDirectory.open(dir), canAnswerInput: () => false });
     agent.restore(store.load(SYSTEM));
     expect(agent.messages).toHaveLength(4);

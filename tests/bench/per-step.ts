@@ -73,6 +73,18 @@ async function commandFloor(times: number): Promise<number[]> {
   return out;
 }
 
+/** How many Landlock rules the default sandbox holds here (the JSON start event says). */
+async function sandboxRules(): Promise<number> {
+  const srv = scriptedCommands(() => undefined);
+  try {
+    const run = await timeAic([...unattended(srv.url, "count rules"), "--json"]);
+    const start = run.stdout.split("\n").find((l) => l.includes('"type":"start"'));
+    return start ? Number(JSON.parse(start).sandbox_rules) : NaN;
+  } finally {
+    srv.close();
+  }
+}
+
 /** The floor under each step's model call: one streamed completion from the fake server, fetched from this process. */
 async function httpFloor(times: number): Promise<number[]> {
   const srv = scriptedCommands(() => "true");
@@ -97,6 +109,7 @@ export const perStep: Benchmark = {
   async run(ctx) {
     const variants: Variant[] = [
       { label: "default", flags: [], overheads: [], short: [], long: [] },
+      { label: "--allow-read-secrets", flags: ["--allow-read-secrets"], overheads: [], short: [], long: [] },
       { label: "--disable-sandbox", flags: ["--disable-sandbox"], overheads: [], short: [], long: [] },
     ];
     for (let r = 1; r <= REPEATS; r++) {
@@ -136,9 +149,18 @@ export const perStep: Benchmark = {
       );
     }
     const withSandbox = median(variants[0]!.overheads);
-    const without = median(variants[1]!.overheads);
+    const writesOnly = median(variants[1]!.overheads);
+    const without = median(variants[2]!.overheads);
+    const firstRequest = (v: Variant) => median([...v.short, ...v.long].map((x) => x.firstRequestMs));
     metrics.push(
       { name: "sandbox cost per step (default − disabled)", value: withSandbox - without, unit: "ms" },
+      {
+        name: "read rules: cost per step (default − --allow-read-secrets)",
+        value: withSandbox - writesOnly,
+        unit: "ms",
+        note: `${await sandboxRules()} Landlock rules in the default ruleset; denying the secret stores means granting reads entry by entry`,
+      },
+      { name: "read rules: set-up at start (default − --allow-read-secrets)", value: firstRequest(variants[0]!) - firstRequest(variants[1]!), unit: "ms", note: "spawn → first model request, difference of medians" },
       { name: "floor: PTY spawn of /bin/sh -c true", value: floor, unit: "ms", note: "median, Bun.spawn with terminal in the bench process" },
       { name: "floor: one fake-server completion", value: http, unit: "ms", note: "median, fetch from the bench process" },
       { name: "[--disable-sandbox] overhead above both floors", value: without - floor - http, unit: "ms", note: "aic's own work per step" },
