@@ -6,15 +6,24 @@
  * proposes in a real terminal (behind the person's approval unless
  * auto-approve is on), hands the result back, and loops until the model says
  * TASKCOMPLETE. The whole program lives in this file, in sections ordered the
- * way data flows through it:
+ * way data flows through it, each opening with what it owns:
  *
- *   constants → CLI/config → events and sinks → token accounting → model
- *   client → context compression → session store → sandbox → command runner →
- *   agent loop → web search → TUI → main
+ *   Constants and defaults → CLI and configuration → Secrets → What the model
+ *   reads → Events → Plain and JSON output → Messages and token accounting →
+ *   Model failures → Model client → Context compression → Own files on
+ *   hostile ground → Session repairs → Session store → Sandbox → PTY and
+ *   process groups → Output capture → Waiting-for-input detection → Command
+ *   runner → Tool calls: the approval gate and the command → Agent loop →
+ *   Run wiring → Headless front end → Web search → TUI parts (prompt history
+ *   and figures; log panes; the shell's screen and its keys; the approval
+ *   dialog, the Shell tab and the footer; how events look, and the prompt) →
+ *   TUI app → TUI keys, slash commands and start-up → Main
  *
  * The agent core never touches the terminal: it emits typed events to a sink
  * and awaits an approval function. Plain text, JSON Lines and the TUI are
- * sinks. Everything runs on one event loop; nothing blocks it.
+ * sinks, and all three word events through one function. Both front ends
+ * build their run the same way (createRun). Everything runs on one event
+ * loop; nothing blocks it.
  */
 
 import * as fs from "node:fs";
@@ -23,42 +32,53 @@ import * as path from "node:path";
 
 // ════════════════════════════════════════════════════════════════════════════
 // Constants and defaults
-// Owns: names, limits and fixed strings that more than one section relies on.
+// Owns: names, limits and exit codes that several sections rely on.
 // ════════════════════════════════════════════════════════════════════════════
 
 const VERSION = "0.1.0";
 const MARKER = "TASKCOMPLETE";
-const TRUNCATION_SENTINEL = "output too long: truncated";
-const CONDENSED_TOOL_OUTPUT = "<condensed tool output>";
-const SUMMARY_HEADING = "[Prior conversation summary]";
-const SUMMARY_UNAVAILABLE = "[summary unavailable]";
-const CONTINUE_FALLBACK = "Continue with the current task.";
-const SESSION_RECOVERED = "[SESSION RECOVERED]";
-const SESSION_RECOVERED_NOTICE = `${SESSION_RECOVERED} The previous aic process ended while this command was running. It was NOT re-executed; do not assume it had any effect. Check the state and run it again if it is still needed.`;
-const SKIPPED_BY_USER = "Command execution skipped by user.";
-const NOT_EXECUTED_STOPPED = "Command not executed: the run was stopped before it could run.";
+
 /** Headers a browser would send, so sites that block bots still answer the model's fetches. */
 const BROWSER_USER_AGENT =
   "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0.0.0 Safari/537.36";
+
 /** Non-gpt models get an output reservation; it is subtracted from the prompt budget. */
 const OUTPUT_RESERVATION_TOKENS = 8000;
+
 const AGENTS_MD_LIMIT_BYTES = 32 * 1024;
+
 /** Output past this multiple of --max-output-bytes means a runaway command. */
 const RUNAWAY_FACTOR = 100;
+
 /** Silence before we look whether a command is blocked reading its terminal. */
 const INPUT_WAIT_SILENCE_MS = 10_000;
+/** How often a silent command's processes are looked at. */
+const INPUT_WAIT_POLL_MS = 1000;
+
 const KILL_GRACE_MS = 500;
+/** How often a group being killed is checked for survivors during the grace. */
+const KILL_POLL_MS = 25;
+/** Output written just before a command exits can still be in flight when its exit is seen. */
+const PTY_DRAIN_GRACE_MS = 100;
+/** After a signal, the loop normally winds down at once; past this the process exits anyway (the session saved first). */
+const SIGNAL_SHUTDOWN_GUARD_MS = 3000;
 const MAX_TIMEOUT_SEC = Math.floor((2 ** 31 - 1) / 1000);
 const MAX_MODEL_ATTEMPTS = 5;
 const MAX_CONTEXT_RETRIES = 3;
+
 /** While a run has had no answer, an endpoint where nothing listens is tried this many times, this far apart (×1, ×2): a few seconds in all. */
 const UNREACHABLE_FIRST_ATTEMPTS = 3;
+
 const UNREACHABLE_FIRST_WAIT_MS = 500;
+
 /** The SDK's limit for a request before its headers arrive; the stream's own silence limit is STREAM_IDLE_MS. */
 const MODEL_REQUEST_TIMEOUT_MS = 10 * 60 * 1000;
+
 const BACKOFF_CAP_MS = 60_000;
+
 /** Silence from a model stream (before the first chunk or between two) after which the attempt counts as failed. */
 const STREAM_IDLE_MS = Number(process.env.AIC_STREAM_IDLE_MS) > 0 ? Number(process.env.AIC_STREAM_IDLE_MS) : 300_000;
+
 const COMMAND_COLUMNS = 160;
 const COMMAND_ROWS = 50;
 
@@ -71,21 +91,6 @@ const EXIT = {
   sighup: 129,
   sigint: 130,
   sigterm: 143,
-} as const;
-
-/** The one tool the model may call. */
-const EXECUTE_BASH_TOOL = {
-  type: "function",
-  function: {
-    name: "execute_bash",
-    description:
-      "Run one shell command in a pseudo-terminal in the current working directory and return its exit code and output.",
-    parameters: {
-      type: "object",
-      properties: { command: { type: "string", description: "The shell command to run." } },
-      required: ["command"],
-    },
-  },
 } as const;
 
 /** The environment every command gets, so pagers and credential prompts never sit waiting for a person. */
@@ -141,6 +146,7 @@ interface Config {
 }
 
 type FlagKind = "bool" | "string" | "url" | "int" | "fraction" | "header" | "paths";
+
 interface FlagSpec {
   name: string;
   kind: FlagKind;
@@ -153,25 +159,104 @@ interface FlagSpec {
 }
 
 const FLAGS: readonly FlagSpec[] = [
-  { name: "--api-base", kind: "url", key: "apiBase", env: ["AIC_API_BASE", "OPENAI_BASE_URL"], help: "OpenAI-compatible base URL, http(s)://…/v1. Required." },
+  {
+    name: "--api-base",
+    kind: "url",
+    key: "apiBase",
+    env: ["AIC_API_BASE", "OPENAI_BASE_URL"],
+    help: "OpenAI-compatible base URL, http(s)://…/v1. Required.",
+  },
   { name: "--model", kind: "string", key: "model", env: ["AIC_MODEL"], help: "Model name. Required." },
-  { name: "--api-key", kind: "string", key: "apiKey", env: ["AIC_API_KEY", "OPENAI_API_KEY"], help: "API key (local servers need none). Never written to any file." },
-  { name: "--header", kind: "header", key: "headers", env: ["AIC_HEADERS"], help: "Extra request header 'Name: value', repeatable (env: one per line). Never shown." },
+  {
+    name: "--api-key",
+    kind: "string",
+    key: "apiKey",
+    env: ["AIC_API_KEY", "OPENAI_API_KEY"],
+    help: "API key (local servers need none). Never written to any file.",
+  },
+  {
+    name: "--header",
+    kind: "header",
+    key: "headers",
+    env: ["AIC_HEADERS"],
+    help: "Extra request header 'Name: value', repeatable (env: one per line). Never shown.",
+  },
   { name: "--auto-approve", kind: "bool", key: "autoApprove", help: "Run commands without asking." },
   { name: "--no-thinking", kind: "bool", key: "noThinking", help: "Do not show reasoning tokens." },
-  { name: "--timeout", kind: "int", key: "timeoutSec", default: "120", max: MAX_TIMEOUT_SEC, help: "Per-command timeout in seconds." },
-  { name: "--max-prompt-len", kind: "int", key: "maxPromptLen", default: "80000", max: 10_000_000, help: "Prompt budget in tokens." },
-  { name: "--max-output-bytes", kind: "int", key: "maxOutputBytes", default: "10240", max: 16 * 1024 * 1024, help: "Cap on the command output handed to the model." },
-  { name: "--max-steps", kind: "int", key: "maxSteps", default: "500", max: 1_000_000, help: "Loop steps before giving up (exit 3)." },
-  { name: "--debug", kind: "bool", key: "debug", help: "Write the history to commander-debug.txt before each model call." },
-  { name: "--nogui", kind: "bool", key: "nogui", help: "Plain output, no TUI. No session file unless --session is given." },
+  {
+    name: "--timeout",
+    kind: "int",
+    key: "timeoutSec",
+    default: "120",
+    max: MAX_TIMEOUT_SEC,
+    help: "Per-command timeout in seconds.",
+  },
+  {
+    name: "--max-prompt-len",
+    kind: "int",
+    key: "maxPromptLen",
+    default: "80000",
+    max: 10_000_000,
+    help: "Prompt budget in tokens.",
+  },
+  {
+    name: "--max-output-bytes",
+    kind: "int",
+    key: "maxOutputBytes",
+    default: "10240",
+    max: 16 * 1024 * 1024,
+    help: "Cap on the command output handed to the model.",
+  },
+  {
+    name: "--max-steps",
+    kind: "int",
+    key: "maxSteps",
+    default: "500",
+    max: 1_000_000,
+    help: "Loop steps before giving up (exit 3).",
+  },
+  {
+    name: "--debug",
+    kind: "bool",
+    key: "debug",
+    help: "Write the history to commander-debug.txt before each model call.",
+  },
+  {
+    name: "--nogui",
+    kind: "bool",
+    key: "nogui",
+    help: "Plain output, no TUI. No session file unless --session is given.",
+  },
   { name: "--session", kind: "string", key: "session", help: "Session file (TUI default: ./.aicsession)." },
   { name: "--no-session", kind: "bool", key: "noSession", help: "No session file at all." },
   { name: "--disable-sandbox", kind: "bool", key: "disableSandbox", help: "Do not confine commands with Landlock." },
-  { name: "--allow-write", kind: "paths", key: "allowWrite", env: ["AIC_ALLOW_WRITE"], help: "Another path commands may write under, repeatable (env: colon-separated)." },
-  { name: "--allow-read-secrets", kind: "bool", key: "allowReadSecrets", help: "Let commands read ~/.ssh, ~/.aws and the other secret stores." },
-  { name: "--compress-alg", kind: "string", key: "compressAlg", default: "context-compressor-llm", help: "context-compressor-llm (anchored LLM summary) or truncate." },
-  { name: "--compress-target", kind: "fraction", key: "compressTarget", default: "0.4", help: "Fraction of the budget kept after compression, 0 < F < 1." },
+  {
+    name: "--allow-write",
+    kind: "paths",
+    key: "allowWrite",
+    env: ["AIC_ALLOW_WRITE"],
+    help: "Another path commands may write under, repeatable (env: colon-separated).",
+  },
+  {
+    name: "--allow-read-secrets",
+    kind: "bool",
+    key: "allowReadSecrets",
+    help: "Let commands read ~/.ssh, ~/.aws and the other secret stores.",
+  },
+  {
+    name: "--compress-alg",
+    kind: "string",
+    key: "compressAlg",
+    default: "context-compressor-llm",
+    help: "context-compressor-llm (anchored LLM summary) or truncate.",
+  },
+  {
+    name: "--compress-target",
+    kind: "fraction",
+    key: "compressTarget",
+    default: "0.4",
+    help: "Fraction of the budget kept after compression, 0 < F < 1.",
+  },
   { name: "--fast", kind: "bool", key: "fast", help: "Force truncate and the short system prompt." },
   { name: "--reasoning-effort", kind: "string", key: "reasoningEffort", help: "Passed through as reasoning_effort." },
   { name: "--json", kind: "bool", key: "json", help: "With --nogui: JSON Lines events on stdout." },
@@ -193,15 +278,27 @@ function helpText(): string {
   ];
   for (const f of FLAGS) {
     const arg = f.kind === "bool" ? "" : f.kind === "int" || f.kind === "fraction" ? " N" : " VALUE";
-    const extras = [f.default ? `default ${f.default}` : "", f.env ? `env ${f.env.join(", then ")}` : ""].filter(Boolean);
+    const extras = [f.default ? `default ${f.default}` : "", f.env ? `env ${f.env.join(", then ")}` : ""].filter(
+      Boolean,
+    );
     lines.push(`  ${(f.name + arg).padEnd(26)} ${f.help}${extras.length ? ` (${extras.join("; ")})` : ""}`);
   }
-  lines.push("  -V, --version              Print the version and exit.", "  -h, --help                 Print this help and exit.");
-  lines.push("", "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 129/130/143 signals.");
+  lines.push(
+    "  -V, --version              Print the version and exit.",
+    "  -h, --help                 Print this help and exit.",
+  );
+  lines.push(
+    "",
+    "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 129/130/143 signals.",
+  );
   return lines.join("\n");
 }
 
-type ParsedArgs = { kind: "help" } | { kind: "version" } | { kind: "search"; query: string; maxResults: number } | { kind: "run"; config: Config };
+type ParsedArgs =
+  | { kind: "help" }
+  | { kind: "version" }
+  | { kind: "search"; query: string; maxResults: number }
+  | { kind: "run"; config: Config };
 
 function describeFlag(f: FlagSpec): string {
   return f.env ? `${f.name} (or ${f.env.join(" / ")})` : f.name;
@@ -212,13 +309,16 @@ const flag = (name: string): FlagSpec => FLAGS.find((f) => f.name === name)!;
 /** Whole numbers in plain decimal only: " 5", "0x10", "1e3" and "+5" are typing mistakes, not numbers. */
 function parseNumberFlag(f: FlagSpec, raw: string): number {
   if (f.kind === "int") {
-    if (!/^[0-9]+$/.test(raw) || Number(raw) <= 0) throw new UsageError(`${describeFlag(f)} needs a positive whole number, got '${raw}'`);
+    if (!/^[0-9]+$/.test(raw) || Number(raw) <= 0)
+      throw new UsageError(`${describeFlag(f)} needs a positive whole number, got '${raw}'`);
     const value = Number(raw);
-    if (f.max !== undefined && value > f.max) throw new UsageError(`${describeFlag(f)} can be at most ${f.max}, got '${raw}'`);
+    if (f.max !== undefined && value > f.max)
+      throw new UsageError(`${describeFlag(f)} can be at most ${f.max}, got '${raw}'`);
     return value;
   }
   const value = Number(raw);
-  if (!/^([0-9]+\.?[0-9]*|\.[0-9]+)$/.test(raw) || !(value > 0 && value < 1)) throw new UsageError(`${describeFlag(f)} needs a fraction between 0 and 1 (exclusive), got '${raw}'`);
+  if (!/^([0-9]+\.?[0-9]*|\.[0-9]+)$/.test(raw) || !(value > 0 && value < 1))
+    throw new UsageError(`${describeFlag(f)} needs a fraction between 0 and 1 (exclusive), got '${raw}'`);
   return value;
 }
 
@@ -229,7 +329,10 @@ function parseUrlFlag(f: FlagSpec, raw: string): string {
   } catch {
     /* refused below */
   }
-  if (!url || (url.protocol !== "http:" && url.protocol !== "https:") || !url.hostname) throw new UsageError(`${describeFlag(f)} needs an http:// or https:// URL such as http://localhost:8000/v1, got '${raw}'`);
+  if (!url || (url.protocol !== "http:" && url.protocol !== "https:") || !url.hostname)
+    throw new UsageError(
+      `${describeFlag(f)} needs an http:// or https:// URL such as http://localhost:8000/v1, got '${raw}'`,
+    );
   return raw;
 }
 
@@ -250,7 +353,10 @@ function parseWritablePath(f: FlagSpec, raw: string): string {
   } catch {
     /* no home directory to protect */
   }
-  if (real === "/" || real === home) throw new UsageError(`${describeFlag(f)}: ${raw} would make ${real === "/" ? "everything" : "the whole home directory"} writable; name a narrower path`);
+  if (real === "/" || real === home)
+    throw new UsageError(
+      `${describeFlag(f)}: ${raw} would make ${real === "/" ? "everything" : "the whole home directory"} writable; name a narrower path`,
+    );
   return real;
 }
 
@@ -264,7 +370,8 @@ function parseHeaders(f: FlagSpec, lines: string[]): Record<string, string> {
     const colon = line.indexOf(":");
     const name = colon > 0 ? line.slice(0, colon).trim() : "";
     const value = colon > 0 ? line.slice(colon + 1).trim() : "";
-    if (!HEADER_NAME.test(name) || /[\r\n\0]/.test(value)) throw new UsageError(`${describeFlag(f)} needs 'Name: value' (one header each; the value you gave is not shown)`);
+    if (!HEADER_NAME.test(name) || /[\r\n\0]/.test(value))
+      throw new UsageError(`${describeFlag(f)} needs 'Name: value' (one header each; the value you gave is not shown)`);
     headers[name] = value;
   }
   return headers;
@@ -290,7 +397,8 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
     const eq = arg.startsWith("--") ? arg.indexOf("=") : -1;
     const name = eq >= 0 ? arg.slice(0, eq) : arg;
     const spec = FLAGS.find((f) => f.name === name);
-    if (!spec) throw new UsageError(`unknown option ${name} (see aic --help; a request that starts with a dash goes after --)`);
+    if (!spec)
+      throw new UsageError(`unknown option ${name} (see aic --help; a request that starts with a dash goes after --)`);
     if (spec.kind === "bool") {
       if (eq >= 0) throw new UsageError(`${name} takes no value`);
       given.set(spec, ["1"]);
@@ -329,7 +437,8 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
   if (c.session === "") throw new UsageError("--session needs a file path");
   if (c.session !== undefined) {
     const dir = path.dirname(path.resolve(c.session));
-    if (!fs.statSync(dir, { throwIfNoEntry: false })?.isDirectory()) throw new UsageError(`--session ${c.session}: the directory ${dir} does not exist`);
+    if (!fs.statSync(dir, { throwIfNoEntry: false })?.isDirectory())
+      throw new UsageError(`--session ${c.session}: the directory ${dir} does not exist`);
   }
   if (c.compressAlg !== "context-compressor-llm" && c.compressAlg !== "truncate") {
     c.warnings.push(`unknown --compress-alg '${c.compressAlg}', using truncate`);
@@ -349,7 +458,8 @@ function parseSearchArgs(argv: string[]): ParsedArgs {
     if (arg === "--max-results" || arg.startsWith("--max-results=")) {
       const raw = arg.includes("=") ? arg.slice(arg.indexOf("=") + 1) : argv[++i];
       const n = Number(raw);
-      if (raw === undefined || !Number.isInteger(n) || n <= 0) throw new UsageError(`--max-results needs a positive whole number, got '${raw ?? ""}'`);
+      if (raw === undefined || !Number.isInteger(n) || n <= 0)
+        throw new UsageError(`--max-results needs a positive whole number, got '${raw ?? ""}'`);
       maxResults = n;
     } else if (arg === "--help") {
       return { kind: "help" };
@@ -357,7 +467,7 @@ function parseSearchArgs(argv: string[]): ParsedArgs {
       words.push(arg);
     }
   }
-  if (!words.length) throw new UsageError("search needs a query: aic search \"QUERY\"");
+  if (!words.length) throw new UsageError('search needs a query: aic search "QUERY"');
   return { kind: "search", query: words.join(" "), maxResults };
 }
 
@@ -372,9 +482,310 @@ function isGptModel(model: string): boolean {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Events and sinks
-// Owns: the typed events the agent emits, and the plain-text and JSON Lines
-// sinks that print them without the TUI. The TUI is a third sink (below).
+// Secrets
+// Owns: the API key and header values once they are parsed: kept out of every
+// command's environment, overwritten where /proc shows them, and redacted
+// from anything a server echoes back.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** Environment variables whose values are secrets: commands never get them, and /proc shows asterisks. */
+const SECRET_ENV = ["AIC_API_KEY", "OPENAI_API_KEY", "AIC_HEADERS"];
+
+/** Options whose values are secrets, as `--option VALUE` or `--option=VALUE`. */
+const SECRET_OPTIONS = ["--api-key", "--header"];
+
+const PR_SET_DUMPABLE = 4;
+const MASK = 0x2a; // "*"
+
+/**
+ * Keeps commands from reading the API key (and header values) out of aic's
+ * own /proc entries. A non-dumpable process's /proc files belong to root,
+ * which stops other users; a root command can still read them, so the
+ * secrets' bytes are also overwritten where /proc/<pid>/environ and
+ * /proc/<pid>/cmdline read them: the original environment and argument
+ * blocks. aic keeps its own copies. Linux only; best effort.
+ */
+function protectSecrets(): void {
+  if (process.platform !== "linux") return;
+  libc()?.symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  try {
+    const stat = fs.readFileSync("/proc/self/stat", "latin1");
+    // Fields 48–51 of stat(5): arg_start, arg_end, env_start, env_end; the list below starts at field 3.
+    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+    const [argStart, argEnd, envStart, envEnd] = [48, 49, 50, 51].map((n) => Number(fields[n - 3]));
+    const { toArrayBuffer } = require("bun:ffi") as typeof import("bun:ffi");
+    const block = (start: number | undefined, end: number | undefined) =>
+      start && end && end > start && end - start < 1 << 24
+        ? new Uint8Array(toArrayBuffer(start as unknown as import("bun:ffi").Pointer, 0, end - start))
+        : undefined;
+    const args = block(argStart, argEnd);
+    const env = block(envStart, envEnd);
+    if (args) maskSecretArguments(args);
+    if (env) maskSecretVariables(env);
+  } catch {
+    /* the key is still kept out of the commands' environment */
+  }
+}
+
+/** The [start, end) ranges of the NUL-separated strings of a /proc block. */
+function blockStrings(block: Uint8Array): [number, number][] {
+  const ranges: [number, number][] = [];
+  for (let start = 0; start < block.length;) {
+    let end = block.indexOf(0, start);
+    if (end < 0) end = block.length;
+    ranges.push([start, end]);
+    start = end + 1;
+  }
+  return ranges;
+}
+
+function maskSecretVariables(env: Uint8Array): void {
+  for (const [start, end] of blockStrings(env)) {
+    const text = Buffer.from(env.buffer, env.byteOffset + start, end - start).toString("latin1");
+    const eq = text.indexOf("=");
+    if (eq > 0 && SECRET_ENV.includes(text.slice(0, eq))) env.fill(MASK, start + eq + 1, end);
+  }
+}
+
+function maskSecretArguments(args: Uint8Array): void {
+  const strings = blockStrings(args);
+  for (let i = 1; i < strings.length; i++) {
+    const [start, end] = strings[i]!;
+    const text = Buffer.from(args.buffer, args.byteOffset + start, end - start).toString("latin1");
+    if (text === "--") return; // the task's own words follow
+    if (SECRET_OPTIONS.includes(text) && strings[i + 1]) {
+      const [valueStart, valueEnd] = strings[++i]!;
+      args.fill(MASK, valueStart, valueEnd);
+      continue;
+    }
+    const eq = text.indexOf("=");
+    if (eq > 0 && SECRET_OPTIONS.includes(text.slice(0, eq))) args.fill(MASK, start + eq + 1, end);
+  }
+}
+
+/** Secrets (the API key, header values) a server might echo back are never shown. */
+let secretsToRedact: string[] = [];
+
+function redactSecrets(text: string): string {
+  let out = text;
+  for (const secret of secretsToRedact) if (secret.length >= 4) out = out.split(secret).join("[redacted]");
+  return out;
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// What the model reads
+// Owns: every text the model receives from aic: the tool, the system prompt,
+// the tool results and their notes, the nudges of the loop, the summariser's
+// request and the anchored summary's place. These are the most tuned words of
+// the program, so they live together.
+// ════════════════════════════════════════════════════════════════════════════
+
+const TRUNCATION_SENTINEL = "output too long: truncated";
+const CONDENSED_TOOL_OUTPUT = "<condensed tool output>";
+const SUMMARY_HEADING = "[Prior conversation summary]";
+const SUMMARY_UNAVAILABLE = "[summary unavailable]";
+const CONTINUE_FALLBACK = "Continue with the current task.";
+const SESSION_RECOVERED = "[SESSION RECOVERED]";
+const SESSION_RECOVERED_NOTICE = `${SESSION_RECOVERED} The previous aic process ended while this command was running. It was NOT re-executed; do not assume it had any effect. Check the state and run it again if it is still needed.`;
+const SKIPPED_BY_USER = "Command execution skipped by user.";
+const NOT_EXECUTED_STOPPED = "Command not executed: the run was stopped before it could run.";
+
+/** The one tool the model may call. */
+const EXECUTE_BASH_TOOL = {
+  type: "function",
+  function: {
+    name: "execute_bash",
+    description:
+      "Run one shell command in a pseudo-terminal in the current working directory and return its exit code and output.",
+    parameters: {
+      type: "object",
+      properties: { command: { type: "string", description: "The shell command to run." } },
+      required: ["command"],
+    },
+  },
+} as const;
+
+interface PromptFacts {
+  fast: boolean;
+  timeoutSec: number;
+  maxOutputBytes: number;
+  sandbox: Sandbox;
+  /** How to call this very executable, for the search recipe. */
+  selfCommand: string;
+  projectInstructions?: { files: string[]; text: string };
+}
+
+function buildSystemPrompt(f: PromptFacts): string {
+  const s = f.sandbox;
+  const caches = s.caches.length ? ` (the package-manager caches among them, so installing dependencies works)` : "";
+  const secrets = s.secrets.length
+    ? ` Files in the usual secret stores (${s.secrets.join(", ")}) cannot be read at all.`
+    : "";
+  const sandboxLine = s.enabled
+    ? `Commands run inside a Landlock sandbox: they may read and execute almost anything, but may write only under ${s.writable.join(", ")}${caches}.${secrets} A "Permission denied" there comes from the sandbox; do not try to get around it.`
+    : `No sandbox confines your commands (${s.status}); they can change anything this user can, so be careful with destructive commands.`;
+  const search = `To search the web run: ${f.selfCommand} search "QUERY" (it prints a JSON array of {title, href, body}). To read a page, fetch it with curl -sL or wget -qO-.`;
+  const capRule = `Each command's output reaches you capped at ${f.maxOutputBytes} bytes. When it is longer you get its head and tail, a line naming a file that holds the whole output, and the final line "${TRUNCATION_SENTINEL}". When you see that, do not re-run the command: read the saved file in slices (sed -n '100,200p', head -c, tail -c) or search it with grep and wc. For commands you expect to be long, redirect their output to a file yourself and read it the same way.`;
+  const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work in the background (nohup … > log 2>&1 &) and poll it, split it into smaller steps, or bound it with timeout.`;
+  const honesty =
+    "Never invent the output of a command or claim a result you have not seen. Do not write execution metadata (exit codes, timings, tool-call syntax) yourself; aic reports those.";
+  const marker = `When, and only when, the whole task is finished and you have checked the result, answer with the single word ${MARKER} on its own and no tool call. Never write that word earlier, in a plan, or in a message that also calls a tool.`;
+  if (f.fast) {
+    return (
+      [
+        "You are a shell agent. You complete the user's task by running shell commands with the execute_bash tool, one at a time, and reading each result before the next step.",
+        marker,
+        capRule,
+        timeoutRule,
+        honesty,
+        search,
+      ].join("\n\n") + projectSection(f.projectInstructions)
+    );
+  }
+  return (
+    [
+      "You are an autonomous engineer working in a Linux shell. You complete the user's task by running shell commands through the execute_bash tool and judging what each one printed. You keep working until the task is done.",
+      "How to work:\n" +
+        "1. Start by writing a numbered task list: the steps you plan to take. Every five steps or so, restate the list with what is done and what remains.\n" +
+        "2. Run one command per step. Read its exit code and output carefully before deciding the next step; if it failed, find out why and fix it rather than moving on.\n" +
+        "3. Prefer small, checkable steps. Verify your work (run the tests, read back the file, check the service answers) before you call the task finished.\n" +
+        "4. Keep going on your own. Ask the user a question only when you have run out of reasonable options.",
+      marker,
+      capRule,
+      timeoutRule,
+      "Commands run in a pseudo-terminal with no person watching it. Use non-interactive forms: -y / --yes / --non-interactive flags, DEBIAN_FRONTEND=noninteractive, git --no-pager, here-documents for input. A command that waits for input will be stopped.",
+      sandboxLine,
+      honesty,
+      search,
+    ].join("\n\n") + projectSection(f.projectInstructions)
+  );
+}
+
+function projectSection(p: PromptFacts["projectInstructions"]): string {
+  if (!p || !p.text) return "";
+  return `\n\n# Project instructions (from ${p.files.join(", ")})\n\n${p.text}`;
+}
+
+function invalidArgumentsMessage(name: string, args: string, error: string): string {
+  return [
+    `Error: the arguments of your ${name || "tool"} call are not valid JSON (${error}).`,
+    `You sent: ${args.length > 500 ? args.slice(0, 500) + "…" : args}`,
+    `Send exactly one JSON object: keys and strings in double quotes, newlines inside strings written as \\n, quotes inside strings escaped as \\", no trailing commas. For example: {"command": "ls -la"}`,
+  ].join("\n");
+}
+
+const CONTINUE_MESSAGE = `You answered without calling a tool. Keep working on the task with execute_bash. When the task is truly finished and verified, reply with ${MARKER} alone.`;
+
+/** The summariser sees each evicted message whole up to this size; a longer one keeps its head and tail. */
+const TRANSCRIPT_MESSAGE_CHARS = 4000;
+const TRANSCRIPT_HEAD_CHARS = 2000;
+const TRANSCRIPT_TAIL_CHARS = 1500;
+/** The summary is asked for in at most 5000 characters; a longer one is cut here. */
+const SUMMARY_MAX_CHARS = 6000;
+/** Room kept in the budget for the summary itself (~5000 characters is about 1300 tokens). */
+const SUMMARY_ALLOWANCE_TOKENS = 1500;
+
+const SUMMARISER_SYSTEM = "You are a precise conversation summarizer.";
+
+function summariserRequest(
+  systemPrompt: string,
+  firstUser: string,
+  prior: string | undefined,
+  evicted: string,
+): Message[] {
+  const ask = [
+    "Below is the older part of a conversation between a user and an autonomous shell agent, which is being removed from the agent's context window.",
+    "Write a concise, structured summary of it (5000 characters at most) so the agent can carry on without it. Use these headings:",
+    "1. Primary request and intent",
+    "2. Key technical concepts",
+    "3. Files and code (paths, what changed, important snippets)",
+    "4. Errors and fixes",
+    "5. Problem solving (what was tried, what worked)",
+    "6. All user messages (each one, briefly)",
+    "7. Pending tasks",
+    "8. Current work (what was being done right before this point)",
+    "9. Next step",
+    "Fold the previous summary in, if there is one, so nothing it recorded is lost. This request to summarise is bookkeeping, not a request from the user: do not list it among the user's messages.",
+    "",
+    "=== The agent's system prompt ===",
+    systemPrompt,
+    "",
+    "=== The user's first command ===",
+    firstUser,
+    "",
+    "=== Previous summary ===",
+    prior ?? "(none)",
+    "",
+    "=== Messages being removed ===",
+    evicted,
+  ].join("\n");
+  return [
+    { role: "system", content: SUMMARISER_SYSTEM },
+    { role: "user", content: ask },
+  ];
+}
+
+/** The system prompt plus, when present, the anchored summary after it: one system message. */
+function systemContent(basePrompt: string, summary: string | undefined): string {
+  return summary ? `${basePrompt}\n\n${SUMMARY_HEADING}\n${summary}` : basePrompt;
+}
+
+/** Splits a stored system message back into its prompt and its summary (the summary survives restarts). */
+function splitSummary(content: string): { base: string; summary: string | undefined } {
+  const at = content.indexOf(`\n\n${SUMMARY_HEADING}\n`);
+  if (at < 0) return { base: content, summary: undefined };
+  return { base: content.slice(0, at), summary: content.slice(at + SUMMARY_HEADING.length + 3) };
+}
+
+const SKIPPED_AFTER_SUGGESTION =
+  "Command not executed: the user rejected an earlier command of this turn with a suggestion.";
+const NO_ARGUMENTS_MESSAGE = "No arguments provided for function call";
+const unknownFunctionMessage = (name: string) => `Unknown function: ${name}`;
+/** A person's text typed while the agent works, heard at the start of the next step. */
+const steeringMessage = (text: string) => `[Suggestion from user] ${text}`;
+/** A person's answer to an approval that rejects the command and says what to do instead. */
+const suggestionInsteadMessage = (text: string) => `I suggest you ${text}`;
+
+/** The line between the head and the tail of a cut output: how much is missing and where the whole of it is. */
+function truncationNote(
+  omitted: number,
+  total: number,
+  lines: number,
+  where: { savedTo: string } | { error: string },
+): string {
+  const whole =
+    "error" in where
+      ? `The whole output could not be saved (${where.error}); redirect it to a file yourself and read that in slices`
+      : `The whole output is saved in ${where.savedTo}; read it in slices (sed -n, head -c, tail -c, grep) instead of re-running the command`;
+  return `[… ${omitted} bytes left out of ${total} (${lines} lines). ${whole} …]`;
+}
+
+/** Output a command printed faster than it could be rendered, when even pausing it could not keep up. */
+const droppedOutputNote = (bytes: number) =>
+  `[… ${bytes} bytes arrived faster than they could be rendered and were left out …]`;
+
+/** The tool message for one finished command: its exit code and what a person would have seen, or why it ended early. */
+function describeCommandResult(r: CommandResult, timeoutSec: number, maxOutputBytes: number): string {
+  switch (r.status) {
+    case "exited":
+      return `Command executed with exit code ${r.exitCode}.\nOutput:\n${r.output}`;
+    case "timed_out":
+      return `Command timed out after ${timeoutSec} seconds and was killed (exit code ${r.exitCode}). For long jobs run them in the background with nohup … &, split the work, or wrap them in timeout.\nOutput before it was stopped:\n${r.output}`;
+    case "waiting_for_input":
+      return `Command stopped: it was waiting for input from the terminal and nobody can answer it (exit code ${r.exitCode}). Re-run it non-interactively: use flags such as -y/--yes/--non-interactive, pipe answers with yes |, or feed a here-document.\nOutput before it was stopped:\n${r.output}`;
+    case "runaway":
+      return `Command stopped: it printed more than ${RUNAWAY_FACTOR * maxOutputBytes} bytes, the runaway-output limit (exit code ${r.exitCode}). Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`;
+    case "not_started":
+      return `Command could not be started: ${r.output}. Nothing ran.`;
+    case "stopped":
+      return `Command stopped before it finished because the run was stopped (exit code ${r.exitCode}).\nOutput before it was stopped:\n${r.output}`;
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Events
+// Owns: the typed events the agent emits and the one place that turns them into
+// the words a person reads, for every front end.
 // ════════════════════════════════════════════════════════════════════════════
 
 interface Usage {
@@ -387,7 +798,16 @@ interface Usage {
 }
 
 type AgentEvent =
-  | { type: "start"; model: string; api_base: string; cwd: string; sandbox: string; sandbox_rules: number; session: string | null; request: string }
+  | {
+      type: "start";
+      model: string;
+      api_base: string;
+      cwd: string;
+      sandbox: string;
+      sandbox_rules: number;
+      session: string | null;
+      request: string;
+    }
   | { type: "info"; text: string }
   | { type: "warning"; text: string }
   | { type: "step"; step: number; max_steps: number }
@@ -400,12 +820,40 @@ type AgentEvent =
   | { type: "discarded"; reason: string }
   | { type: "context"; estimate: number; budget: number }
   | { type: "command"; id: string; command: string }
-  | { type: "approval"; id: string; decision: "approved" | "auto" | "rejected" | "suggestion" | "no_input"; suggestion?: string }
+  | {
+      type: "approval";
+      id: string;
+      decision: "approved" | "auto" | "rejected" | "suggestion" | "no_input";
+      suggestion?: string;
+    }
   | { type: "command_output"; id: string; data: Uint8Array }
-  | { type: "command_result"; id: string; exit_code: number | null; status: CommandStatus; output: string; saved_to?: string }
-  | { type: "compression"; algorithm: string; before_tokens: number; after_tokens: number; removed: number; detail: string }
+  | {
+      type: "command_result";
+      id: string;
+      exit_code: number | null;
+      status: CommandStatus;
+      output: string;
+      saved_to?: string;
+    }
+  | {
+      type: "compression";
+      algorithm: string;
+      before_tokens: number;
+      after_tokens: number;
+      removed: number;
+      detail: string;
+    }
   | { type: "summary_delta"; text: string }
-  | { type: "usage"; prompt_tokens: number; completion_tokens: number; cached_tokens: number; estimated: boolean; total: Usage; context_estimate: number; budget: number }
+  | {
+      type: "usage";
+      prompt_tokens: number;
+      completion_tokens: number;
+      cached_tokens: number;
+      estimated: boolean;
+      total: Usage;
+      context_estimate: number;
+      budget: number;
+    }
   | { type: "error"; message: string }
   | { type: "end"; status: RunStatus; exit_code: number; steps: number; usage: Usage };
 
@@ -415,9 +863,6 @@ type RunStatus = "completed" | "step_limit" | "stopped" | "needs_approval" | "fa
 interface EventSink {
   emit(event: AgentEvent): void;
 }
-
-const useColor = (stream: NodeJS.WriteStream) => Boolean(stream.isTTY) && !process.env.NO_COLOR;
-const paint = (on: boolean, code: string, text: string) => (on ? `\x1b[${code}m${text}\x1b[0m` : text);
 
 /** C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides that make text read otherwise than it runs. */
 const CONTROL_CHARACTERS = /[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
@@ -438,6 +883,112 @@ function visibleControls(text: string): string {
     return `<U+${code.toString(16).toUpperCase().padStart(4, "0")}>`;
   });
 }
+
+/**
+ * Hides the completion marker from what a person reads while it streams:
+ * a chunk may end in the middle of "TASKCOMPLETE", so a possible prefix is
+ * held back until the next chunk shows what it was.
+ */
+class MarkerFilter {
+  private held = "";
+  push(text: string): string {
+    const joined = (this.held + text).split(MARKER).join("");
+    let keep = 0;
+    for (let n = Math.min(MARKER.length - 1, joined.length); n > 0; n--) {
+      if (MARKER.startsWith(joined.slice(joined.length - n))) {
+        keep = n;
+        break;
+      }
+    }
+    this.held = joined.slice(joined.length - keep);
+    return joined.slice(0, joined.length - keep);
+  }
+  flush(): string {
+    const rest = this.held;
+    this.held = "";
+    return rest;
+  }
+}
+
+/** How a line should look; each sink maps a tone to its colours (or to none). */
+type Tone = "dim" | "info" | "warning" | "error" | "command" | "ok" | "bad" | "summary";
+/** Where a line belongs: the agent's own account (stderr without the TUI) or the commands' console (stdout). */
+type Pane = "agent" | "console";
+interface EventLine {
+  pane: Pane;
+  tone: Tone;
+  text: string;
+}
+
+/** A wait as words that never break inside a number when wrapped: "500 ms", "8 s". */
+function waitText(ms: number): string {
+  return ms < 1000 ? `${Math.round(ms)} ms` : `${Math.round(ms / 1000)} s`;
+}
+
+/** Token figures, marked `~` when aic counted them itself because the server reported none. */
+function usageText(u: Usage): string {
+  const about = u.estimated ? "~" : "";
+  return `${about}${u.input_tokens} in / ${about}${u.output_tokens} out / ${u.cached_tokens} cached tokens${u.estimated ? " (~ counted by aic: the server reported no usage)" : ""}`;
+}
+
+/**
+ * The words a person reads for each event that is not a stream of text
+ * (deltas are streamed by each sink as they come). The plain output and the
+ * TUI print exactly these lines, so the two never drift apart. Every text
+ * from outside aic has its control characters made visible here.
+ */
+function describeEvent(e: AgentEvent): EventLine[] {
+  const agent = (tone: Tone, text: string): EventLine[] => [{ pane: "agent", tone, text: visibleControls(text) }];
+  const console = (tone: Tone, text: string): EventLine[] => [{ pane: "console", tone, text: visibleControls(text) }];
+  switch (e.type) {
+    case "start":
+      return [
+        ...agent("dim", `aic ${VERSION} · model ${e.model} · ${e.api_base} · ${e.cwd}`),
+        ...agent(e.sandbox.startsWith("on") ? "ok" : "error", `Sandbox: ${e.sandbox}`),
+      ];
+    case "info":
+      return agent("dim", e.text);
+    case "warning":
+      return agent("warning", `warning: ${e.text}`);
+    case "error":
+      return agent("error", `error: ${e.message}`);
+    case "retry":
+      return agent("warning", `model request failed (${e.reason}); retry ${e.attempt} in ${waitText(e.wait_ms)}`);
+    case "discarded":
+      return agent("warning", `the model's attempt failed (${e.reason}); its partial answer was discarded`);
+    case "command":
+      return console("command", `$ ${e.command}`);
+    case "approval":
+      if (e.decision === "rejected") return console("bad", "(command rejected)");
+      if (e.decision === "suggestion") return console("bad", `(command rejected with a suggestion: ${e.suggestion})`);
+      return [];
+    case "command_result": {
+      const note =
+        e.status === "exited"
+          ? `exit code ${e.exit_code}`
+          : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
+      return console(e.exit_code === 0 ? "ok" : "bad", `[${note}]`);
+    }
+    case "compression":
+      return agent(
+        "summary",
+        `[COMPRESSION] ${e.algorithm}: ${e.before_tokens} → ${e.after_tokens} tokens; ${e.detail}`,
+      );
+    case "end":
+      return agent(e.exit_code === 0 ? "ok" : "warning", `[${e.status}] ${e.steps} step(s) · ${usageText(e.usage)}`);
+    default:
+      return [];
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Plain and JSON output
+// Owns: the --nogui sinks: text for people and logs (content and command
+// output on stdout, diagnostics on stderr) and JSON Lines for machines.
+// ════════════════════════════════════════════════════════════════════════════
+
+const useColor = (stream: NodeJS.WriteStream) => Boolean(stream.isTTY) && !process.env.NO_COLOR;
+const paint = (on: boolean, code: string, text: string) => (on ? `\x1b[${code}m${text}\x1b[0m` : text);
 
 /** An escape sequence that may still be incomplete at the end of a chunk. */
 const TRAILING_ESCAPE = /\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*|\x1b?)?$/;
@@ -490,28 +1041,17 @@ function writeOut(fd: 1 | 2, text: string | Uint8Array): void {
   }
 }
 
-/**
- * Hides the completion marker from what a person reads while it streams:
- * a chunk may end in the middle of "TASKCOMPLETE", so a possible prefix is
- * held back until the next chunk shows what it was.
- */
-class MarkerFilter {
-  private held = "";
-  push(text: string): string {
-    const joined = (this.held + text).split(MARKER).join("");
-    let keep = 0;
-    for (let n = Math.min(MARKER.length - 1, joined.length); n > 0; n--) {
-      if (MARKER.startsWith(joined.slice(joined.length - n))) { keep = n; break; }
-    }
-    this.held = joined.slice(joined.length - keep);
-    return joined.slice(0, joined.length - keep);
-  }
-  flush(): string {
-    const rest = this.held;
-    this.held = "";
-    return rest;
-  }
-}
+/** ANSI colours of each tone in plain text output. */
+const ANSI_TONES: Record<Tone, string> = {
+  dim: "2",
+  info: "2",
+  warning: "33",
+  error: "31",
+  command: "36",
+  ok: "32",
+  bad: "33",
+  summary: "35",
+};
 
 /**
  * Text output for people and logs: content and command output on stdout,
@@ -546,34 +1086,24 @@ class PlainSink implements EventSink {
     }
     writeOut(2, text.endsWith("\n") ? text : text + "\n");
   }
-  private note(color: string, text: string) {
-    this.stderr(paint(this.err, color, visibleControls(text)));
+  private line({ pane, tone, text }: EventLine) {
+    if (pane === "agent") return this.stderr(paint(this.err, ANSI_TONES[tone], text));
+    if (this.midLine) this.stdout("\n");
+    this.stdout(paint(this.out, ANSI_TONES[tone], text) + "\n");
   }
 
   emit(e: AgentEvent): void {
     switch (e.type) {
-      case "start":
-        this.note("2", `aic ${VERSION} · model ${e.model} · ${e.api_base} · ${e.cwd}`);
-        this.note(e.sandbox.startsWith("on") ? "32" : "31", `Sandbox: ${e.sandbox}`);
-        return;
-      case "info":
-        return this.note("2", e.text);
-      case "warning":
-        return this.note("33", `warning: ${e.text}`);
-      case "error":
-        return this.note("31", `error: ${e.message}`);
-      case "step":
-        return;
       case "reasoning_delta":
         if (!this.showThinking) return;
         if (!this.thinking) {
-          this.note("2", "[THINKING]");
+          this.stderr(paint(this.err, ANSI_TONES.dim, "[THINKING]"));
           this.thinking = true;
         }
-        writeOut(2, paint(this.err, "2", visibleControls(e.text)));
+        writeOut(2, paint(this.err, ANSI_TONES.dim, visibleControls(e.text)));
         return;
       case "thinking_complete":
-        if (this.showThinking) this.note("2", "\n[THINKING COMPLETE]");
+        if (this.showThinking) this.stderr(paint(this.err, ANSI_TONES.dim, "\n[THINKING COMPLETE]"));
         this.thinking = false;
         return;
       case "assistant_delta": {
@@ -591,20 +1121,9 @@ class PlainSink implements EventSink {
         this.marker = new MarkerFilter();
         this.answer = [];
         this.thinking = false;
-        if (this.outIsTerminal && this.midLine) this.stdout(`\n${paint(this.out, "33", "[the answer above was discarded; asking again]")}\n`);
-        return this.note("33", `the model's attempt failed (${e.reason}); its partial answer was discarded`);
-      case "context":
-        return;
-      case "reasoning":
-        return;
-      case "retry":
-        return this.note("33", `model request failed (${e.reason}); retry ${e.attempt} in ${(e.wait_ms / 1000).toFixed(1)} s`);
-      case "command":
-        return this.stdout(`${paint(this.out, "1;36", "$")} ${visibleControls(e.command)}\n`);
-      case "approval":
-        if (e.decision === "rejected") this.stderr("command rejected");
-        if (e.decision === "suggestion") this.note("0", `command rejected with a suggestion: ${e.suggestion}`);
-        return;
+        if (this.outIsTerminal && this.midLine)
+          this.stdout(`\n${paint(this.out, ANSI_TONES.warning, "[the answer above was discarded; asking again]")}\n`);
+        break;
       case "command_output": {
         const text = this.outIsTerminal ? e.data : this.log.push(e.data);
         if (!text.length) return;
@@ -612,39 +1131,33 @@ class PlainSink implements EventSink {
         this.midLine = typeof text === "string" ? !text.endsWith("\n") : text[text.length - 1] !== 0x0a;
         return;
       }
-      case "command_result": {
+      case "command_result":
         if (!this.outIsTerminal) this.stdout(this.log.end());
-        const note = e.status === "exited" ? `exit code ${e.exit_code}` : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
-        if (this.midLine) this.stdout("\n");
-        return this.stdout(paint(this.out, e.exit_code === 0 ? "2" : "33", `[${note}]`) + "\n");
-      }
-      case "compression":
-        return this.note("35", `[COMPRESSION] ${e.algorithm}: ${e.before_tokens} → ${e.after_tokens} tokens; ${e.detail}`);
+        break;
       case "summary_delta":
-        writeOut(2, paint(this.err, "2", visibleControls(e.text)));
+        writeOut(2, paint(this.err, ANSI_TONES.dim, visibleControls(e.text)));
         return;
-      case "usage":
-        return;
-      case "end": {
-        const u = e.usage;
-        const about = u.estimated ? "~" : "";
-        this.note("2", `[${e.status}] ${e.steps} step(s) · ${about}${u.input_tokens} in / ${about}${u.output_tokens} out / ${u.cached_tokens} cached tokens${u.estimated ? " (~ counted by aic: the server reported no usage)" : ""}`);
-        return;
-      }
     }
+    for (const line of describeEvent(e)) this.line(line);
   }
 }
 
 /** JSON Lines for machines: one object per line, each with `type` and `ts`; deltas are folded into whole turns. */
 class JsonSink implements EventSink {
-  private static readonly SKIP = new Set<AgentEventType>(["assistant_delta", "reasoning_delta", "thinking_complete", "command_output", "summary_delta", "context"]);
+  private static readonly SKIP = new Set<AgentEventType>([
+    "assistant_delta",
+    "reasoning_delta",
+    "thinking_complete",
+    "command_output",
+    "summary_delta",
+    "context",
+  ]);
   emit(e: AgentEvent): void {
     if (JsonSink.SKIP.has(e.type)) return;
     const record = Object.assign({ type: e.type, ts: new Date().toISOString() }, e);
     writeOut(1, JSON.stringify(record) + "\n");
   }
 }
-
 
 // ════════════════════════════════════════════════════════════════════════════
 // Messages and token accounting
@@ -689,6 +1202,7 @@ interface Encoder {
  * text has no such runs and is counted exactly.
  */
 const LONGEST_WORD = 256;
+
 const LONG_RUN = new RegExp(`\\S{${LONGEST_WORD + 1},}`);
 
 function countBounded(text: string, count: (piece: string) => number): number {
@@ -707,9 +1221,10 @@ function countBounded(text: string, count: (piece: string) => number): number {
 // Embedded in the compiled binary: tiktoken's default entry would read the
 // WASM from the build machine's node_modules at run time.
 import tiktokenWasmPath from "tiktoken/lite/tiktoken_bg.wasm" with { type: "file" };
-import o200kPath from "tiktoken/encoders/o200k_base.json" with { type: "file" };
 
+import o200kPath from "tiktoken/encoders/o200k_base.json" with { type: "file" };
 let encoderPromise: Promise<Encoder> | undefined;
+
 /** Loads tiktoken on first use only: `--version`, `--help` and usage errors never pay for it. */
 function loadEncoder(): Promise<Encoder> {
   encoderPromise ??= (async () => {
@@ -717,7 +1232,11 @@ function loadEncoder(): Promise<Encoder> {
     // `with { type: "file" }` imports are paths at run time, whatever the type declarations say.
     const wasm = await Bun.file(tiktokenWasmPath as unknown as string).arrayBuffer();
     await init((imports) => WebAssembly.instantiate(wasm, imports));
-    const model = (await Bun.file(o200kPath as unknown as string).json()) as { bpe_ranks: string; special_tokens: Record<string, number>; pat_str: string };
+    const model = (await Bun.file(o200kPath as unknown as string).json()) as {
+      bpe_ranks: string;
+      special_tokens: Record<string, number>;
+      pat_str: string;
+    };
     const tiktoken = new Tiktoken(model.bpe_ranks, model.special_tokens, model.pat_str);
     return { count: (text: string) => countBounded(text, (piece) => tiktoken.encode(piece, "all").length) };
   })();
@@ -727,14 +1246,16 @@ function loadEncoder(): Promise<Encoder> {
 /** Never fewer than the real count: a byte-level BPE token covers at least one byte. */
 function tokenUpperBound(messages: readonly Message[]): number {
   let total = 0;
-  for (const m of messages) total += PER_MESSAGE_OVERHEAD + countedTexts(m).reduce((n, t) => n + Buffer.byteLength(t), 0);
+  for (const m of messages)
+    total += PER_MESSAGE_OVERHEAD + countedTexts(m).reduce((n, t) => n + Buffer.byteLength(t), 0);
   return total;
 }
 
 /** The texts of a message that count as tokens: its content, and each tool call's name and arguments. */
 function countedTexts(m: Message): string[] {
   const texts = [contentText(m.content)];
-  for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) texts.push(call.function?.name ?? "", call.function?.arguments ?? "");
+  for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : [])
+    texts.push(call.function?.name ?? "", call.function?.arguments ?? "");
   return texts;
 }
 
@@ -809,21 +1330,44 @@ class TokenCounter {
   }
 }
 
-// ════════════════════════════════════════════════════════════════════════════
-// Model client
-// Owns: one streamed chat completion through the official openai SDK, its
-// assembly into an assistant turn, and the failure classes of SPEC §3. The
-// SDK's own retries are off so that every wait is shown and can be cut short.
-// ════════════════════════════════════════════════════════════════════════════
+/** The same copy every step, so per-message token counts (cached by object) stay cached. */
+const emptyContentCopies = new WeakMap<Message, Message>();
 
-interface AssistantTurn {
-  content: string;
-  reasoning: string;
-  toolCalls: ToolCall[];
-  usage: { prompt_tokens: number; completion_tokens: number; cached_tokens: number } | undefined;
+function withEmptyContent(m: Message): Message {
+  const hit = emptyContentCopies.get(m);
+  if (hit && hit.tool_calls === m.tool_calls) return hit;
+  const copy = { ...m, content: "" };
+  emptyContentCopies.set(m, copy);
+  return copy;
 }
 
+/**
+ * The copy of the history that is sent: null content becomes "", unknown roles
+ * and tool messages without an id are dropped, of two assistant messages in a
+ * row the older goes. A history that ends in a plain assistant message needs
+ * no call at all (`terminal`).
+ */
+function validateOutgoing(messages: readonly Message[]): { messages: Message[]; terminal: boolean } {
+  const out: Message[] = [];
+  for (const m of messages) {
+    if (!VALID_ROLES.has(m.role)) continue;
+    if (m.role === "tool" && typeof m.tool_call_id !== "string") continue;
+    if (m.role === "assistant" && out[out.length - 1]?.role === "assistant") out.pop();
+    out.push(m.content === null || m.content === undefined ? withEmptyContent(m) : m);
+  }
+  const last = out[out.length - 1];
+  return { messages: out, terminal: last?.role === "assistant" && !last.tool_calls?.length };
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Model failures
+// Owns: what a failed model call means — give up naming what to fix, compress
+// harder, or wait and retry — from the HTTP status and the error's own fields,
+// whatever shape the server sends.
+// ════════════════════════════════════════════════════════════════════════════
+
 type FailureKind = "fatal" | "context" | "retry" | "unreachable";
+
 class ModelError extends Error {
   constructor(
     message: string,
@@ -833,6 +1377,7 @@ class ModelError extends Error {
     super(message);
   }
 }
+
 class StoppedError extends Error {
   constructor() {
     super("stopped");
@@ -879,16 +1424,29 @@ const CONTEXT_OVERFLOW = new RegExp(
   ].join("|"),
   "i",
 );
+
 /** Wordings that look like an overflow but are about the requested output or a rate: compressing cannot fix them. */
 const NOT_CONTEXT_OVERFLOW =
   /max_tokens is too large: \d+\. This model supports at most|cannot be greater than max_model_len|`?max_completion_tokens`? must be less than or equal|rate_limit_exceeded|tokens per min|upper bound for 0 input tokens/i;
+
 /** An exhausted quota or billing problem: waiting does not help, the account needs attention. */
-const QUOTA_EXHAUSTED = /insufficient[_ ]quota|exceeded your current quota|billing|credit balance|out of credits|requires more credits|payment required/i;
-const AUTH_CODES = ["invalid_api_key", "authentication_error", "permission_denied", "permission_error", "unauthenticated", "unauthorized", "invalid_authentication"];
+const QUOTA_EXHAUSTED =
+  /insufficient[_ ]quota|exceeded your current quota|billing|credit balance|out of credits|requires more credits|payment required/i;
+
+const AUTH_CODES = [
+  "invalid_api_key",
+  "authentication_error",
+  "permission_denied",
+  "permission_error",
+  "unauthenticated",
+  "unauthorized",
+  "invalid_authentication",
+];
 const MODEL_CODES = ["model_not_found", "not_found", "not_found_error"];
 const QUOTA_CODES = ["insufficient_quota", "billing_hard_limit_reached", "billing_not_active"];
 const OVERFLOW_CODES = ["context_length_exceeded", "exceed_context_size_error"];
 const RATE_CODES = ["rate_limit_exceeded", "rate_limit_error", "resource_exhausted"];
+
 const UNREACHABLE_CODES: Record<string, string> = {
   ECONNREFUSED: "connection refused: nothing is listening there",
   ConnectionRefused: "connection refused: nothing is listening there",
@@ -921,10 +1479,16 @@ function errorBodyText(body: unknown, depth = 0): string {
   if (body === undefined || body === null || depth > 5) return "";
   if (typeof body === "string") return body;
   if (typeof body !== "object") return String(body);
-  if (Array.isArray(body)) return body.map((b) => errorBodyText(b, depth + 1)).filter(Boolean).join("; ");
+  if (Array.isArray(body))
+    return body
+      .map((b) => errorBodyText(b, depth + 1))
+      .filter(Boolean)
+      .join("; ");
   const o = body as Record<string, unknown>;
   if (o.error !== undefined && o.error !== null) return errorBodyText(o.error, depth + 1);
-  const parts = ["message", "detail", "msg", "type", "code"].map((k) => (typeof o[k] === "object" ? errorBodyText(o[k], depth + 1) : o[k])).filter((v) => typeof v === "string" && v);
+  const parts = ["message", "detail", "msg", "type", "code"]
+    .map((k) => (typeof o[k] === "object" ? errorBodyText(o[k], depth + 1) : o[k]))
+    .filter((v) => typeof v === "string" && v);
   return parts.length ? (parts as string[]).join(" — ") : JSON.stringify(o);
 }
 
@@ -957,17 +1521,13 @@ function errorFields(body: unknown): ErrorFields {
 
 /** A server that counts our requested output alone as too big for its window: no compression can help. */
 function outputExceedsWindow(text: string): { output: number; window: number } | undefined {
-  const window = Number(/maximum context length is (\d+)|context length (?:is|of) (?:only )?(\d+)/i.exec(text)?.slice(1).find(Boolean));
-  const output = Number(/is too large: (\d+)|requested (\d+) output tokens|max_tokens=(\d+)/i.exec(text)?.slice(1).find(Boolean));
+  const window = Number(
+    /maximum context length is (\d+)|context length (?:is|of) (?:only )?(\d+)/i.exec(text)?.slice(1).find(Boolean),
+  );
+  const output = Number(
+    /is too large: (\d+)|requested (\d+) output tokens|max_tokens=(\d+)/i.exec(text)?.slice(1).find(Boolean),
+  );
   return window > 0 && output >= window ? { output, window } : undefined;
-}
-
-/** Secrets (the API key, header values) a server might echo back are never shown. */
-let secretsToRedact: string[] = [];
-function redactSecrets(text: string): string {
-  let out = text;
-  for (const secret of secretsToRedact) if (secret.length >= 4) out = out.split(secret).join("[redacted]");
-  return out;
 }
 
 /**
@@ -984,23 +1544,40 @@ function classifyModelFailure(httpStatus: number | undefined, body: unknown, hea
   const detail = redactSecrets(f.text.replace(/\s+/g, " ").trim()).slice(0, 300) || "no details";
   const fatal = (message: string) => new ModelError(message, "fatal");
   if (status === 402 || has(QUOTA_CODES) || QUOTA_EXHAUSTED.test(f.text))
-    return fatal(`the account behind this API key has no quota or credit left${where}: ${detail} — check the plan and billing of that account with the provider`);
-  const overflow = (f.overflowFields || has(OVERFLOW_CODES) || CONTEXT_OVERFLOW.test(f.text) || status === 413) && !NOT_CONTEXT_OVERFLOW.test(f.text);
+    return fatal(
+      `the account behind this API key has no quota or credit left${where}: ${detail} — check the plan and billing of that account with the provider`,
+    );
+  const overflow =
+    (f.overflowFields || has(OVERFLOW_CODES) || CONTEXT_OVERFLOW.test(f.text) || status === 413) &&
+    !NOT_CONTEXT_OVERFLOW.test(f.text);
   if (overflow) {
     const tooBig = outputExceedsWindow(f.text);
     if (tooBig)
-      return fatal(`the model's context window (${tooBig.window} tokens) cannot hold the answer aic asks for (max_tokens ${tooBig.output})${where}: ${detail} — serve the model with a larger context`);
-    if (status === undefined || status === 400 || status === 413 || status === 422 || status === 500) return new ModelError(`the prompt is too long for the model${where}: ${detail}`, "context");
+      return fatal(
+        `the model's context window (${tooBig.window} tokens) cannot hold the answer aic asks for (max_tokens ${tooBig.output})${where}: ${detail} — serve the model with a larger context`,
+      );
+    if (status === undefined || status === 400 || status === 413 || status === 422 || status === 500)
+      return new ModelError(`the prompt is too long for the model${where}: ${detail}`, "context");
   }
   if (status === 401 || status === 403 || has(AUTH_CODES))
-    return fatal(`the endpoint refused the API key${where}: ${detail} — check --api-key (or AIC_API_KEY / OPENAI_API_KEY)${/header/i.test(f.text) ? " and --header" : ""}`);
-  if (status === 404 || has(MODEL_CODES)) return fatal(`the endpoint does not know this model or path${where}: ${detail} — check --model (AIC_MODEL) and --api-base (AIC_API_BASE)`);
+    return fatal(
+      `the endpoint refused the API key${where}: ${detail} — check --api-key (or AIC_API_KEY / OPENAI_API_KEY)${/header/i.test(f.text) ? " and --header" : ""}`,
+    );
+  if (status === 404 || has(MODEL_CODES))
+    return fatal(
+      `the endpoint does not know this model or path${where}: ${detail} — check --model (AIC_MODEL) and --api-base (AIC_API_BASE)`,
+    );
   // One request bigger than the account's whole per-minute allowance never fits, however long aic waits.
   if (/request too large/i.test(f.text) && /per min/i.test(f.text))
-    return fatal(`the request is bigger than the account's per-minute token limit${where}: ${detail} — lower --max-prompt-len or raise the account's rate limit`);
-  if (status === 429 || has(RATE_CODES)) return new ModelError(`rate limited${where}: ${detail}`, "retry", retryAfterMs(headers));
+    return fatal(
+      `the request is bigger than the account's per-minute token limit${where}: ${detail} — lower --max-prompt-len or raise the account's rate limit`,
+    );
+  if (status === 429 || has(RATE_CODES))
+    return new ModelError(`rate limited${where}: ${detail}`, "retry", retryAfterMs(headers));
   if (status !== undefined && status >= 400 && status < 500 && status !== 408 && status !== 409) {
-    const hint = /header/i.test(f.text) ? "check --header (gateways such as Portkey route by header)" : "check --model, --api-base and --reasoning-effort";
+    const hint = /header/i.test(f.text)
+      ? "check --header (gateways such as Portkey route by header)"
+      : "check --model, --api-base and --reasoning-effort";
     return fatal(`the endpoint rejected the request${where}: ${detail} — ${hint}`);
   }
   return new ModelError(status === undefined ? detail : `HTTP ${status}: ${detail}`, "retry", retryAfterMs(headers));
@@ -1009,25 +1586,63 @@ function classifyModelFailure(httpStatus: number | undefined, body: unknown, hea
 /** Narrows whatever the SDK or fetch threw into a ModelError, in aic's words (never Bun's internals). */
 function modelErrorFrom(error: unknown, url: string, midStream: boolean): ModelError {
   if (error instanceof ModelError) return error;
-  const e = error as { status?: unknown; error?: unknown; message?: unknown; headers?: unknown; cause?: { code?: unknown; message?: unknown }; code?: unknown; name?: unknown };
+  const e = error as {
+    status?: unknown;
+    error?: unknown;
+    message?: unknown;
+    headers?: unknown;
+    cause?: { code?: unknown; message?: unknown };
+    code?: unknown;
+    name?: unknown;
+  };
   const status = typeof e?.status === "number" ? e.status : undefined;
   // An HTTP error, or an error object inside the stream: classified from its own fields.
-  if (status !== undefined || (e?.error !== undefined && e?.error !== null)) return classifyModelFailure(status, e.error ?? e.message, e.headers);
+  if (status !== undefined || (e?.error !== undefined && e?.error !== null))
+    return classifyModelFailure(status, e.error ?? e.message, e.headers);
   const code = String(e?.cause?.code ?? e?.code ?? "");
-  if (UNREACHABLE_CODES[code]) return new ModelError(`cannot reach ${url} (${UNREACHABLE_CODES[code]}) — check --api-base (AIC_API_BASE / OPENAI_BASE_URL)`, "unreachable");
+  if (UNREACHABLE_CODES[code])
+    return new ModelError(
+      `cannot reach ${url} (${UNREACHABLE_CODES[code]}) — check --api-base (AIC_API_BASE / OPENAI_BASE_URL)`,
+      "unreachable",
+    );
   const message = String(e?.message ?? error).replace(/\s*For more information, pass `verbose: true`.*$/s, "");
   if (code === "ECONNRESET" || /socket connection was closed|ECONNRESET/.test(message))
-    return new ModelError(midStream ? `the connection to ${url} was dropped in the middle of the answer` : `the connection to ${url} was closed before any answer`, "retry");
+    return new ModelError(
+      midStream
+        ? `the connection to ${url} was dropped in the middle of the answer`
+        : `the connection to ${url} was closed before any answer`,
+      "retry",
+    );
   if (e?.name === "APIConnectionTimeoutError") return new ModelError(`no answer from ${url} in time`, "retry");
   return classifyModelFailure(undefined, message);
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Model client
+// Owns: one streamed chat completion through the official openai SDK, its
+// assembly into an assistant turn, and the retry policy. The SDK's own retries
+// are off so that every wait is shown and can be cut short.
+// ════════════════════════════════════════════════════════════════════════════
+
+interface AssistantTurn {
+  content: string;
+  reasoning: string;
+  toolCalls: ToolCall[];
+  usage: { prompt_tokens: number; completion_tokens: number; cached_tokens: number } | undefined;
 }
 
 /** A sleep that ends early, with StoppedError, when the run is stopped. */
 function abortableSleep(ms: number, signal: AbortSignal): Promise<void> {
   return new Promise((resolve, reject) => {
     if (signal.aborted) return reject(new StoppedError());
-    const timer = setTimeout(() => { signal.removeEventListener("abort", onAbort); resolve(); }, ms);
-    const onAbort = () => { clearTimeout(timer); reject(new StoppedError()); };
+    const timer = setTimeout(() => {
+      signal.removeEventListener("abort", onAbort);
+      resolve();
+    }, ms);
+    const onAbort = () => {
+      clearTimeout(timer);
+      reject(new StoppedError());
+    };
     signal.addEventListener("abort", onAbort, { once: true });
   });
 }
@@ -1061,7 +1676,11 @@ class ToolCallAssembler {
   finish(): ToolCall[] {
     return this.calls
       .filter((c): c is { id: string; name: string; args: string } => Boolean(c))
-      .map((c) => ({ id: c.id || `call_${crypto.randomUUID().replace(/-/g, "").slice(0, 24)}`, type: "function" as const, function: { name: c.name, arguments: c.args } }));
+      .map((c) => ({
+        id: c.id || `call_${crypto.randomUUID().replace(/-/g, "").slice(0, 24)}`,
+        type: "function" as const,
+        function: { name: c.name, arguments: c.args },
+      }));
   }
 }
 
@@ -1161,18 +1780,26 @@ class ModelClient {
     let idleTimer = setTimeout(() => idle.abort(), STREAM_IDLE_MS);
     try {
       // The SDK's types do not know chat_template_kwargs; the boundary is narrowed chunk by chunk below.
-      const stream = (await client.chat.completions.create(this.params(req) as never, { signal: AbortSignal.any([signal, idle.signal]) })) as unknown as AsyncIterable<unknown>;
+      const stream = (await client.chat.completions.create(this.params(req) as never, {
+        signal: AbortSignal.any([signal, idle.signal]),
+      })) as unknown as AsyncIterable<unknown>;
       for await (const raw of stream) {
         chunks++;
         clearTimeout(idleTimer);
         idleTimer = setTimeout(() => idle.abort(), STREAM_IDLE_MS);
-        const chunk = raw as { error?: unknown; choices?: { delta?: Record<string, unknown>; finish_reason?: unknown }[]; usage?: Record<string, unknown> };
+        const chunk = raw as {
+          error?: unknown;
+          choices?: { delta?: Record<string, unknown>; finish_reason?: unknown }[];
+          usage?: Record<string, unknown>;
+        };
         if (chunk.error) throw classifyModelFailure(undefined, chunk.error);
         if (chunk.usage) usage = readUsage(chunk.usage);
         if (chunk.choices?.[0]?.finish_reason) finished = true;
         const delta = chunk.choices?.[0]?.delta;
         if (!delta) continue;
-        const thought = [delta.reasoning_content, delta.reasoning, delta.thinking].find((v): v is string => typeof v === "string" && v !== "");
+        const thought = [delta.reasoning_content, delta.reasoning, delta.thinking].find(
+          (v): v is string => typeof v === "string" && v !== "",
+        );
         if (thought) {
           reasoning += thought;
           cb.onReasoning?.(thought);
@@ -1182,7 +1809,8 @@ class ModelClient {
           content += delta.content;
           cb.onContent?.(delta.content);
         }
-        if (Array.isArray(delta.tool_calls)) for (const tc of delta.tool_calls) calls.add(tc as Parameters<ToolCallAssembler["add"]>[0]);
+        if (Array.isArray(delta.tool_calls))
+          for (const tc of delta.tool_calls) calls.add(tc as Parameters<ToolCallAssembler["add"]>[0]);
       }
     } catch (error) {
       if (signal.aborted) throw new StoppedError();
@@ -1194,7 +1822,8 @@ class ModelClient {
     if (signal.aborted) throw new StoppedError();
     if (chunks === 0) throw new ModelError("the stream ended without any data", "retry");
     // A complete stream ends with [DONE] or a finish_reason (the official SDK accepts either); a dropped connection has neither.
-    if (!finished && !this.sawDone) throw new ModelError("the stream was cut off: it ended with neither a finish_reason nor data: [DONE]", "retry");
+    if (!finished && !this.sawDone)
+      throw new ModelError("the stream was cut off: it ended with neither a finish_reason nor data: [DONE]", "retry");
     this.answered = true;
     return { content, reasoning, toolCalls: calls.finish(), usage };
   }
@@ -1206,7 +1835,11 @@ class ModelClient {
    * answers at all is given up on after a few seconds while the run has had
    * no answer yet: it is a wrong --api-base, not a busy server.
    */
-  async completeWithRetries(req: () => CompletionRequest, signal: AbortSignal, cb: StreamCallbacks & { onDiscard?(reason: string): void }): Promise<AssistantTurn> {
+  async completeWithRetries(
+    req: () => CompletionRequest,
+    signal: AbortSignal,
+    cb: StreamCallbacks & { onDiscard?(reason: string): void },
+  ): Promise<AssistantTurn> {
     // Whether the failed attempt showed any text that the person must now be told to disregard.
     let partial = false;
     const watched: StreamCallbacks = {
@@ -1224,13 +1857,19 @@ class ModelClient {
       try {
         return await this.complete(req(), signal, watched);
       } catch (error) {
-        if (partial && !(error instanceof StoppedError)) cb.onDiscard?.(error instanceof Error ? error.message : String(error));
+        if (partial && !(error instanceof StoppedError))
+          cb.onDiscard?.(error instanceof Error ? error.message : String(error));
         partial = false;
         if (!(error instanceof ModelError)) throw error;
         const unreachable = error.kind === "unreachable";
-        if (unreachable && !this.answered && attempt >= UNREACHABLE_FIRST_ATTEMPTS) throw new ModelError(error.message, "fatal");
-        if ((error.kind !== "retry" && !unreachable) || attempt >= MAX_MODEL_ATTEMPTS) throw unreachable ? new ModelError(error.message, "fatal") : error;
-        const backoff = unreachable && !this.answered ? UNREACHABLE_FIRST_WAIT_MS * attempt : Math.min(BACKOFF_CAP_MS, 1000 * 2 ** (attempt - 1));
+        if (unreachable && !this.answered && attempt >= UNREACHABLE_FIRST_ATTEMPTS)
+          throw new ModelError(error.message, "fatal");
+        if ((error.kind !== "retry" && !unreachable) || attempt >= MAX_MODEL_ATTEMPTS)
+          throw unreachable ? new ModelError(error.message, "fatal") : error;
+        const backoff =
+          unreachable && !this.answered
+            ? UNREACHABLE_FIRST_WAIT_MS * attempt
+            : Math.min(BACKOFF_CAP_MS, 1000 * 2 ** (attempt - 1));
         const wait = Math.min(BACKOFF_CAP_MS, error.retryAfterMs ?? backoff);
         this.sink.emit({ type: "retry", attempt, wait_ms: wait, reason: error.message });
         await abortableSleep(wait, signal);
@@ -1251,11 +1890,11 @@ function readUsage(u: Record<string, unknown>): NonNullable<AssistantTurn["usage
 
 // ════════════════════════════════════════════════════════════════════════════
 // Context compression
-// Owns: keeping the history inside the prompt budget (SPEC §5). `truncate`
-// condenses old tool output, then drops the oldest turns; the anchored summary
-// evicts the oldest turns into a running summary kept in the system message.
-// Both keep the system prompt and the first user message, and both cut only
-// at turn boundaries so every tool answer keeps its call.
+// Owns: keeping the history inside the prompt budget. `truncate` condenses old
+// tool output, then drops the oldest turns; the anchored summary evicts the
+// oldest turns into a running summary kept in the system message. Both keep
+// the system prompt and the first user message, and both cut only at turn
+// boundaries so every tool answer keeps its call.
 // ════════════════════════════════════════════════════════════════════════════
 
 /** Index ranges [start, end) of turns from `from` on: an assistant message travels with its tool answers. */
@@ -1269,18 +1908,6 @@ function turnsFrom(messages: readonly Message[], from: number): [number, number]
     i = end;
   }
   return turns;
-}
-
-/** The system prompt plus, when present, the anchored summary after it: one system message. */
-function systemContent(basePrompt: string, summary: string | undefined): string {
-  return summary ? `${basePrompt}\n\n${SUMMARY_HEADING}\n${summary}` : basePrompt;
-}
-
-/** Splits a stored system message back into its prompt and its summary (the summary survives restarts). */
-function splitSummary(content: string): { base: string; summary: string | undefined } {
-  const at = content.indexOf(`\n\n${SUMMARY_HEADING}\n`);
-  if (at < 0) return { base: content, summary: undefined };
-  return { base: content.slice(0, at), summary: content.slice(at + SUMMARY_HEADING.length + 3) };
 }
 
 interface CompressionResult {
@@ -1313,7 +1940,10 @@ function compressTruncate(messages: readonly Message[], counter: TokenCounter, t
     out.splice(start, end - start);
     dropped += end - start;
   }
-  const parts = [condensed ? `condensed ${condensed} tool output(s)` : "", dropped ? `dropped ${dropped} old message(s)` : ""].filter(Boolean);
+  const parts = [
+    condensed ? `condensed ${condensed} tool output(s)` : "",
+    dropped ? `dropped ${dropped} old message(s)` : "",
+  ].filter(Boolean);
   return { messages: out, detail: parts.join(", ") || "nothing to remove", removed: dropped };
 }
 
@@ -1328,8 +1958,10 @@ function transcriptOf(messages: readonly Message[], counter: TokenCounter, maxTo
   for (let i = messages.length - 1; i >= 0; i--) {
     const m = messages[i]!;
     let text = contentText(m.content);
-    for (const call of m.tool_calls ?? []) text += `${text ? "\n" : ""}(calls ${call.function.name}: ${call.function.arguments})`;
-    if (text.length > 4000) text = `${text.slice(0, 2000)}\n…\n${text.slice(-1500)}`;
+    for (const call of m.tool_calls ?? [])
+      text += `${text ? "\n" : ""}(calls ${call.function.name}: ${call.function.arguments})`;
+    if (text.length > TRANSCRIPT_MESSAGE_CHARS)
+      text = `${text.slice(0, TRANSCRIPT_HEAD_CHARS)}\n…\n${text.slice(-TRANSCRIPT_TAIL_CHARS)}`;
     const line = `[${m.role}] ${text}`;
     const tokens = counter.tokensOf(line) + 2;
     if (used + tokens > maxTokens) {
@@ -1340,41 +1972,6 @@ function transcriptOf(messages: readonly Message[], counter: TokenCounter, maxTo
     lines.push(line);
   }
   return lines.reverse().join("\n\n");
-}
-
-const SUMMARISER_SYSTEM = "You are a precise conversation summarizer.";
-
-function summariserRequest(systemPrompt: string, firstUser: string, prior: string | undefined, evicted: string): Message[] {
-  const ask = [
-    "Below is the older part of a conversation between a user and an autonomous shell agent, which is being removed from the agent's context window.",
-    "Write a concise, structured summary of it (5000 characters at most) so the agent can carry on without it. Use these headings:",
-    "1. Primary request and intent",
-    "2. Key technical concepts",
-    "3. Files and code (paths, what changed, important snippets)",
-    "4. Errors and fixes",
-    "5. Problem solving (what was tried, what worked)",
-    "6. All user messages (each one, briefly)",
-    "7. Pending tasks",
-    "8. Current work (what was being done right before this point)",
-    "9. Next step",
-    "Fold the previous summary in, if there is one, so nothing it recorded is lost. This request to summarise is bookkeeping, not a request from the user: do not list it among the user's messages.",
-    "",
-    "=== The agent's system prompt ===",
-    systemPrompt,
-    "",
-    "=== The user's first command ===",
-    firstUser,
-    "",
-    "=== Previous summary ===",
-    prior ?? "(none)",
-    "",
-    "=== Messages being removed ===",
-    evicted,
-  ].join("\n");
-  return [
-    { role: "system", content: SUMMARISER_SYSTEM },
-    { role: "user", content: ask },
-  ];
 }
 
 /**
@@ -1395,8 +1992,9 @@ async function compressAnchored(
 ): Promise<CompressionResult & { summary: string }> {
   const head = messages.slice(0, 2);
   // Room kept for the summary itself: ~5000 characters is about 1300 tokens.
-  const summaryAllowance = Math.min(1500, Math.floor(targetRaw / 4));
-  const headTokens = counter.countMessage({ role: "system", content: basePrompt }) + (head[1] ? counter.countMessage(head[1]) : 0);
+  const summaryAllowance = Math.min(SUMMARY_ALLOWANCE_TOKENS, Math.floor(targetRaw / 4));
+  const headTokens =
+    counter.countMessage({ role: "system", content: basePrompt }) + (head[1] ? counter.countMessage(head[1]) : 0);
   const room = targetRaw - headTokens - summaryAllowance;
   const turns = turnsFrom(messages, 2);
   let keepFrom = messages.length;
@@ -1417,10 +2015,23 @@ async function compressAnchored(
   const firstUser = contentText(head[1]?.content);
   const fixedPart = summariserRequest(basePrompt, firstUser, priorSummary, "");
   const transcriptRoom = Math.max(500, Math.floor(budgetRaw - counter.countRaw(fixedPart) - 200));
-  const request = summariserRequest(basePrompt, firstUser, priorSummary, transcriptOf(evicted, counter, transcriptRoom));
+  const request = summariserRequest(
+    basePrompt,
+    firstUser,
+    priorSummary,
+    transcriptOf(evicted, counter, transcriptRoom),
+  );
   const fresh = (await summarise(request))?.trim();
-  const summary = fresh ? fresh.slice(0, 6000) : priorSummary ? `${priorSummary}\n${SUMMARY_UNAVAILABLE}` : SUMMARY_UNAVAILABLE;
-  let out: Message[] = [{ ...(head[0] ?? { role: "system" }), role: "system", content: systemContent(basePrompt, summary) }, ...head.slice(1), ...messages.slice(keepFrom)];
+  const summary = fresh
+    ? fresh.slice(0, SUMMARY_MAX_CHARS)
+    : priorSummary
+      ? `${priorSummary}\n${SUMMARY_UNAVAILABLE}`
+      : SUMMARY_UNAVAILABLE;
+  let out: Message[] = [
+    { ...(head[0] ?? { role: "system" }), role: "system", content: systemContent(basePrompt, summary) },
+    ...head.slice(1),
+    ...messages.slice(keepFrom),
+  ];
   if (!out.some((m) => m.role === "user")) out.push({ role: "user", content: CONTINUE_FALLBACK });
   let detail = `summarised ${evicted.length} message(s), kept ${out.length - 2}`;
   // A summary longer than its allowance or one huge newest turn: condense what is left.
@@ -1449,6 +2060,7 @@ async function compressAnchored(
  * Landlock, restoring stream flags) are reported as unavailable.
  */
 let linuxLibc: ReturnType<typeof openLinuxLibc> | null | undefined;
+
 function libc() {
   if (linuxLibc === undefined) {
     try {
@@ -1459,6 +2071,7 @@ function libc() {
   }
   return linuxLibc ?? undefined;
 }
+
 function openLinuxLibc() {
   const { dlopen, FFIType } = require("bun:ffi") as typeof import("bun:ffi");
   return dlopen("libc.so.6", {
@@ -1475,11 +2088,14 @@ function openLinuxLibc() {
 
 /** Bigger files of aic's own (a session, a lock) are refused whole, never half-read. */
 const MAX_OWN_FILE_BYTES = 256 * 1024 * 1024;
-const OUTPUT_DIR_PREFIX = "aic-out-";
-const OUTPUT_DIR_MAX_AGE_MS = 7 * 24 * 3600 * 1000;
+
 const O = fs.constants;
+
 /** Linux can reopen a descriptor through /proc/self/fd, which resolves to the very inode aic holds. */
 const PROC_FD = process.platform === "linux" && fs.existsSync("/proc/self/fd");
+
+const O_PATH = 0o10000000;
+const O_CLOEXEC = 0o2000000;
 
 /** Why one of aic's own files cannot be used: it is missing, of the wrong type (planted), not ours to open, or something else. */
 type OwnFileProblem = "missing" | "type" | "access" | "other";
@@ -1509,7 +2125,8 @@ function ownFileError(error: unknown): OwnFileError {
   if (error instanceof OwnFileError) return error;
   const code = (error as NodeJS.ErrnoException).code;
   if (code === "ENOENT") return new OwnFileError("it does not exist", "missing");
-  if (code === "ELOOP") return new OwnFileError("it is a symbolic link, which aic never follows for its own files", "type");
+  if (code === "ELOOP")
+    return new OwnFileError("it is a symbolic link, which aic never follows for its own files", "type");
   if (code === "ENXIO") return new OwnFileError("it is a FIFO or socket, not a regular file", "type");
   if (code === "EISDIR") return new OwnFileError("it is a directory", "type");
   if (code === "EACCES" || code === "EPERM") return new OwnFileError("permission denied", "access");
@@ -1543,7 +2160,7 @@ function openRegular(file: string, flags: number, mode = 0o600): number {
     try {
       const st = fs.fstatSync(pinned);
       if (!st.isFile()) throw new OwnFileError(`it is ${fileKind(st)}`, "type");
-      if (!PROC_FD) return (keep = true), pinned;
+      if (!PROC_FD) return ((keep = true), pinned);
       return fs.openSync(`/proc/self/fd/${pinned}`, plain & ~O.O_NOFOLLOW);
     } catch (error) {
       throw ownFileError(error);
@@ -1563,10 +2180,12 @@ function readOwnFile(file: string, max = MAX_OWN_FILE_BYTES, head = false): Buff
   const fd = openRegular(file, O.O_RDONLY);
   try {
     const size = fs.fstatSync(fd).size;
-    if (size > max && !head) throw new OwnFileError(`it is ${size} bytes, more than the ${max} bytes aic reads of its own files`, "type");
+    if (size > max && !head)
+      throw new OwnFileError(`it is ${size} bytes, more than the ${max} bytes aic reads of its own files`, "type");
     const buffer = Buffer.alloc(Math.min(size, max) + 1);
     let length = 0;
-    for (let n; length < buffer.length && (n = fs.readSync(fd, buffer, length, buffer.length - length, null)) > 0; ) length += n;
+    for (let n; length < buffer.length && (n = fs.readSync(fd, buffer, length, buffer.length - length, null)) > 0;)
+      length += n;
     if (length > max) {
       if (!head) throw new OwnFileError(`it grew past the ${max} bytes aic reads of its own files`, "type");
       length = max;
@@ -1602,7 +2221,8 @@ class HeldDirectory {
     try {
       return new HeldDirectory(dir, fs.openSync(dir, flags));
     } catch (error) {
-      if ((error as NodeJS.ErrnoException).code !== "ELOOP" && (error as NodeJS.ErrnoException).code !== "ENOTDIR") throw error;
+      if ((error as NodeJS.ErrnoException).code !== "ELOOP" && (error as NodeJS.ErrnoException).code !== "ENOTDIR")
+        throw error;
       const real = fs.realpathSync(dir);
       return new HeldDirectory(real, fs.openSync(real, flags));
     }
@@ -1708,7 +2328,10 @@ class HeldDirectory {
     for (const name of names) {
       try {
         if (fs.lstatSync(this.at(name)).isDirectory()) {
-          const child = new HeldDirectory(path.join(this.path, name), fs.openSync(this.at(name), O.O_RDONLY | O.O_DIRECTORY | O.O_NOFOLLOW));
+          const child = new HeldDirectory(
+            path.join(this.path, name),
+            fs.openSync(this.at(name), O.O_RDONLY | O.O_DIRECTORY | O.O_NOFOLLOW),
+          );
           child.empty();
           child.close();
           fs.rmdirSync(this.at(name));
@@ -1735,149 +2358,25 @@ function writeAll(fd: number, data: string | Uint8Array): void {
   while (rest.length) rest = rest.subarray(fs.writeSync(fd, rest));
 }
 
-/**
- * Where the whole output of a long command is kept so the model can read it
- * in slices. A path the model was given stays valid as long as the
- * conversation naming it: with a session file the directory belongs to the
- * session (its path is saved in it; pruned once unused for a week, removed
- * by /clear); without one it is removed when aic exits.
- */
-class OutputStore {
-  private dir: HeldDirectory | undefined;
-  private tag: string;
-
-  constructor(
-    private readonly persistent: boolean,
-    tag: string,
-    remembered?: string,
-    /** Told the directory's path whenever it changes, so the session can record it. */
-    private readonly onDirectory: (dir: string | undefined) => void = () => {},
-  ) {
-    this.tag = tag;
-    if (remembered) this.dir = OutputStore.adopt(remembered);
-    this.onDirectory(this.dir?.path);
-  }
-
-  /** The directory's path, once there is one (saved in the session). */
-  get path(): string | undefined {
-    return this.dir?.path;
-  }
-
-  /**
-   * A directory named in a session file is reused only if it is what aic
-   * made: directly in the temporary directory, named like aic's, a real
-   * directory owned by this user and private to it. A session file sits
-   * where commands can write, so it must not steer aic's writes elsewhere.
-   */
-  private static adopt(dir: string): HeldDirectory | undefined {
-    if (path.dirname(dir) !== path.resolve(os.tmpdir()) || !path.basename(dir).startsWith(OUTPUT_DIR_PREFIX)) return undefined;
-    try {
-      const st = fs.lstatSync(dir);
-      if (!st.isDirectory() || st.uid !== process.getuid?.() || (st.mode & 0o077) !== 0) return undefined;
-      const held = HeldDirectory.open(dir);
-      return held.isStillAtPath() ? held : (held.close(), undefined);
-    } catch {
-      return undefined;
-    }
-  }
-
-  /** A new file for one command's whole output: its descriptor, and the path to give the model. */
-  createFile(): { fd: number; path: string } {
-    // A command may have renamed the directory and put something else at its path: start a new one.
-    if (this.dir && !this.dir.isStillAtPath()) {
-      this.dir.close();
-      this.dir = undefined;
-    }
-    if (!this.dir) {
-      this.dir = HeldDirectory.createTemporary(`${OUTPUT_DIR_PREFIX}${this.tag}-`);
-      this.onDirectory(this.dir.path);
-    }
-    const name = `output-${Date.now()}-${randomName()}.txt`;
-    return { fd: this.dir.createExclusive(name), path: this.dir.display(name) };
-  }
-
-  /** Forgets every saved output (/clear); later outputs go to a new directory. */
-  clear(newTag: string): void {
-    this.dir?.remove();
-    this.dir = undefined;
-    this.tag = newTag;
-    this.onDirectory(undefined);
-  }
-
-  /** At exit: a session keeps its outputs; otherwise nothing refers to them any more. */
-  close(): void {
-    if (this.persistent) this.dir?.close();
-    else this.dir?.remove();
-    this.dir = undefined;
-  }
-
-  /** Removes this user's output directories left unused for a week (their sessions are long over). */
-  static pruneOld(now = Date.now()): void {
-    let names: string[];
-    try {
-      const tmp = HeldDirectory.open(os.tmpdir());
-      names = fs.readdirSync(tmp.at());
-      tmp.close();
-    } catch {
-      return;
-    }
-    for (const name of names) {
-      if (!name.startsWith(OUTPUT_DIR_PREFIX)) continue;
-      const dir = path.join(os.tmpdir(), name);
-      try {
-        const st = fs.lstatSync(dir);
-        if (st.isDirectory() && st.uid === process.getuid?.() && now - st.mtimeMs > OUTPUT_DIR_MAX_AGE_MS) HeldDirectory.open(dir).remove();
-      } catch {
-        /* gone meanwhile, or not ours */
-      }
-    }
-  }
-}
-
 // ════════════════════════════════════════════════════════════════════════════
-// Session store
-// Owns: `.aicsession`, the hand-editable mirror of the conversation (SPEC §7):
-// claiming a file with a kernel flock (released when the process dies, so no
-// lock goes stale), atomic writes, and repairing whatever a crash or a person
-// left in it. It never deletes a user's file: broken JSON is moved aside.
+// Session repairs
+// Owns: turning whatever a crash or a person left in a session file into a
+// history the API accepts, with every change reported in one line: entries
+// that are not messages, unknown roles, content that is neither text nor
+// parts, malformed tool calls, answers to nothing, calls never answered.
 // ════════════════════════════════════════════════════════════════════════════
 
-interface SessionState {
-  messages: Message[];
-  stepCount: number;
-  usage: Usage;
-}
-
-interface LoadedSession extends Partial<SessionState> {
-  sessionId?: string;
-  reports: string[];
-}
-
-
-const emptyUsage = (): Usage => ({ input_tokens: 0, output_tokens: 0, cached_tokens: 0, billable_tokens: 0 });
-
-function newSessionId(now = new Date()): string {
-  const p = (n: number) => String(n).padStart(2, "0");
-  return `${now.getFullYear()}${p(now.getMonth() + 1)}${p(now.getDate())}_${p(now.getHours())}${p(now.getMinutes())}${p(now.getSeconds())}`;
-}
-
-function localIsoSeconds(now = new Date()): string {
-  const p = (n: number) => String(n).padStart(2, "0");
-  return `${now.getFullYear()}-${p(now.getMonth() + 1)}-${p(now.getDate())}T${p(now.getHours())}:${p(now.getMinutes())}:${p(now.getSeconds())}`;
-}
-
-const LOCK_EX = 2;
-const LOCK_NB = 4;
-const SESSION_VERSION = 1;
-const MAX_SESSION_INSTANCES = 1000;
-/** Document keys aic writes itself; any other key a person added is kept on rewrite. */
-const SESSION_KEYS = new Set(["aic_session_version", "session_id", "updated_at", "reason", "model", "api_base", "cwd", "instance_number", "step_count", "usage", "messages", "output_dir"]);
 const VALID_ROLES = new Set(["system", "user", "assistant", "tool"]);
 
 /** Content the API accepts: text, nothing, or a list of typed parts. Anything else is turned into text. */
 function isSendableContent(content: unknown): boolean {
   if (content === null || content === undefined || typeof content === "string") return true;
-  return Array.isArray(content) && content.every((part) => typeof part === "object" && part !== null && typeof (part as { type?: unknown }).type === "string");
+  return (
+    Array.isArray(content) &&
+    content.every(
+      (part) => typeof part === "object" && part !== null && typeof (part as { type?: unknown }).type === "string",
+    )
+  );
 }
 
 /**
@@ -1886,12 +2385,20 @@ function isSendableContent(content: unknown): boolean {
  */
 function repairMessages(raw: unknown[], systemPrompt: string): { messages: Message[]; reports: string[] } {
   const reports: string[] = [];
-  let messages = raw.filter((m): m is Message => typeof m === "object" && m !== null && !Array.isArray(m) && typeof (m as Message).role === "string");
-  if (messages.length < raw.length) reports.push(`dropped ${raw.length - messages.length} entr${raw.length - messages.length === 1 ? "y" : "ies"} that were not messages (no role)`);
+  let messages = raw.filter(
+    (m): m is Message =>
+      typeof m === "object" && m !== null && !Array.isArray(m) && typeof (m as Message).role === "string",
+  );
+  if (messages.length < raw.length)
+    reports.push(
+      `dropped ${raw.length - messages.length} entr${raw.length - messages.length === 1 ? "y" : "ies"} that were not messages (no role)`,
+    );
   const unknownRoles = messages.filter((m) => !VALID_ROLES.has(m.role));
   if (unknownRoles.length) {
     messages = messages.filter((m) => VALID_ROLES.has(m.role));
-    reports.push(`dropped ${unknownRoles.length} message(s) with an unknown role (${[...new Set(unknownRoles.map((m) => JSON.stringify(m.role)))].join(", ")})`);
+    reports.push(
+      `dropped ${unknownRoles.length} message(s) with an unknown role (${[...new Set(unknownRoles.map((m) => JSON.stringify(m.role)))].join(", ")})`,
+    );
   }
   let retyped = 0;
   messages = messages.map((m) => {
@@ -1899,21 +2406,37 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
     retyped++;
     return { ...m, content: typeof m.content === "string" ? m.content : JSON.stringify(m.content) };
   });
-  if (retyped) reports.push(`turned the content of ${retyped} message(s) into text (it was neither text nor a list of content parts)`);
+  if (retyped)
+    reports.push(
+      `turned the content of ${retyped} message(s) into text (it was neither text nor a list of content parts)`,
+    );
   let badCalls = 0;
   messages = messages.map((m) => {
     if (!("tool_calls" in m)) return m;
     const raw = m.tool_calls as unknown;
     const calls = (Array.isArray(raw) ? raw : []).filter(
-      (c): c is ToolCall => typeof c === "object" && c !== null && typeof (c as ToolCall).id === "string" && typeof (c as ToolCall).function?.name === "string",
+      (c): c is ToolCall =>
+        typeof c === "object" &&
+        c !== null &&
+        typeof (c as ToolCall).id === "string" &&
+        typeof (c as ToolCall).function?.name === "string",
     );
     badCalls += (Array.isArray(raw) ? raw.length : raw === null || raw === undefined ? 0 : 1) - calls.length;
     const fixed: Message = { ...m };
-    if (calls.length) fixed.tool_calls = calls.map((c) => (typeof c.function.arguments === "string" ? c : { ...c, function: { ...c.function, arguments: JSON.stringify(c.function.arguments ?? {}) } }));
+    if (calls.length)
+      fixed.tool_calls = calls.map((c) =>
+        typeof c.function.arguments === "string"
+          ? c
+          : { ...c, function: { ...c.function, arguments: JSON.stringify(c.function.arguments ?? {}) } },
+      );
     else delete fixed.tool_calls;
-    return calls.length === (Array.isArray(raw) ? raw.length : -1) && calls.every((c) => typeof c.function.arguments === "string") ? m : fixed;
+    return calls.length === (Array.isArray(raw) ? raw.length : -1) &&
+      calls.every((c) => typeof c.function.arguments === "string")
+      ? m
+      : fixed;
   });
-  if (badCalls) reports.push(`dropped ${badCalls} malformed tool call(s) (not an object with an id and a function name)`);
+  if (badCalls)
+    reports.push(`dropped ${badCalls} malformed tool call(s) (not an object with an id and a function name)`);
   if (messages[0]?.role !== "system") {
     messages.unshift({ role: "system", content: systemPrompt });
     reports.push("added the missing system prompt");
@@ -1940,17 +2463,18 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
     }
     closeOpenCalls();
     kept.push(m);
-    if (m.role === "assistant" && Array.isArray(m.tool_calls)) open = new Set(m.tool_calls.map((c) => c?.id).filter((id): id is string => typeof id === "string"));
+    if (m.role === "assistant" && Array.isArray(m.tool_calls))
+      open = new Set(m.tool_calls.map((c) => c?.id).filter((id): id is string => typeof id === "string"));
   }
   closeOpenCalls();
   if (orphans) reports.push(`dropped ${orphans} tool message(s) that answered no call`);
-  if (recovered) reports.push(`closed ${recovered} unanswered tool call(s) with a ${SESSION_RECOVERED} notice (the command was not re-run)`);
+  if (recovered)
+    reports.push(
+      `closed ${recovered} unanswered tool call(s) with a ${SESSION_RECOVERED} notice (the command was not re-run)`,
+    );
   // A trailing assistant message without tool calls is the model's last answer: it stays, so a resumed model remembers its conclusion.
   return { messages: kept, reports };
 }
-
-/** Stands in for the message list while the rest of the document is stringified. */
-const MESSAGES_SLOT = "\u0000aic-messages\u0000";
 
 /** Decodes a session file's bytes; invalid UTF-8 and a byte-order mark are repairs to report. */
 function decodeSessionText(bytes: Uint8Array, reports: string[]): string {
@@ -1967,6 +2491,64 @@ function decodeSessionText(bytes: Uint8Array, reports: string[]): string {
   }
   return text;
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Session store
+// Owns: `.aicsession`, the hand-editable mirror of the conversation: claiming a
+// file with a kernel flock (released when the process dies, so no lock goes
+// stale), atomic writes, and repairing whatever a crash or a person left in it.
+// It never deletes or overwrites a file it could not read: broken JSON is moved
+// aside, a repaired file's original is kept beside it.
+// ════════════════════════════════════════════════════════════════════════════
+
+interface SessionState {
+  messages: Message[];
+  stepCount: number;
+  usage: Usage;
+  /** Where the agent works now (the start directory unless it followed the Shell tab). */
+  cwd?: string;
+}
+
+interface LoadedSession extends Partial<SessionState> {
+  sessionId?: string;
+  reports: string[];
+}
+
+const emptyUsage = (): Usage => ({ input_tokens: 0, output_tokens: 0, cached_tokens: 0, billable_tokens: 0 });
+
+function newSessionId(now = new Date()): string {
+  const p = (n: number) => String(n).padStart(2, "0");
+  return `${now.getFullYear()}${p(now.getMonth() + 1)}${p(now.getDate())}_${p(now.getHours())}${p(now.getMinutes())}${p(now.getSeconds())}`;
+}
+
+function localIsoSeconds(now = new Date()): string {
+  const p = (n: number) => String(n).padStart(2, "0");
+  return `${now.getFullYear()}-${p(now.getMonth() + 1)}-${p(now.getDate())}T${p(now.getHours())}:${p(now.getMinutes())}:${p(now.getSeconds())}`;
+}
+
+const LOCK_EX = 2;
+const LOCK_NB = 4;
+const SESSION_VERSION = 1;
+const MAX_SESSION_INSTANCES = 1000;
+
+/** Document keys aic writes itself; any other key a person added is kept on rewrite. */
+const SESSION_KEYS = new Set([
+  "aic_session_version",
+  "session_id",
+  "updated_at",
+  "reason",
+  "model",
+  "api_base",
+  "cwd",
+  "instance_number",
+  "step_count",
+  "usage",
+  "messages",
+  "output_dir",
+]);
+
+/** Stands in for the message list while the rest of the document is stringified. */
+const MESSAGES_SLOT = "\u0000aic-messages\u0000";
 
 /**
  * One claimed session file and its checkpoints. The file sits where commands
@@ -2010,7 +2592,11 @@ class SessionStore {
     const dir = HeldDirectory.open(path.dirname(absolute));
     const name = path.basename(absolute);
     const flock = libc()?.symbols.flock;
-    if (!flock) sink.emit({ type: "warning", text: "cannot lock the session file on this platform; another aic here could share it" });
+    if (!flock)
+      sink.emit({
+        type: "warning",
+        text: "cannot lock the session file on this platform; another aic here could share it",
+      });
     const skipped: string[] = [];
     for (let n = 1; n < MAX_SESSION_INSTANCES; n++) {
       const candidate = n === 1 ? name : `${name}${n}`;
@@ -2025,7 +2611,10 @@ class SessionStore {
             skipped.push(`cannot use the lock file ${candidate}.lock (${e.message})`);
             continue;
           }
-          sink.emit({ type: "warning", text: `cannot create the session lock ${dir.display(`${candidate}.lock`)} (${e.message}); continuing without a lock` });
+          sink.emit({
+            type: "warning",
+            text: `cannot create the session lock ${dir.display(`${candidate}.lock`)} (${e.message}); continuing without a lock`,
+          });
         }
         if (lockFd !== undefined && flock(lockFd, LOCK_EX | LOCK_NB) !== 0) {
           fs.closeSync(lockFd);
@@ -2044,7 +2633,11 @@ class SessionStore {
           continue;
         }
       }
-      if (skipped.length) sink.emit({ type: "warning", text: `${skipped.join("; ")}; this instance uses ${candidate} instead (instance ${n})` });
+      if (skipped.length)
+        sink.emit({
+          type: "warning",
+          text: `${skipped.join("; ")}; this instance uses ${candidate} instead (instance ${n})`,
+        });
       return new SessionStore(dir, candidate, n, lockFd, meta, sink, bytes);
     }
     dir.close();
@@ -2062,7 +2655,11 @@ class SessionStore {
         const e = ownFileError(error);
         if (e.missing) return { reports: [`no session yet; this conversation will persist to ${this.path}`] };
         this.frozen = true;
-        return { reports: [`cannot read ${this.path} (${e.message}); starting clean without saving, so the file stays untouched`] };
+        return {
+          reports: [
+            `cannot read ${this.path} (${e.message}); starting clean without saving, so the file stays untouched`,
+          ],
+        };
       }
     }
     const reports: string[] = [];
@@ -2081,25 +2678,35 @@ class SessionStore {
     const version = doc.aic_session_version;
     if (typeof version === "number" && version > SESSION_VERSION) {
       this.frozen = true;
-      return { reports: [`${this.path} was written by a newer aic (session format ${version}; this aic knows ${SESSION_VERSION}); it is left untouched and this run saves nothing`] };
+      return {
+        reports: [
+          `${this.path} was written by a newer aic (session format ${version}; this aic knows ${SESSION_VERSION}); it is left untouched and this run saves nothing`,
+        ],
+      };
     }
-    if (version !== undefined && version !== SESSION_VERSION) reports.push(`read the unknown aic_session_version ${JSON.stringify(version)} as ${SESSION_VERSION}`);
+    if (version !== undefined && version !== SESSION_VERSION)
+      reports.push(`read the unknown aic_session_version ${JSON.stringify(version)} as ${SESSION_VERSION}`);
     const repaired = repairMessages(rawMessages, systemPrompt);
     reports.push(...repaired.reports);
     const messages = repaired.messages;
     const storedPrompt = splitSummary(contentText(messages[0]?.content)).base;
     if (!repaired.reports.includes("added the missing system prompt") && storedPrompt !== systemPrompt)
-      reports.push("the system prompt in the file differs from this run's (edited by hand, or written by another aic version or with other options); this run uses its own and keeps the conversation summary");
+      reports.push(
+        "the system prompt in the file differs from this run's (edited by hand, or written by another aic version or with other options); this run uses its own and keeps the conversation summary",
+      );
     this.extra = Object.fromEntries(Object.entries(doc).filter(([k]) => !SESSION_KEYS.has(k)));
     if (typeof doc.session_id === "string" && doc.session_id) this.sessionId = doc.session_id;
     if (typeof doc.output_dir === "string") this.outputDir = doc.output_dir;
     const usage = emptyUsage();
     const storedUsage = (doc.usage ?? {}) as Record<string, unknown>;
-    for (const key of ["input_tokens", "output_tokens", "cached_tokens", "billable_tokens"] as const) if (typeof storedUsage[key] === "number") usage[key] = storedUsage[key] as number;
+    for (const key of ["input_tokens", "output_tokens", "cached_tokens", "billable_tokens"] as const)
+      if (typeof storedUsage[key] === "number") usage[key] = storedUsage[key] as number;
     if (storedUsage.estimated === true) usage.estimated = true;
     const stepCount = typeof doc.step_count === "number" && doc.step_count >= 0 ? Math.floor(doc.step_count) : 0;
     if (reports.length) reports.push(this.keepOriginal(bytes));
-    reports.push(`Restored ${messages.length - 1} message(s) from ${this.path} (session ${this.sessionId}, step ${stepCount})`);
+    reports.push(
+      `Restored ${messages.length - 1} message(s) from ${this.path} (session ${this.sessionId}, step ${stepCount})`,
+    );
     return { messages, stepCount, usage, sessionId: this.sessionId, reports };
   }
 
@@ -2136,7 +2743,11 @@ class SessionStore {
         const aside = `${this.name}.corrupt.${newSessionId()}${n > 1 ? `-${n}` : ""}`;
         try {
           this.dir.renameNoReplace(this.name, aside);
-          return { reports: [`${this.path} could not be loaded: ${why}; moved it to ${this.dir.display(aside)} and started a clean session`] };
+          return {
+            reports: [
+              `${this.path} could not be loaded: ${why}; moved it to ${this.dir.display(aside)} and started a clean session`,
+            ],
+          };
         } catch (error) {
           if ((error as NodeJS.ErrnoException).code !== "EEXIST") throw error;
         }
@@ -2144,7 +2755,11 @@ class SessionStore {
     } catch (error) {
       // It could not be preserved elsewhere, so it must not be overwritten either: this run saves nothing.
       this.frozen = true;
-      return { reports: [`${this.path} could not be loaded: ${why}; could not move it aside (${(error as Error).message}); starting clean without saving, so the file stays untouched`] };
+      return {
+        reports: [
+          `${this.path} could not be loaded: ${why}; could not move it aside (${(error as Error).message}); starting clean without saving, so the file stays untouched`,
+        ],
+      };
     }
   }
 
@@ -2158,7 +2773,7 @@ class SessionStore {
       reason,
       model: this.meta.model,
       api_base: this.meta.apiBase,
-      cwd: process.cwd(),
+      cwd: state.cwd ?? process.cwd(),
       instance_number: this.instanceNumber,
       step_count: state.stepCount,
       usage: state.usage,
@@ -2170,7 +2785,12 @@ class SessionStore {
       // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
       // (before_llm_call right after tool_result, say), losing this write to a power cut loses
       // only its label: the rename stays atomic, the fsync is skipped.
-      const signature = [state.messages, state.messages.length, state.messages[state.messages.length - 1], state.messages[0]?.content];
+      const signature = [
+        state.messages,
+        state.messages.length,
+        state.messages[state.messages.length - 1],
+        state.messages[0]?.content,
+      ];
       const durableAlready = this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
       this.noticePlantedLink();
       this.dir.replace(this.name, this.serialise(doc, state.messages), !durableAlready);
@@ -2179,7 +2799,10 @@ class SessionStore {
     } catch (error) {
       if (!this.failureReported) {
         this.failureReported = true;
-        this.sink.emit({ type: "warning", text: `cannot write the session file ${this.path} (${(error as Error).message}); the run goes on, the previous file is unchanged` });
+        this.sink.emit({
+          type: "warning",
+          text: `cannot write the session file ${this.path} (${(error as Error).message}); the run goes on, the previous file is unchanged`,
+        });
       }
       return false;
     }
@@ -2195,7 +2818,10 @@ class SessionStore {
       return;
     }
     this.linkReported = true;
-    this.sink.emit({ type: "warning", text: `${this.path} had been replaced by a symbolic link (by a command?); aic replaces the link with the session file and never writes through it` });
+    this.sink.emit({
+      type: "warning",
+      text: `${this.path} had been replaced by a symbolic link (by a command?); aic replaces the link with the session file and never writes through it`,
+    });
   }
 
   /**
@@ -2212,6 +2838,24 @@ class SessionStore {
     });
     const list = parts.length ? `[\n${parts.join(",\n")}\n  ]` : "[]";
     return JSON.stringify(doc, null, 2).replace(JSON.stringify(MESSAGES_SLOT), () => list) + "\n";
+  }
+
+  /** What /session shows: the file, its id and instance, and what the file on disk holds now. */
+  describe(): string[] {
+    let onDisk = "nothing yet";
+    try {
+      const doc = JSON.parse(this.dir.read(this.name).toString("utf8")) as {
+        reason?: unknown;
+        updated_at?: unknown;
+        messages?: unknown;
+        step_count?: unknown;
+      };
+      const count = Array.isArray(doc.messages) ? doc.messages.length : 0;
+      onDisk = `${count} message(s), step ${String(doc.step_count ?? 0)}, last written ${String(doc.updated_at ?? "?")} (${String(doc.reason ?? "?")})`;
+    } catch (error) {
+      if (!ownFileError(error).missing) onDisk = `unreadable (${(error as Error).message})`;
+    }
+    return [`file ${this.path} · id ${this.sessionId} · instance ${this.instanceNumber}`, `on disk: ${onDisk}`];
   }
 
   /** Starts a new session id (after /clear). */
@@ -2231,16 +2875,40 @@ class SessionStore {
   }
 }
 
+/** --debug: the history as it is about to be sent, for diagnosing prompts and compression. */
+function writeDebugDump(dir: HeldDirectory, messages: readonly Message[], estimate: number, budget: number): void {
+  const lines = [
+    `time: ${new Date().toISOString()}`,
+    `messages: ${messages.length}`,
+    `estimated_tokens: ${estimate}`,
+    `budget: ${budget}`,
+    "",
+  ];
+  messages.forEach((m, i) => {
+    lines.push(
+      `--- [${i}] role=${m.role}${m.tool_call_id ? ` tool_call_id=${m.tool_call_id}` : ""} content_length=${contentText(m.content).length}`,
+    );
+    if (m.tool_calls?.length) lines.push(`tool_calls: ${JSON.stringify(m.tool_calls)}`);
+    lines.push(contentText(m.content));
+  });
+  try {
+    // Replaced, not opened: whatever a command planted under this name (a link, a FIFO) is swapped out, never written through.
+    dir.replace("commander-debug.txt", lines.join("\n") + "\n", false);
+  } catch {
+    /* a debugging aid must never stop the run */
+  }
+}
+
 // ════════════════════════════════════════════════════════════════════════════
 // Sandbox
-// Owns: confining the commands the agent runs with Landlock (SPEC §8),
-// through bun:ffi since no library does this for Bun.
+// Owns: confining the commands the agent runs with Landlock, through bun:ffi
+// since no library does this for Bun.
 //
 // Where the rules apply: Landlock confines the calling thread and whatever
 // it starts afterwards, and Bun runs several threads. Restricting aic's own
 // main thread would both leave Bun's worker threads free and lock aic out of
 // its own files (~/.aic_history, a --session outside the cwd). So aic never
-// confines itself. Each command is started as `aic __sandbox-exec RULES --
+// confines itself. Each command is started as `aic __sandbox-exec PLAN --
 // /bin/sh -c …`: that fresh process, on its main thread, sets no_new_privs,
 // builds the ruleset, restricts itself and then execve()s the shell. execve
 // ends every other thread, and the domain is inherited by the shell and by
@@ -2273,9 +2941,33 @@ const SANDBOX_EXEC = "__sandbox-exec";
  * dependencies is most tasks' first step, so commands may write these (and
  * nothing else there): caches, never configuration or credentials.
  */
-const CACHE_DIRS = [".npm", ".cache", ".bun/install/cache", ".cargo/registry", ".cargo/git", "go/pkg/mod", ".m2/repository", ".gradle/caches", ".local/share/pnpm", ".yarn/berry/cache"];
+const CACHE_DIRS = [
+  ".npm",
+  ".cache",
+  ".bun/install/cache",
+  ".cargo/registry",
+  ".cargo/git",
+  "go/pkg/mod",
+  ".m2/repository",
+  ".gradle/caches",
+  ".local/share/pnpm",
+  ".yarn/berry/cache",
+];
+
 /** The usual secret stores under the home directory: commands cannot read them unless --allow-read-secrets. */
-const SECRET_STORES = [".ssh", ".aws", ".azure", ".config/gcloud", ".gnupg", ".kube", ".docker/config.json", ".netrc", ".git-credentials", ".npmrc", ".pypirc"];
+const SECRET_STORES = [
+  ".ssh",
+  ".aws",
+  ".azure",
+  ".config/gcloud",
+  ".gnupg",
+  ".kube",
+  ".docker/config.json",
+  ".netrc",
+  ".git-credentials",
+  ".npmrc",
+  ".pypirc",
+];
 
 /** One Landlock rule: what commands may do beneath `path`, and the identity `path` had when aic started. */
 interface SandboxRule {
@@ -2292,7 +2984,15 @@ interface SandboxPlan {
 }
 
 function sandboxOff(reason: string): Sandbox {
-  return { status: `off (${reason})`, enabled: false, writable: [], caches: [], secrets: [], ruleCount: 0, wrap: (argv) => argv };
+  return {
+    status: `off (${reason})`,
+    enabled: false,
+    writable: [],
+    caches: [],
+    secrets: [],
+    ruleCount: 0,
+    wrap: (argv) => argv,
+  };
 }
 
 const isBeneath = (inner: string, outer: string) => inner.startsWith(outer === "/" ? "/" : outer + "/");
@@ -2394,16 +3094,16 @@ const LANDLOCK_FS = {
   TRUNCATE: [1n << 14n, 3],
   IOCTL_DEV: [1n << 15n, 5],
 } as const;
+
 /** Reading a file's contents; listing directories (READ_DIR) is left alone, so names stay visible everywhere. */
 const LANDLOCK_READ_FILE = 1n << 2n;
+
 const SYS_LANDLOCK_CREATE_RULESET = 444;
 const SYS_LANDLOCK_ADD_RULE = 445;
 const SYS_LANDLOCK_RESTRICT_SELF = 446;
 const LANDLOCK_CREATE_RULESET_VERSION = 1;
 const LANDLOCK_RULE_PATH_BENEATH = 1;
 const PR_SET_NO_NEW_PRIVS = 38;
-const O_PATH = 0o10000000;
-const O_CLOEXEC = 0o2000000;
 
 /** The Landlock ABI version the kernel offers, or the reason there is none. */
 function landlockAbi(): number | string {
@@ -2456,7 +3156,9 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number {
     if (st.dev !== rule.dev || st.ino !== rule.ino) {
       c.close(fd);
       if (rule.access === "r") continue; // a read grant on something replaced is simply not given
-      return fail(`${rule.path} is no longer the directory it was when aic started (moved or replaced by a command), so commands cannot be confined; restart aic`);
+      return fail(
+        `${rule.path} is no longer the directory it was when aic started (moved or replaced by a command), so commands cannot be confined; restart aic`,
+      );
     }
     view.setBigUint64(0, (rule.access === "r" ? 0n : write) | (rule.access === "w" ? 0n : read), true);
     view.setInt32(8, fd, true);
@@ -2465,7 +3167,8 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number {
     if (rc !== 0) return fail(`landlock_add_rule for ${rule.path} was refused`);
   }
   if (c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) !== 0) return fail("prctl(PR_SET_NO_NEW_PRIVS) was refused");
-  if (Number(c.syscall(SYS_LANDLOCK_RESTRICT_SELF, rulesetFd, 0, 0, 0)) !== 0) return fail("landlock_restrict_self was refused");
+  if (Number(c.syscall(SYS_LANDLOCK_RESTRICT_SELF, rulesetFd, 0, 0, 0)) !== 0)
+    return fail("landlock_restrict_self was refused");
   // execve wants NULL-terminated arrays of C strings; the buffers must outlive the call.
   const cStrings = (items: string[]) => {
     const buffers = items.map((s) => Buffer.from(s + "\0"));
@@ -2479,75 +3182,17 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number {
   return fail(`cannot execute ${argv[0]}`);
 }
 
-/** Environment variables whose values are secrets: commands never get them, and /proc shows asterisks. */
-const SECRET_ENV = ["AIC_API_KEY", "OPENAI_API_KEY", "AIC_HEADERS"];
-/** Options whose values are secrets, as `--option VALUE` or `--option=VALUE`. */
-const SECRET_OPTIONS = ["--api-key", "--header"];
-const PR_SET_DUMPABLE = 4;
-const MASK = 0x2a; // "*"
-
-/**
- * Keeps commands from reading the API key (and header values) out of aic's
- * own /proc entries. A non-dumpable process's /proc files belong to root,
- * which stops other users; a root command can still read them, so the
- * secrets' bytes are also overwritten where /proc/<pid>/environ and
- * /proc/<pid>/cmdline read them: the original environment and argument
- * blocks. aic keeps its own copies. Linux only; best effort.
- */
-function protectSecrets(): void {
-  if (process.platform !== "linux") return;
-  libc()?.symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-  try {
-    const stat = fs.readFileSync("/proc/self/stat", "latin1");
-    // Fields 48–51 of stat(5): arg_start, arg_end, env_start, env_end; the list below starts at field 3.
-    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-    const [argStart, argEnd, envStart, envEnd] = [48, 49, 50, 51].map((n) => Number(fields[n - 3]));
-    const { toArrayBuffer } = require("bun:ffi") as typeof import("bun:ffi");
-    const block = (start: number | undefined, end: number | undefined) =>
-      start && end && end > start && end - start < 1 << 24 ? new Uint8Array(toArrayBuffer(start as unknown as import("bun:ffi").Pointer, 0, end - start)) : undefined;
-    const args = block(argStart, argEnd);
-    const env = block(envStart, envEnd);
-    if (args) maskSecretArguments(args);
-    if (env) maskSecretVariables(env);
-  } catch {
-    /* the key is still kept out of the commands' environment */
-  }
+/** How to start this very program again: the compiled binary itself, or bun plus this script. */
+function selfArgv(): string[] {
+  const main = Bun.main;
+  const compiled = main.startsWith("/$bunfs/") || main.startsWith("B:/~BUN/");
+  return compiled ? [process.execPath] : [process.execPath, main];
 }
 
-/** The [start, end) ranges of the NUL-separated strings of a /proc block. */
-function blockStrings(block: Uint8Array): [number, number][] {
-  const ranges: [number, number][] = [];
-  for (let start = 0; start < block.length; ) {
-    let end = block.indexOf(0, start);
-    if (end < 0) end = block.length;
-    ranges.push([start, end]);
-    start = end + 1;
-  }
-  return ranges;
-}
-
-function maskSecretVariables(env: Uint8Array): void {
-  for (const [start, end] of blockStrings(env)) {
-    const text = Buffer.from(env.buffer, env.byteOffset + start, end - start).toString("latin1");
-    const eq = text.indexOf("=");
-    if (eq > 0 && SECRET_ENV.includes(text.slice(0, eq))) env.fill(MASK, start + eq + 1, end);
-  }
-}
-
-function maskSecretArguments(args: Uint8Array): void {
-  const strings = blockStrings(args);
-  for (let i = 1; i < strings.length; i++) {
-    const [start, end] = strings[i]!;
-    const text = Buffer.from(args.buffer, args.byteOffset + start, end - start).toString("latin1");
-    if (text === "--") return; // the task's own words follow
-    if (SECRET_OPTIONS.includes(text) && strings[i + 1]) {
-      const [valueStart, valueEnd] = strings[++i]!;
-      args.fill(MASK, valueStart, valueEnd);
-      continue;
-    }
-    const eq = text.indexOf("=");
-    if (eq > 0 && SECRET_OPTIONS.includes(text.slice(0, eq))) args.fill(MASK, start + eq + 1, end);
-  }
+/** The same, as a shell command line for the system prompt's search recipe. */
+function selfCommand(): string {
+  const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
+  return selfArgv().map(quote).join(" ");
 }
 
 function setUpSandbox(config: Config): Sandbox {
@@ -2570,15 +3215,29 @@ function setUpSandbox(config: Config): Sandbox {
   const launcher = selfArgv();
   const script = launcher[1];
   if (script && writable.some((dir) => script === dir || isBeneath(script, dir)))
-    return sandboxOff(`the aic script ${script} lives where commands may write, so they could change the sandbox launcher; run the compiled binary`);
+    return sandboxOff(
+      `the aic script ${script} lives where commands may write, so they could change the sandbox launcher; run the compiled binary`,
+    );
   const prefix = ["/proc/self/exe", ...launcher.slice(1), SANDBOX_EXEC, JSON.stringify(plan), "--"];
   // Prove the whole path once (ruleset, restrict, execve) before promising it.
   const probe = Bun.spawnSync([...prefix, "/bin/true"], { stdout: "ignore", stderr: "pipe" });
-  if (probe.exitCode !== 0) return sandboxOff(probe.stderr.toString().trim().replace(/^aic sandbox: /, "") || `the self-test exited ${probe.exitCode}`);
+  if (probe.exitCode !== 0)
+    return sandboxOff(
+      probe.stderr
+        .toString()
+        .trim()
+        .replace(/^aic sandbox: /, "") || `the self-test exited ${probe.exitCode}`,
+    );
   const shown = (list: readonly string[]) => list.map((p) => tildePath(p, home)).join(", ");
   const secretsNote =
-    (plan.confineReads ? `; the secret stores ${shown(secrets)} are unreadable` : config.allowReadSecrets ? "; secret stores readable (--allow-read-secrets)" : "") +
-    (exposed.length ? `; ${shown(exposed)} stay readable and writable, since aic started in a directory that holds them` : "");
+    (plan.confineReads
+      ? `; the secret stores ${shown(secrets)} are unreadable`
+      : config.allowReadSecrets
+        ? "; secret stores readable (--allow-read-secrets)"
+        : "") +
+    (exposed.length
+      ? `; ${shown(exposed)} stay readable and writable, since aic started in a directory that holds them`
+      : "");
   return {
     status: `on (Landlock ABI ${abi}; writes only under ${shown(writable)}${secretsNote})`,
     enabled: true,
@@ -2591,11 +3250,9 @@ function setUpSandbox(config: Config): Sandbox {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Command runner
-// Owns: running one command in a PTY (Bun's own; node-pty loses output under
-// Bun), killing its process group, and turning what it printed into what a
-// person would have seen: rendered by @xterm/headless, capped head + tail,
-// the full rendering saved to a file. Memory stays bounded whatever it prints.
+// PTY and process groups
+// Owns: starting a program on a PTY of its own (Bun's; node-pty loses output
+// under Bun), and signalling, waiting for and inspecting its process group.
 // ════════════════════════════════════════════════════════════════════════════
 
 type CommandStatus = "exited" | "timed_out" | "waiting_for_input" | "runaway" | "stopped" | "not_started";
@@ -2616,7 +3273,16 @@ interface PtyProcess {
 }
 
 /** Starts `argv` on a fresh PTY; the child leads its own session and process group. Shared by commands and the Shell tab. */
-function spawnPty(argv: string[], opts: { cwd: string; env: Record<string, string | undefined>; cols: number; rows: number; onData(bytes: Uint8Array): void }): PtyProcess {
+function spawnPty(
+  argv: string[],
+  opts: {
+    cwd: string;
+    env: Record<string, string | undefined>;
+    cols: number;
+    rows: number;
+    onData(bytes: Uint8Array): void;
+  },
+): PtyProcess {
   let eofReached!: () => void;
   const eof = new Promise<void>((resolve) => (eofReached = resolve));
   const proc = Bun.spawn(argv, {
@@ -2659,7 +3325,7 @@ async function killProcessGroup(pid: number): Promise<void> {
   signalGroup(pid, "SIGTERM");
   signalGroup(pid, "SIGCONT"); // a group paused for back-pressure must wake to act on SIGTERM
   const deadline = Date.now() + KILL_GRACE_MS;
-  while (Date.now() < deadline && groupAlive(pid)) await Bun.sleep(25);
+  while (Date.now() < deadline && groupAlive(pid)) await Bun.sleep(KILL_POLL_MS);
   signalGroup(pid, "SIGKILL");
 }
 
@@ -2671,6 +3337,36 @@ function groupAlive(pid: number): boolean {
     return false;
   }
 }
+
+/** Every live process whose process group is `pgid`. */
+function processesInGroup(pgid: number): number[] {
+  const pids: number[] = [];
+  for (const entry of fs.readdirSync("/proc")) {
+    if (!/^\d+$/.test(entry)) continue;
+    try {
+      const stat = fs.readFileSync(`/proc/${entry}/stat`, "utf8");
+      const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+      if (Number(fields[2]) === pgid && fields[0] !== "Z") pids.push(Number(entry));
+    } catch {
+      /* gone meanwhile */
+    }
+  }
+  return pids;
+}
+
+/** aic's environment minus the API key, for commands and the Shell tab. */
+function commandEnvironment(): Record<string, string | undefined> {
+  const env: Record<string, string | undefined> = { ...process.env };
+  for (const name of SECRET_ENV) delete env[name];
+  return env;
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Output capture
+// Owns: turning what a command printed into what a person would have seen:
+// rendered by @xterm/headless, capped head + tail, the whole rendering saved to
+// a file the model can read in slices. Memory stays bounded whatever it prints.
+// ════════════════════════════════════════════════════════════════════════════
 
 const utf8 = new TextEncoder();
 const utf8Decoder = new TextDecoder();
@@ -2691,6 +3387,114 @@ function tailBytes(text: string, max: number): string {
   let start = bytes.length - max;
   while (start < bytes.length && (bytes[start]! & 0xc0) === 0x80) start++;
   return utf8Decoder.decode(bytes.subarray(start));
+}
+
+const OUTPUT_DIR_PREFIX = "aic-out-";
+/** The saved output file is written in batches of this size, not line by line. */
+const OUTPUT_FILE_WRITE_BYTES = 64 * 1024;
+/** Rendering a flood leaves short-lived garbage behind; the collector is nudged after this much parsed output. */
+const GC_NUDGE_BYTES = 256 * 1024;
+const OUTPUT_DIR_MAX_AGE_MS = 7 * 24 * 3600 * 1000;
+
+/**
+ * Where the whole output of a long command is kept so the model can read it
+ * in slices. A path the model was given stays valid as long as the
+ * conversation naming it: with a session file the directory belongs to the
+ * session (its path is saved in it; pruned once unused for a week, removed
+ * by /clear); without one it is removed when aic exits.
+ */
+class OutputStore {
+  private dir: HeldDirectory | undefined;
+  private tag: string;
+
+  constructor(
+    private readonly persistent: boolean,
+    tag: string,
+    remembered?: string,
+    /** Told the directory's path whenever it changes, so the session can record it. */
+    private readonly onDirectory: (dir: string | undefined) => void = () => {},
+  ) {
+    this.tag = tag;
+    if (remembered) this.dir = OutputStore.adopt(remembered);
+    this.onDirectory(this.dir?.path);
+  }
+
+  /** The directory's path, once there is one (saved in the session). */
+  get path(): string | undefined {
+    return this.dir?.path;
+  }
+
+  /**
+   * A directory named in a session file is reused only if it is what aic
+   * made: directly in the temporary directory, named like aic's, a real
+   * directory owned by this user and private to it. A session file sits
+   * where commands can write, so it must not steer aic's writes elsewhere.
+   */
+  private static adopt(dir: string): HeldDirectory | undefined {
+    if (path.dirname(dir) !== path.resolve(os.tmpdir()) || !path.basename(dir).startsWith(OUTPUT_DIR_PREFIX))
+      return undefined;
+    try {
+      const st = fs.lstatSync(dir);
+      if (!st.isDirectory() || st.uid !== process.getuid?.() || (st.mode & 0o077) !== 0) return undefined;
+      const held = HeldDirectory.open(dir);
+      return held.isStillAtPath() ? held : (held.close(), undefined);
+    } catch {
+      return undefined;
+    }
+  }
+
+  /** A new file for one command's whole output: its descriptor, and the path to give the model. */
+  createFile(): { fd: number; path: string } {
+    // A command may have renamed the directory and put something else at its path: start a new one.
+    if (this.dir && !this.dir.isStillAtPath()) {
+      this.dir.close();
+      this.dir = undefined;
+    }
+    if (!this.dir) {
+      this.dir = HeldDirectory.createTemporary(`${OUTPUT_DIR_PREFIX}${this.tag}-`);
+      this.onDirectory(this.dir.path);
+    }
+    const name = `output-${Date.now()}-${randomName()}.txt`;
+    return { fd: this.dir.createExclusive(name), path: this.dir.display(name) };
+  }
+
+  /** Forgets every saved output (/clear); later outputs go to a new directory. */
+  clear(newTag: string): void {
+    this.dir?.remove();
+    this.dir = undefined;
+    this.tag = newTag;
+    this.onDirectory(undefined);
+  }
+
+  /** At exit: a session keeps its outputs; otherwise nothing refers to them any more. */
+  close(): void {
+    if (this.persistent) this.dir?.close();
+    else this.dir?.remove();
+    this.dir = undefined;
+  }
+
+  /** Removes this user's output directories left unused for a week (their sessions are long over). */
+  static pruneOld(now = Date.now()): void {
+    let names: string[];
+    try {
+      const tmp = HeldDirectory.open(os.tmpdir());
+      names = fs.readdirSync(tmp.at());
+      tmp.close();
+    } catch {
+      return;
+    }
+    for (const name of names) {
+      if (!name.startsWith(OUTPUT_DIR_PREFIX)) continue;
+      const dir = path.join(os.tmpdir(), name);
+      try {
+        const st = fs.lstatSync(dir);
+        if (st.isDirectory() && st.uid === process.getuid?.() && now - st.mtimeMs > OUTPUT_DIR_MAX_AGE_MS)
+          HeldDirectory.open(dir).remove();
+      } catch {
+        /* gone meanwhile, or not ours */
+      }
+    }
+  }
 }
 
 /**
@@ -2745,7 +3549,8 @@ class RenderedOutput {
     this.tail.push(line);
     this.tailSizes.push(size);
     this.tailBytes += size;
-    while (this.tail.length - this.tailStart > 1 && this.tailBytes - this.tailSizes[this.tailStart]! >= this.maxBytes) this.tailBytes -= this.tailSizes[this.tailStart++]!;
+    while (this.tail.length - this.tailStart > 1 && this.tailBytes - this.tailSizes[this.tailStart]! >= this.maxBytes)
+      this.tailBytes -= this.tailSizes[this.tailStart++]!;
     if (this.tailStart > 4096) {
       this.tail = this.tail.slice(this.tailStart);
       this.tailSizes = this.tailSizes.slice(this.tailStart);
@@ -2758,7 +3563,7 @@ class RenderedOutput {
     if (this.file === undefined) return;
     this.fileBuffer.push(line);
     this.fileBufferBytes += size;
-    if (this.fileBufferBytes >= 65536) this.flushFile();
+    if (this.fileBufferBytes >= OUTPUT_FILE_WRITE_BYTES) this.flushFile();
   }
 
   private flushFile(): void {
@@ -2775,7 +3580,12 @@ class RenderedOutput {
   /** A full /tmp must not cost the command its result: keep head and tail, and say the file is missing. */
   private fileFailed(error: unknown): void {
     this.fileError = (error as Error).message;
-    if (this.file !== undefined) try { fs.closeSync(this.file); } catch { /* already closed */ }
+    if (this.file !== undefined)
+      try {
+        fs.closeSync(this.file);
+      } catch {
+        /* already closed */
+      }
     this.file = undefined;
   }
 
@@ -2815,10 +3625,10 @@ class RenderedOutput {
     const head = headBytes(this.head.join("\n"), half);
     const tail = tailBytes(this.tail.slice(this.tailStart).join("\n"), this.maxBytes - Buffer.byteLength(head));
     const omitted = this.bytes - Buffer.byteLength(head) - Buffer.byteLength(tail);
-    const where = this.fileError
-      ? `The whole output could not be saved (${this.fileError}); redirect it to a file yourself and read that in slices`
-      : `The whole output is saved in ${this.filePath}; read it in slices (sed -n, head -c, tail -c, grep) instead of re-running the command`;
-    const text = [head, `[… ${omitted} bytes left out of ${this.bytes} (${this.linesOut} lines). ${where} …]`, tail, TRUNCATION_SENTINEL].join("\n");
+    const where = this.fileError ? { error: this.fileError } : { savedTo: this.filePath ?? "" };
+    const text = [head, truncationNote(omitted, this.bytes, this.linesOut, where), tail, TRUNCATION_SENTINEL].join(
+      "\n",
+    );
     return { text, savedTo: this.fileError ? undefined : this.filePath };
   }
 }
@@ -2833,17 +3643,24 @@ class RenderedOutput {
 class TerminalRenderer {
   /** A slice can hold at most this many line feeds, so a scrollback this deep never loses an unread line. */
   private static readonly SLICE = 1024;
-  private readonly term: import("@xterm/headless").Terminal;
-  private marker: import("@xterm/headless").IMarker | undefined;
+  private readonly term: XTerm;
+  private marker: XTermMarker | undefined;
   private pending: string | undefined;
 
   constructor(
-    TerminalClass: typeof import("@xterm/headless").Terminal,
+    TerminalClass: XTermClass,
     private readonly sink: RenderedOutput,
     /** Back-pressure on the command: it is paused while xterm is far behind, so nothing is lost and memory stays flat. */
     private readonly flow: { pause(): void; resume(): void },
   ) {
-    this.term = new TerminalClass({ cols: COMMAND_COLUMNS, rows: COMMAND_ROWS, scrollback: TerminalRenderer.SLICE + COMMAND_ROWS, allowProposedApi: true, convertEol: false, logLevel: "off" });
+    this.term = new TerminalClass({
+      cols: COMMAND_COLUMNS,
+      rows: COMMAND_ROWS,
+      scrollback: TerminalRenderer.SLICE + COMMAND_ROWS,
+      allowProposedApi: true,
+      convertEol: false,
+      logLevel: "off",
+    });
   }
 
   /** Bytes handed to xterm and not parsed yet. */
@@ -2885,7 +3702,7 @@ class TerminalRenderer {
         this.unparsed -= slice.length;
         this.extract(false);
         // Parsing leaves short-lived garbage behind; a nudge every 256 KB keeps a flood of output from inflating the heap.
-        if ((this.parsed += slice.length) >= 262_144) {
+        if ((this.parsed += slice.length) >= GC_NUDGE_BYTES) {
           this.parsed = 0;
           Bun.gc(false);
         }
@@ -2902,7 +3719,7 @@ class TerminalRenderer {
     const chunks = this.backlog;
     this.backlog = [];
     this.backlogBytes = 0;
-    if (this.dropped) this.feed(utf8.encode(`\r\n[… ${this.dropped} bytes arrived faster than they could be rendered and were left out …]\r\n`));
+    if (this.dropped) this.feed(utf8.encode(`\r\n${droppedOutputNote(this.dropped)}\r\n`));
     this.dropped = 0;
     for (const chunk of chunks) this.feed(chunk);
   }
@@ -2942,11 +3759,25 @@ class TerminalRenderer {
   }
 }
 
-let xtermClass: Promise<typeof import("@xterm/headless").Terminal> | undefined;
-function loadXterm(): Promise<typeof import("@xterm/headless").Terminal> {
-  xtermClass ??= import("@xterm/headless").then((m) => (m as unknown as { Terminal?: typeof import("@xterm/headless").Terminal; default?: { Terminal: typeof import("@xterm/headless").Terminal } }).Terminal ?? m.default!.Terminal);
+// @xterm/headless is loaded on a command's first output (a dynamic import); these names are types alone.
+import type { IMarker as XTermMarker, Terminal as XTerm } from "@xterm/headless";
+type XTermClass = typeof import("@xterm/headless").Terminal;
+
+let xtermClass: Promise<XTermClass> | undefined;
+
+function loadXterm(): Promise<XTermClass> {
+  xtermClass ??= import("@xterm/headless").then(
+    (m) =>
+      (m as unknown as { Terminal?: XTermClass; default?: { Terminal: XTermClass } }).Terminal ?? m.default!.Terminal,
+  );
   return xtermClass;
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Waiting-for-input detection
+// Owns: telling a command that waits for a person at its terminal from one
+// that is merely slow, from what /proc says each process of its group is doing.
+// ════════════════════════════════════════════════════════════════════════════
 
 /**
  * Syscall numbers, per architecture: a blocking read, waiting for a child,
@@ -2956,13 +3787,26 @@ function loadXterm(): Promise<typeof import("@xterm/headless").Terminal> {
  * slow) waits with a finite timeout and is never taken for a prompt.
  */
 type Forever = [argument: number, meaning: "minus-one" | "null"];
+
 const SYSCALLS: Record<string, { read: number[]; wait: number[]; poll: Record<number, Forever> }> = {
   x64: {
     read: [0, 17, 19],
     wait: [61, 247],
-    poll: { 7: [2, "minus-one"], 23: [4, "null"], 232: [3, "minus-one"], 270: [4, "null"], 271: [2, "null"], 281: [3, "minus-one"], 441: [3, "null"] },
+    poll: {
+      7: [2, "minus-one"],
+      23: [4, "null"],
+      232: [3, "minus-one"],
+      270: [4, "null"],
+      271: [2, "null"],
+      281: [3, "minus-one"],
+      441: [3, "null"],
+    },
   },
-  arm64: { read: [63, 65, 67], wait: [260, 95], poll: { 22: [3, "minus-one"], 72: [4, "null"], 73: [2, "null"], 441: [3, "null"] } },
+  arm64: {
+    read: [63, 65, 67],
+    wait: [260, 95],
+    poll: { 22: [3, "minus-one"], 72: [4, "null"], 73: [2, "null"], 441: [3, "null"] },
+  },
 };
 
 /** Whether a poll-family call (its /proc/<pid>/syscall fields) waits with no timeout. */
@@ -2971,22 +3815,6 @@ function waitsForever(forever: Forever, fields: string[]): boolean {
   if (!raw) return false;
   const value = BigInt(raw);
   return forever[1] === "null" ? value === 0n : BigInt.asIntN(32, value) === -1n;
-}
-
-/** Every live process whose process group is `pgid`. */
-function processesInGroup(pgid: number): number[] {
-  const pids: number[] = [];
-  for (const entry of fs.readdirSync("/proc")) {
-    if (!/^\d+$/.test(entry)) continue;
-    try {
-      const stat = fs.readFileSync(`/proc/${entry}/stat`, "utf8");
-      const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-      if (Number(fields[2]) === pgid && fields[0] !== "Z") pids.push(Number(entry));
-    } catch {
-      /* gone meanwhile */
-    }
-  }
-  return pids;
 }
 
 const isTerminal = (target: string) => /^\/dev\/(pts\/|tty)/.test(target);
@@ -3044,6 +3872,12 @@ function groupWaitsForTerminalInput(pgid: number): boolean {
   return readers > 0;
 }
 
+// ════════════════════════════════════════════════════════════════════════════
+// Command runner
+// Owns: running one command to its end: PTY, timeout, stop, runaway and
+// waiting-for-input rules, and the result the agent turns into a tool message.
+// ════════════════════════════════════════════════════════════════════════════
+
 interface RunOptions {
   command: string;
   cwd: string;
@@ -3058,14 +3892,6 @@ interface RunOptions {
   onData(bytes: Uint8Array): void;
   /** Lets the caller forward a person's keystrokes to the command; returns a detach function. */
   attachInput?(write: (data: string | Uint8Array) => void): () => void;
-}
-
-
-/** aic's environment minus the API key, for commands and the Shell tab. */
-function commandEnvironment(): Record<string, string | undefined> {
-  const env: Record<string, string | undefined> = { ...process.env };
-  for (const name of SECRET_ENV) delete env[name];
-  return env;
 }
 
 function commandWrapper(command: string): string {
@@ -3110,7 +3936,10 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
     status = why;
     stopping = killProcessGroup(pty.proc.pid);
   };
-  const flow = { pause: () => signalGroup(pty.proc.pid, "SIGSTOP"), resume: () => signalGroup(pty.proc.pid, "SIGCONT") };
+  const flow = {
+    pause: () => signalGroup(pty.proc.pid, "SIGSTOP"),
+    resume: () => signalGroup(pty.proc.pid, "SIGCONT"),
+  };
 
   const timeout = setTimeout(() => stop("timed_out"), opts.timeoutSec * 1000);
   const onAbort = () => stop("stopped");
@@ -3119,14 +3948,15 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
   const watcher = opts.canAnswerInput
     ? undefined
     : setInterval(() => {
-        if (!stopping && Date.now() - lastOutputAt >= INPUT_WAIT_SILENCE_MS && groupWaitsForTerminalInput(pty.proc.pid)) stop("waiting_for_input");
-      }, 1000);
+        if (!stopping && Date.now() - lastOutputAt >= INPUT_WAIT_SILENCE_MS && groupWaitsForTerminalInput(pty.proc.pid))
+          stop("waiting_for_input");
+      }, INPUT_WAIT_POLL_MS);
   const detachInput = opts.attachInput?.((data) => pty.terminal.write(data));
 
   try {
     await exited;
     // Output written just before exit can still be in flight.
-    await Promise.race([pty.eof, Bun.sleep(100)]);
+    await Promise.race([pty.eof, Bun.sleep(PTY_DRAIN_GRACE_MS)]);
     if (stopping) await stopping;
   } finally {
     clearTimeout(timeout);
@@ -3140,174 +3970,15 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
   return { exitCode: exitCodeOf(pty.proc), status, output: text, savedTo };
 }
 
-/** The tool message text for one finished command (SPEC §2, §4). */
-function describeCommandResult(r: CommandResult, timeoutSec: number, maxOutputBytes: number): string {
-  switch (r.status) {
-    case "exited":
-      return `Command executed with exit code ${r.exitCode}.\nOutput:\n${r.output}`;
-    case "timed_out":
-      return `Command timed out after ${timeoutSec} seconds and was killed (exit code ${r.exitCode}). For long jobs run them in the background with nohup … &, split the work, or wrap them in timeout.\nOutput before it was stopped:\n${r.output}`;
-    case "waiting_for_input":
-      return `Command stopped: it was waiting for input from the terminal and nobody can answer it (exit code ${r.exitCode}). Re-run it non-interactively: use flags such as -y/--yes/--non-interactive, pipe answers with yes |, or feed a here-document.\nOutput before it was stopped:\n${r.output}`;
-    case "runaway":
-      return `Command stopped: it printed more than ${RUNAWAY_FACTOR * maxOutputBytes} bytes, the runaway-output limit (exit code ${r.exitCode}). Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`;
-    case "not_started":
-      return `Command could not be started: ${r.output}. Nothing ran.`;
-    case "stopped":
-      return `Command stopped before it finished because the run was stopped (exit code ${r.exitCode}).\nOutput before it was stopped:\n${r.output}`;
-  }
-}
-
 // ════════════════════════════════════════════════════════════════════════════
-// Agent loop
-// Owns: the ralph loop of SPEC §2 — system prompt, history, steering
-// suggestions, compression at the start of each step, one streamed model turn,
-// the approval gate and the commands — and the checkpoints a session store
-// hooks into. It talks to the outside only through the sink and `approve`.
+// Tool calls: the approval gate and the command
+// Owns: answering one tool call of the model: its arguments read, the person
+// asked (unless auto-approve is on), the command run, and the tool message
+// that answers it. Every call gets exactly one answer, whatever happens.
 // ════════════════════════════════════════════════════════════════════════════
-
-interface PromptFacts {
-  fast: boolean;
-  timeoutSec: number;
-  maxOutputBytes: number;
-  sandbox: Sandbox;
-  /** How to call this very executable, for the search recipe. */
-  selfCommand: string;
-  projectInstructions?: { files: string[]; text: string };
-}
-
-function buildSystemPrompt(f: PromptFacts): string {
-  const s = f.sandbox;
-  const caches = s.caches.length ? ` (the package-manager caches among them, so installing dependencies works)` : "";
-  const secrets = s.secrets.length ? ` Files in the usual secret stores (${s.secrets.join(", ")}) cannot be read at all.` : "";
-  const sandboxLine = s.enabled
-    ? `Commands run inside a Landlock sandbox: they may read and execute almost anything, but may write only under ${s.writable.join(", ")}${caches}.${secrets} A "Permission denied" there comes from the sandbox; do not try to get around it.`
-    : `No sandbox confines your commands (${s.status}); they can change anything this user can, so be careful with destructive commands.`;
-  const search = `To search the web run: ${f.selfCommand} search "QUERY" (it prints a JSON array of {title, href, body}). To read a page, fetch it with curl -sL or wget -qO-.`;
-  const capRule = `Each command's output reaches you capped at ${f.maxOutputBytes} bytes. When it is longer you get its head and tail, a line naming a file that holds the whole output, and the final line "${TRUNCATION_SENTINEL}". When you see that, do not re-run the command: read the saved file in slices (sed -n '100,200p', head -c, tail -c) or search it with grep and wc. For commands you expect to be long, redirect their output to a file yourself and read it the same way.`;
-  const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work in the background (nohup … > log 2>&1 &) and poll it, split it into smaller steps, or bound it with timeout.`;
-  const honesty = "Never invent the output of a command or claim a result you have not seen. Do not write execution metadata (exit codes, timings, tool-call syntax) yourself; aic reports those.";
-  const marker = `When, and only when, the whole task is finished and you have checked the result, answer with the single word ${MARKER} on its own and no tool call. Never write that word earlier, in a plan, or in a message that also calls a tool.`;
-  if (f.fast) {
-    return [
-      "You are a shell agent. You complete the user's task by running shell commands with the execute_bash tool, one at a time, and reading each result before the next step.",
-      marker,
-      capRule,
-      timeoutRule,
-      honesty,
-      search,
-    ].join("\n\n") + projectSection(f.projectInstructions);
-  }
-  return [
-    "You are an autonomous engineer working in a Linux shell. You complete the user's task by running shell commands through the execute_bash tool and judging what each one printed. You keep working until the task is done.",
-    "How to work:\n" +
-      "1. Start by writing a numbered task list: the steps you plan to take. Every five steps or so, restate the list with what is done and what remains.\n" +
-      "2. Run one command per step. Read its exit code and output carefully before deciding the next step; if it failed, find out why and fix it rather than moving on.\n" +
-      "3. Prefer small, checkable steps. Verify your work (run the tests, read back the file, check the service answers) before you call the task finished.\n" +
-      "4. Keep going on your own. Ask the user a question only when you have run out of reasonable options.",
-    marker,
-    capRule,
-    timeoutRule,
-    "Commands run in a pseudo-terminal with no person watching it. Use non-interactive forms: -y / --yes / --non-interactive flags, DEBIAN_FRONTEND=noninteractive, git --no-pager, here-documents for input. A command that waits for input will be stopped.",
-    sandboxLine,
-    honesty,
-    search,
-  ].join("\n\n") + projectSection(f.projectInstructions);
-}
-
-function projectSection(p: PromptFacts["projectInstructions"]): string {
-  if (!p || !p.text) return "";
-  return `\n\n# Project instructions (from ${p.files.join(", ")})\n\n${p.text}`;
-}
-
-/** AGENTS.md files from the git root down to `cwd`, root first, at most 32 KiB together. */
-function readProjectInstructions(cwd: string): PromptFacts["projectInstructions"] {
-  const chain: string[] = [];
-  let dir = path.resolve(cwd);
-  for (;;) {
-    chain.unshift(dir);
-    if (fs.existsSync(path.join(dir, ".git"))) break;
-    const parent = path.dirname(dir);
-    if (parent === dir) {
-      chain.splice(0, chain.length - 1); // no git root: only the cwd itself
-      break;
-    }
-    dir = parent;
-  }
-  const files: string[] = [];
-  const parts: string[] = [];
-  let budget = AGENTS_MD_LIMIT_BYTES;
-  for (const d of chain) {
-    const file = path.join(d, "AGENTS.md");
-    let text: string;
-    try {
-      text = readOwnFile(file, AGENTS_MD_LIMIT_BYTES, true).toString("utf8").trim();
-    } catch {
-      continue; // missing, or not a regular file: a command may have planted a FIFO there
-    }
-    if (!text || budget <= 0) continue;
-    text = headBytes(text, budget);
-    budget -= utf8.encode(text).length;
-    files.push(file);
-    parts.push(text);
-  }
-  return files.length ? { files, text: parts.join("\n\n") } : undefined;
-}
-
-/** How to start this very program again: the compiled binary itself, or bun plus this script. */
-function selfArgv(): string[] {
-  const main = Bun.main;
-  const compiled = main.startsWith("/$bunfs/") || main.startsWith("B:/~BUN/");
-  return compiled ? [process.execPath] : [process.execPath, main];
-}
-
-/** The same, as a shell command line for the system prompt's search recipe. */
-function selfCommand(): string {
-  const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
-  return selfArgv().map(quote).join(" ");
-}
 
 type Approval = { kind: "approve" } | { kind: "reject" } | { kind: "suggest"; text: string } | { kind: "no_input" };
 type ApproveFn = (request: { id: string; command: string }) => Promise<Approval>;
-
-/** The same copy every step, so per-message token counts (cached by object) stay cached. */
-const emptyContentCopies = new WeakMap<Message, Message>();
-function withEmptyContent(m: Message): Message {
-  const hit = emptyContentCopies.get(m);
-  if (hit && hit.tool_calls === m.tool_calls) return hit;
-  const copy = { ...m, content: "" };
-  emptyContentCopies.set(m, copy);
-  return copy;
-}
-
-/**
- * The copy of the history that is sent: null content becomes "", unknown roles
- * and tool messages without an id are dropped, of two assistant messages in a
- * row the older goes. A history that ends in a plain assistant message needs
- * no call at all (`terminal`).
- */
-function validateOutgoing(messages: readonly Message[]): { messages: Message[]; terminal: boolean } {
-  const out: Message[] = [];
-  for (const m of messages) {
-    if (!VALID_ROLES.has(m.role)) continue;
-    if (m.role === "tool" && typeof m.tool_call_id !== "string") continue;
-    if (m.role === "assistant" && out[out.length - 1]?.role === "assistant") out.pop();
-    out.push(m.content === null || m.content === undefined ? withEmptyContent(m) : m);
-  }
-  const last = out[out.length - 1];
-  return { messages: out, terminal: last?.role === "assistant" && !last.tool_calls?.length };
-}
-
-function invalidArgumentsMessage(name: string, args: string, error: string): string {
-  return [
-    `Error: the arguments of your ${name || "tool"} call are not valid JSON (${error}).`,
-    `You sent: ${args.length > 500 ? args.slice(0, 500) + "…" : args}`,
-    `Send exactly one JSON object: keys and strings in double quotes, newlines inside strings written as \\n, quotes inside strings escaped as \\", no trailing commas. For example: {"command": "ls -la"}`,
-  ].join("\n");
-}
-
-const CONTINUE_MESSAGE =
-  `You answered without calling a tool. Keep working on the task with execute_bash. When the task is truly finished and verified, reply with ${MARKER} alone.`;
 
 interface AgentOptions {
   config: Config;
@@ -3327,26 +3998,127 @@ interface AgentOptions {
   beforeCommand?: () => void;
 }
 
-interface RunOutcome {
-  status: RunStatus;
-  exitCode: number;
+/** What answering one tool call came to: a tool message, a rejection with the person's suggestion, or no one to ask. */
+type ToolAnswer =
+  { kind: "done"; content: string } | { kind: "suggestion"; content: string; text: string } | { kind: "no_input" };
+
+interface ToolCallContext {
+  options: AgentOptions;
+  autoApprove: boolean;
+  /** Where the command runs, asked right before it starts (the TUI's Shell tab may just have moved the agent). */
+  cwd(): string;
+  signal: AbortSignal;
+  emit(event: AgentEvent): void;
 }
 
-const EXIT_FOR_STATUS: Record<RunStatus, number> = {
-  completed: EXIT.ok,
-  terminal: EXIT.ok,
-  step_limit: EXIT.stepLimit,
-  needs_approval: EXIT.needsApproval,
-  failed: EXIT.failure,
-  stopped: EXIT.sigint,
-};
+/** Reads the call's arguments, asks for approval, runs the command, and words the result for the model. */
+async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<ToolAnswer> {
+  const { options: o, signal, emit } = ctx;
+  const name = call.function.name;
+  const rawArgs = call.function.arguments ?? "";
+  let args: unknown = {};
+  if (rawArgs.trim()) {
+    try {
+      args = JSON.parse(rawArgs);
+    } catch (error) {
+      return { kind: "done", content: invalidArgumentsMessage(name, rawArgs, (error as Error).message) };
+    }
+  }
+  if (name !== EXECUTE_BASH_TOOL.function.name) return { kind: "done", content: unknownFunctionMessage(name) };
+  const command = args && typeof args === "object" ? (args as Record<string, unknown>).command : undefined;
+  if (typeof command !== "string" || !command.trim()) return { kind: "done", content: NO_ARGUMENTS_MESSAGE };
 
+  emit({ type: "command", id: call.id, command });
+  if (ctx.autoApprove) emit({ type: "approval", id: call.id, decision: "auto" });
+  else {
+    const answer = await untilAborted(o.approve({ id: call.id, command }), signal);
+    if (!answer) return { kind: "done", content: NOT_EXECUTED_STOPPED };
+    if (answer.kind === "no_input") {
+      emit({ type: "approval", id: call.id, decision: "no_input" });
+      return { kind: "no_input" };
+    }
+    if (answer.kind === "reject") {
+      emit({ type: "approval", id: call.id, decision: "rejected" });
+      return { kind: "done", content: SKIPPED_BY_USER };
+    }
+    if (answer.kind === "suggest") {
+      emit({ type: "approval", id: call.id, decision: "suggestion", suggestion: answer.text });
+      return { kind: "suggestion", content: SKIPPED_BY_USER, text: answer.text };
+    }
+    emit({ type: "approval", id: call.id, decision: "approved" });
+  }
+  if (signal.aborted) return { kind: "done", content: NOT_EXECUTED_STOPPED };
+  o.beforeCommand?.();
+  let result: CommandResult;
+  try {
+    result = await runCommand({
+      command,
+      cwd: ctx.cwd(),
+      timeoutSec: o.config.timeoutSec,
+      maxOutputBytes: o.config.maxOutputBytes,
+      canAnswerInput: o.canAnswerInput() && !ctx.autoApprove,
+      signal,
+      sandbox: o.sandbox,
+      outputs: o.outputs,
+      onData: (data) => emit({ type: "command_output", id: call.id, data }),
+      attachInput: o.attachInput,
+    });
+  } catch (error) {
+    // The model can do something about a command that cannot start (a vanished cwd, say); the run goes on.
+    result = { exitCode: null, status: "not_started", output: (error as Error).message };
+  }
+  const content = describeCommandResult(result, o.config.timeoutSec, o.config.maxOutputBytes);
+  emit({
+    type: "command_result",
+    id: call.id,
+    exit_code: result.exitCode,
+    status: result.status,
+    output: content,
+    saved_to: result.savedTo,
+  });
+  return { kind: "done", content };
+}
+
+/** Resolves with `promise`, or with undefined as soon as the run is stopped. */
+function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T | undefined> {
+  if (signal.aborted) return Promise.resolve(undefined);
+  return new Promise((resolve, reject) => {
+    const onAbort = () => resolve(undefined);
+    signal.addEventListener("abort", onAbort, { once: true });
+    promise.then(
+      (value) => {
+        signal.removeEventListener("abort", onAbort);
+        resolve(value);
+      },
+      (error) => {
+        signal.removeEventListener("abort", onAbort);
+        reject(error);
+      },
+    );
+  });
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Agent loop
+// Owns: the ralph loop — history, steering suggestions, compression at the start
+// of each step, one streamed model turn, the approval gate and the commands —
+// and the checkpoints a session store hooks into. It talks to the outside only
+// through the sink and `approve`, and is moved only through its methods.
+// ════════════════════════════════════════════════════════════════════════════
+
+/**
+ * The ralph loop: one run per request, step after step until the model
+ * marks the task complete, the step limit, a stop or a failure. It owns the
+ * history and keeps every tool call answered exactly once.
+ */
 class Agent {
   messages: Message[] = [];
   stepCount = 0;
   usage: Usage = emptyUsage();
-  autoApprove: boolean;
-  running = false;
+  private autoApprove: boolean;
+  private isRunning = false;
+  /** Where commands run: the start directory, or wherever the person's Shell tab went. */
+  private cwd = process.cwd();
   /** The last estimate of the prompt, in the server's tokens; every change is told to the sink as a `context` event. */
   private context = 0;
   private basePrompt: string;
@@ -3364,6 +4136,26 @@ class Agent {
 
   get budget(): number {
     return promptBudget(this.o.config);
+  }
+
+  get running(): boolean {
+    return this.isRunning;
+  }
+
+  get autoApproving(): boolean {
+    return this.autoApprove;
+  }
+
+  /** Turns auto-approve on or off; it takes effect for the next command. */
+  setAutoApprove(on: boolean): void {
+    this.autoApprove = on;
+  }
+
+  /** Runs the next commands in `dir` (the TUI's Shell tab went there). */
+  moveTo(dir: string): void {
+    if (dir === this.cwd) return;
+    this.cwd = dir;
+    this.emit({ type: "info", text: `[cwd] the agent now works in ${dir} (followed the Shell tab)` });
   }
 
   get contextEstimate(): number {
@@ -3433,7 +4225,12 @@ class Agent {
   }
 
   checkpoint(reason: string): void {
-    this.o.session?.save(reason, { messages: this.messages, stepCount: this.stepCount, usage: this.usage });
+    this.o.session?.save(reason, {
+      messages: this.messages,
+      stepCount: this.stepCount,
+      usage: this.usage,
+      cwd: this.cwd,
+    });
   }
 
   private emit(e: AgentEvent): void {
@@ -3449,8 +4246,9 @@ class Agent {
 
   async run(request: string): Promise<RunOutcome> {
     const abort = (this.abort = new AbortController());
-    this.running = true;
-    if (this.messages.length === 0) this.messages.push({ role: "system", content: systemContent(this.basePrompt, this.summary) });
+    this.isRunning = true;
+    if (this.messages.length === 0)
+      this.messages.push({ role: "system", content: systemContent(this.basePrompt, this.summary) });
     else this.refreshSystemPrompt();
     const requestMessage: Message = { role: "user", content: request };
     this.messages.push(requestMessage);
@@ -3460,33 +4258,54 @@ class Agent {
     let steps = 0;
     try {
       for (;;) {
-        if (abort.signal.aborted) { status = "stopped"; break; }
-        if (steps >= this.o.config.maxSteps) { status = "step_limit"; break; }
+        if (abort.signal.aborted) {
+          status = "stopped";
+          break;
+        }
+        if (steps >= this.o.config.maxSteps) {
+          status = "step_limit";
+          break;
+        }
         steps++;
         this.stepCount++;
         this.emit({ type: "step", step: steps, max_steps: this.o.config.maxSteps });
-        for (const text of this.suggestions.splice(0)) this.messages.push({ role: "user", content: `[Suggestion from user] ${text}` });
+        for (const text of this.suggestions.splice(0))
+          this.messages.push({ role: "user", content: steeringMessage(text) });
         await this.compressIfNeeded(abort.signal, this.o.config.compressTarget);
         const outgoing = validateOutgoing(this.messages);
-        if (outgoing.terminal) { status = "terminal"; break; }
+        if (outgoing.terminal) {
+          status = "terminal";
+          break;
+        }
         const turn = await this.callModel(abort.signal);
         const outcome = await this.handleTurn(turn, abort.signal);
-        if (outcome) { status = outcome; break; }
+        if (outcome) {
+          status = outcome;
+          break;
+        }
       }
     } catch (error) {
       if (error instanceof StoppedError || abort.signal.aborted) status = "stopped";
       else {
         status = "failed";
-        this.emit({ type: "error", message: error instanceof ModelError ? error.message : `unexpected failure: ${(error as Error)?.stack ?? error}` });
+        this.emit({
+          type: "error",
+          message:
+            error instanceof ModelError ? error.message : `unexpected failure: ${(error as Error)?.stack ?? error}`,
+        });
       }
     } finally {
       this.answerOpenCalls(NOT_EXECUTED_STOPPED);
       if (status === "failed") this.withdrawUnanswered(requestMessage);
-      this.running = false;
+      this.isRunning = false;
       this.abort = undefined;
       this.checkpoint(status === "stopped" ? "interrupted" : "loop_terminated");
     }
-    if (status === "step_limit") this.emit({ type: "warning", text: `stopped after ${this.o.config.maxSteps} steps (--max-steps) without the task being marked complete` });
+    if (status === "step_limit")
+      this.emit({
+        type: "warning",
+        text: `stopped after ${this.o.config.maxSteps} steps (--max-steps) without the task being marked complete`,
+      });
     const exitCode = status === "stopped" ? this.stopExitCode : EXIT_FOR_STATUS[status];
     this.emit({ type: "end", status, exit_code: exitCode, steps, usage: { ...this.usage } });
     return { status, exitCode };
@@ -3502,7 +4321,10 @@ class Agent {
     const at = this.messages.indexOf(request);
     if (at < 0 || this.messages.slice(at).some((m) => m.role === "assistant")) return;
     this.messages.splice(at);
-    this.emit({ type: "info", text: "the request was taken back out of the conversation, since the model never answered it" });
+    this.emit({
+      type: "info",
+      text: "the request was taken back out of the conversation, since the model never answered it",
+    });
   }
 
   /** Streams one model turn; a context overflow compresses harder and tries again. */
@@ -3518,12 +4340,22 @@ class Agent {
       let thinking = false;
       void this.tokenCounter();
       try {
-        const turn = await this.client.completeWithRetries(() => ({ messages, tools: true, temperature: 0.2 }), signal, {
-          onContent: (text) => this.emit({ type: "assistant_delta", text }),
-          onReasoning: (text) => { thinking = true; this.emit({ type: "reasoning_delta", text }); },
-          onThinkingComplete: () => { if (thinking) this.emit({ type: "thinking_complete" }); thinking = false; },
-          onDiscard: (reason) => this.emit({ type: "discarded", reason }),
-        });
+        const turn = await this.client.completeWithRetries(
+          () => ({ messages, tools: true, temperature: 0.2 }),
+          signal,
+          {
+            onContent: (text) => this.emit({ type: "assistant_delta", text }),
+            onReasoning: (text) => {
+              thinking = true;
+              this.emit({ type: "reasoning_delta", text });
+            },
+            onThinkingComplete: () => {
+              if (thinking) this.emit({ type: "thinking_complete" });
+              thinking = false;
+            },
+            onDiscard: (reason) => this.emit({ type: "discarded", reason }),
+          },
+        );
         if (turn.usage) {
           counter?.calibrate(rawSent, turn.usage.prompt_tokens);
           this.addUsage(turn.usage, false);
@@ -3532,7 +4364,10 @@ class Agent {
       } catch (error) {
         if (!(error instanceof ModelError) || error.kind !== "context" || overflow >= MAX_CONTEXT_RETRIES) throw error;
         fraction /= 2;
-        this.emit({ type: "warning", text: `${error.message}; compressing harder (target ${(fraction * 100).toFixed(0)}% of the budget) and retrying` });
+        this.emit({
+          type: "warning",
+          text: `${error.message}; compressing harder (target ${(fraction * 100).toFixed(0)}% of the budget) and retrying`,
+        });
         // The server disagrees with our estimate: trust it and squeeze below the halved target.
         await this.compressIfNeeded(signal, fraction, true, this.contextEstimate);
       }
@@ -3547,15 +4382,28 @@ class Agent {
     this.usage.billable_tokens = this.usage.input_tokens - this.usage.cached_tokens + this.usage.output_tokens;
     if (estimated) this.usage.estimated = true;
     this.contextEstimate = u.prompt_tokens;
-    this.emit({ type: "usage", prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens, cached_tokens: u.cached_tokens, estimated, total: { ...this.usage }, context_estimate: this.contextEstimate, budget: this.budget });
+    this.emit({
+      type: "usage",
+      prompt_tokens: u.prompt_tokens,
+      completion_tokens: u.completion_tokens,
+      cached_tokens: u.cached_tokens,
+      estimated,
+      total: { ...this.usage },
+      context_estimate: this.contextEstimate,
+      budget: this.budget,
+    });
   }
 
   /** A server that reports no usage still gets counted: tiktoken over what was sent and what came back. */
-  private async estimateUsage(sent: readonly Message[], turn: AssistantTurn): Promise<NonNullable<AssistantTurn["usage"]>> {
+  private async estimateUsage(
+    sent: readonly Message[],
+    turn: AssistantTurn,
+  ): Promise<NonNullable<AssistantTurn["usage"]>> {
     const counter = await this.tokenCounter();
     const prompt = Math.ceil((await counter.countRawYielding(sent)) * counter.ratio);
     let completion = counter.tokensOf(turn.content) + counter.tokensOf(turn.reasoning);
-    for (const call of turn.toolCalls) completion += counter.tokensOf(call.function.name) + counter.tokensOf(call.function.arguments);
+    for (const call of turn.toolCalls)
+      completion += counter.tokensOf(call.function.name) + counter.tokensOf(call.function.arguments);
     return { prompt_tokens: prompt, completion_tokens: completion, cached_tokens: 0 };
   }
 
@@ -3566,7 +4414,11 @@ class Agent {
     if (this.messages[this.messages.length - 1]?.role === "assistant") this.messages.pop();
     this.messages.push(message);
     if (turn.reasoning) this.emit({ type: "reasoning", text: turn.reasoning });
-    this.emit({ type: "assistant", content: turn.content, tool_calls: turn.toolCalls.map((c) => ({ id: c.id, name: c.function.name, arguments: c.function.arguments })) });
+    this.emit({
+      type: "assistant",
+      content: turn.content,
+      tool_calls: turn.toolCalls.map((c) => ({ id: c.id, name: c.function.name, arguments: c.function.arguments })),
+    });
     this.checkpoint("assistant_message");
     if (!turn.toolCalls.length) {
       // A suggestion typed during the last step is heard before the task counts as done.
@@ -3578,10 +4430,16 @@ class Agent {
     for (const call of turn.toolCalls) {
       if (signal.aborted) break;
       if (suggestion !== undefined) {
-        this.answer(call.id, "Command not executed: the user rejected an earlier command of this turn with a suggestion.");
+        this.answer(call.id, SKIPPED_AFTER_SUGGESTION);
         continue;
       }
-      const result = await this.executeToolCall(call, signal);
+      const result = await answerToolCall(call, {
+        options: this.o,
+        autoApprove: this.autoApprove,
+        cwd: () => this.cwd,
+        signal,
+        emit: (event) => this.emit(event),
+      });
       if (result.kind === "no_input") {
         this.answerOpenCalls(NOT_EXECUTED_STOPPED);
         return "needs_approval";
@@ -3589,7 +4447,7 @@ class Agent {
       this.answer(call.id, result.content);
       if (result.kind === "suggestion") suggestion = result.text;
     }
-    if (suggestion !== undefined) this.messages.push({ role: "user", content: `I suggest you ${suggestion}` });
+    if (suggestion !== undefined) this.messages.push({ role: "user", content: suggestionInsteadMessage(suggestion) });
     return signal.aborted ? "stopped" : undefined;
   }
 
@@ -3605,78 +4463,22 @@ class Agent {
     while (i >= 0 && this.messages[i]!.role === "tool") answered.add(this.messages[i--]!.tool_call_id ?? "");
     const call = this.messages[i];
     if (call?.role !== "assistant" || !call.tool_calls) return;
-    for (const c of call.tool_calls) if (!answered.has(c.id)) this.messages.push({ role: "tool", tool_call_id: c.id, content });
-  }
-
-  private async executeToolCall(
-    call: ToolCall,
-    signal: AbortSignal,
-  ): Promise<{ kind: "done"; content: string } | { kind: "suggestion"; content: string; text: string } | { kind: "no_input" }> {
-    const name = call.function.name;
-    const rawArgs = call.function.arguments ?? "";
-    let args: unknown = {};
-    if (rawArgs.trim()) {
-      try {
-        args = JSON.parse(rawArgs);
-      } catch (error) {
-        return { kind: "done", content: invalidArgumentsMessage(name, rawArgs, (error as Error).message) };
-      }
-    }
-    if (name !== "execute_bash") return { kind: "done", content: `Unknown function: ${name}` };
-    const command = args && typeof args === "object" ? (args as Record<string, unknown>).command : undefined;
-    if (typeof command !== "string" || !command.trim()) return { kind: "done", content: "No arguments provided for function call" };
-
-    this.emit({ type: "command", id: call.id, command });
-    if (this.autoApprove) this.emit({ type: "approval", id: call.id, decision: "auto" });
-    else {
-      const answer = await untilAborted(this.o.approve({ id: call.id, command }), signal);
-      if (!answer) return { kind: "done", content: NOT_EXECUTED_STOPPED };
-      if (answer.kind === "no_input") {
-        this.emit({ type: "approval", id: call.id, decision: "no_input" });
-        return { kind: "no_input" };
-      }
-      if (answer.kind === "reject") {
-        this.emit({ type: "approval", id: call.id, decision: "rejected" });
-        return { kind: "done", content: SKIPPED_BY_USER };
-      }
-      if (answer.kind === "suggest") {
-        this.emit({ type: "approval", id: call.id, decision: "suggestion", suggestion: answer.text });
-        return { kind: "suggestion", content: SKIPPED_BY_USER, text: answer.text };
-      }
-      this.emit({ type: "approval", id: call.id, decision: "approved" });
-    }
-    if (signal.aborted) return { kind: "done", content: NOT_EXECUTED_STOPPED };
-    this.o.beforeCommand?.();
-    let result: CommandResult;
-    try {
-      result = await runCommand({
-      command,
-      cwd: process.cwd(),
-      timeoutSec: this.o.config.timeoutSec,
-      maxOutputBytes: this.o.config.maxOutputBytes,
-      canAnswerInput: this.o.canAnswerInput() && !this.autoApprove,
-      signal,
-      sandbox: this.o.sandbox,
-      outputs: this.o.outputs,
-      onData: (data) => this.emit({ type: "command_output", id: call.id, data }),
-      attachInput: this.o.attachInput,
-      });
-    } catch (error) {
-      // The model can do something about a command that cannot start (a vanished cwd, say); the run goes on.
-      result = { exitCode: null, status: "not_started", output: (error as Error).message };
-    }
-    const content = describeCommandResult(result, this.o.config.timeoutSec, this.o.config.maxOutputBytes);
-    this.emit({ type: "command_result", id: call.id, exit_code: result.exitCode, status: result.status, output: content, saved_to: result.savedTo });
-    return { kind: "done", content };
+    for (const c of call.tool_calls)
+      if (!answered.has(c.id)) this.messages.push({ role: "tool", tool_call_id: c.id, content });
   }
 
   /**
-   * Compression at the start of a step (SPEC §5); a no-op while the history
+   * Compression at the start of a step; a no-op while the history
    * fits. After a context overflow `ceiling` is the refused prompt's size, so
    * the retry is smaller than what the server refused even when the budget
    * overstates the server's real window.
    */
-  private async compressIfNeeded(signal: AbortSignal, fraction: number, force = false, ceiling = Infinity): Promise<void> {
+  private async compressIfNeeded(
+    signal: AbortSignal,
+    fraction: number,
+    force = false,
+    ceiling = Infinity,
+  ): Promise<void> {
     if (this.messages.length <= 2) return;
     // Before tiktoken is loaded, a byte count bounds the tokens: a short history needs no counting at all.
     if (!force && !this.counter && tokenUpperBound(this.messages) <= this.budget) return;
@@ -3689,14 +4491,29 @@ class Agent {
     let result: CompressionResult;
     if (alg === "truncate") result = compressTruncate(this.messages, counter, targetRaw);
     else {
-      const anchored = await compressAnchored(this.messages, this.basePrompt, this.summary, counter, targetRaw, (request) => this.summarise(request, signal), Math.floor(this.budget / counter.ratio));
+      const anchored = await compressAnchored(
+        this.messages,
+        this.basePrompt,
+        this.summary,
+        counter,
+        targetRaw,
+        (request) => this.summarise(request, signal),
+        Math.floor(this.budget / counter.ratio),
+      );
       this.summary = anchored.summary;
       result = anchored;
     }
     this.messages = result.messages;
     const after = counter.estimate(this.messages);
     this.contextEstimate = after;
-    this.emit({ type: "compression", algorithm: alg, before_tokens: before, after_tokens: after, removed: result.removed, detail: result.detail });
+    this.emit({
+      type: "compression",
+      algorithm: alg,
+      before_tokens: before,
+      after_tokens: after,
+      removed: result.removed,
+      detail: result.detail,
+    });
     this.checkpoint("compressed");
   }
 
@@ -3704,1388 +4521,260 @@ class Agent {
   private async summarise(request: Message[], signal: AbortSignal): Promise<string | undefined> {
     this.emit({ type: "summary_delta", text: "[SESSION SUMMARY]\n" });
     try {
-      const turn = await this.client.completeWithRetries(() => ({ messages: request, tools: false, temperature: 1.0 }), signal, {
-        onContent: (text) => this.emit({ type: "summary_delta", text }),
-      });
+      const turn = await this.client.completeWithRetries(
+        () => ({ messages: request, tools: false, temperature: 1.0 }),
+        signal,
+        {
+          onContent: (text) => this.emit({ type: "summary_delta", text }),
+        },
+      );
       this.emit({ type: "summary_delta", text: "\n" });
       this.addUsage(turn.usage ?? (await this.estimateUsage(request, turn)), !turn.usage);
       return turn.content;
     } catch (error) {
       if (error instanceof StoppedError) throw error;
-      this.emit({ type: "warning", text: `the summariser failed (${(error as Error).message}); using ${SUMMARY_UNAVAILABLE}` });
+      this.emit({
+        type: "warning",
+        text: `the summariser failed (${(error as Error).message}); using ${SUMMARY_UNAVAILABLE}`,
+      });
       return undefined;
     }
   }
 }
 
-/**
- * The session file (when there is one), what it restored, and the store of
- * saved outputs that belongs with it: shared by both front ends.
- */
-function openConversation(config: Config, sink: EventSink, systemPrompt: string, sessionPath: string | undefined) {
-  OutputStore.pruneOld();
-  const session = sessionPath ? SessionStore.claim(sessionPath, { model: config.model, apiBase: config.apiBase }, sink) : undefined;
-  const loaded = session?.load(systemPrompt);
-  const outputs = new OutputStore(session !== undefined, session?.sessionId ?? String(process.pid), session?.outputDir, (dir) => {
-    if (session) session.outputDir = dir;
-  });
-  return { session, loaded, outputs, workDir: HeldDirectory.open(process.cwd()) };
-}
-
-/** Resolves with `promise`, or with undefined as soon as the run is stopped. */
-function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T | undefined> {
-  if (signal.aborted) return Promise.resolve(undefined);
-  return new Promise((resolve, reject) => {
-    const onAbort = () => resolve(undefined);
-    signal.addEventListener("abort", onAbort, { once: true });
-    promise.then(
-      (value) => { signal.removeEventListener("abort", onAbort); resolve(value); },
-      (error) => { signal.removeEventListener("abort", onAbort); reject(error); },
-    );
-  });
-}
-
-/** --debug: the history as it is about to be sent, for diagnosing prompts and compression. */
-function writeDebugDump(dir: HeldDirectory, messages: readonly Message[], estimate: number, budget: number): void {
-  const lines = [
-    `time: ${new Date().toISOString()}`,
-    `messages: ${messages.length}`,
-    `estimated_tokens: ${estimate}`,
-    `budget: ${budget}`,
-    "",
-  ];
-  messages.forEach((m, i) => {
-    lines.push(`--- [${i}] role=${m.role}${m.tool_call_id ? ` tool_call_id=${m.tool_call_id}` : ""} content_length=${contentText(m.content).length}`);
-    if (m.tool_calls?.length) lines.push(`tool_calls: ${JSON.stringify(m.tool_calls)}`);
-    lines.push(contentText(m.content));
-  });
-  try {
-    // Replaced, not opened: whatever a command planted under this name (a link, a FIFO) is swapped out, never written through.
-    dir.replace("commander-debug.txt", lines.join("\n") + "\n", false);
-  } catch {
-    /* a debugging aid must never stop the run */
-  }
-}
-
 // ════════════════════════════════════════════════════════════════════════════
-// Web search
-// Owns: `aic search QUERY`, the model's way to the web: DuckDuckGo through
-// duck-duck-scrape, printed as a JSON array of {title, href, body}.
+// Run wiring
+// Owns: what both front ends share: the sandbox and system prompt made before
+// anything runs, the session, outputs and agent of one run, exit signals and
+// crashes, and the standard streams' flags put back on every exit.
 // ════════════════════════════════════════════════════════════════════════════
 
-const SEARCH_TIMEOUT_MS = 20_000;
-
-function stripTags(html: string): string {
-  return html
-    .replace(/<[^>]*>/g, "")
-    .replace(/&#x27;|&#39;/g, "'")
-    .replace(/&quot;/g, '"')
-    .replace(/&lt;/g, "<")
-    .replace(/&gt;/g, ">")
-    .replace(/&amp;/g, "&")
-    .trim();
+interface PreparedRun {
+  sandbox: Sandbox;
+  systemPrompt: string;
 }
 
-function lookupHost(host: string): Promise<void> {
-  return new Promise((resolve, reject) =>
-    (require("node:dns") as typeof import("node:dns")).lookup(host, (error) =>
-      error ? reject(new Error(`cannot resolve ${host} (${error.code ?? error.message}); is the network reachable?`)) : resolve(),
-    ),
+/** A budget must leave room for a conversation beside the system prompt, or nothing could ever be compressed into it. */
+const MIN_CONVERSATION_TOKENS = 1024;
+
+async function checkPromptRoom(config: Config, systemPrompt: string): Promise<void> {
+  const budget = promptBudget(config);
+  // Bytes bound tokens from above: most budgets are clearly big enough without loading tiktoken.
+  if (budget >= Buffer.byteLength(systemPrompt) + PER_MESSAGE_OVERHEAD + MIN_CONVERSATION_TOKENS) return;
+  const prompt = (await loadEncoder()).count(systemPrompt) + PER_MESSAGE_OVERHEAD;
+  if (budget >= prompt + MIN_CONVERSATION_TOKENS) return;
+  const reserved = isGptModel(config.model) ? 0 : OUTPUT_RESERVATION_TOKENS;
+  const reserve = reserved
+    ? ` after the ${reserved} tokens reserved for the answer of models whose name lacks "gpt"`
+    : "";
+  const least = reserved + prompt + MIN_CONVERSATION_TOKENS;
+  throw new UsageError(
+    `--max-prompt-len ${config.maxPromptLen} leaves no room for the conversation: the budget is ${budget} tokens${reserve}, and the system prompt alone takes ${prompt}; give at least ${least}`,
   );
 }
 
-async function runSearch(query: string, maxResults: number): Promise<number> {
-  try {
-    // duck-duck-scrape's HTTP client still calls url.parse(); its deprecation notice would be noise on stderr.
-    process.noDeprecation = true;
-    // The library reports any network failure as "Failed to get the VQD"; name the real cause first.
-    await lookupHost("duckduckgo.com");
-    const { search, SafeSearchType } = await import("duck-duck-scrape");
-    const timeout = new Promise<never>((_, reject) => setTimeout(() => reject(new Error(`no answer within ${SEARCH_TIMEOUT_MS / 1000} s`)), SEARCH_TIMEOUT_MS).unref());
-    const found = await Promise.race([search(query, { safeSearch: SafeSearchType.MODERATE }), timeout]);
-    const results = (found.noResults ? [] : found.results).slice(0, maxResults).map((r) => ({
-      title: stripTags(r.title ?? ""),
-      href: r.url ?? "",
-      body: stripTags(r.description ?? ""),
-    }));
-    writeOut(1, JSON.stringify(results, null, 2) + "\n");
-    return EXIT.ok;
-  } catch (error) {
-    const e = error as Error & { code?: string };
-    writeOut(2, `aic search: error: the search failed: ${e.code ? `${e.code} ` : ""}${e.message.split("\n")[0]}\n`);
-    return EXIT.failure;
+/** AGENTS.md files from the git root down to `cwd`, root first, at most 32 KiB together. */
+function readProjectInstructions(cwd: string): PromptFacts["projectInstructions"] {
+  const chain: string[] = [];
+  let dir = path.resolve(cwd);
+  for (;;) {
+    chain.unshift(dir);
+    if (fs.existsSync(path.join(dir, ".git"))) break;
+    const parent = path.dirname(dir);
+    if (parent === dir) {
+      chain.splice(0, chain.length - 1); // no git root: only the cwd itself
+      break;
+    }
+    dir = parent;
   }
-}
-
-// ════════════════════════════════════════════════════════════════════════════
-// TUI
-// Owns: the split-pane @opentui/core interface (SPEC §10). Loaded only when
-// aic runs without --nogui, so the headless path never pays for OpenTUI.
-// ════════════════════════════════════════════════════════════════════════════
-
-const HISTORY_LIMIT = 1000;
-
-/** One prompt per line: backslashes and newlines escaped so a multi-line prompt stays one entry. */
-function escapeHistoryLine(prompt: string): string {
-  return prompt.replace(/\\/g, "\\\\").replace(/\n/g, "\\n").replace(/\r/g, "\\r");
-}
-function unescapeHistoryLine(line: string): string {
-  return line.replace(/\\(\\|n|r)/g, (_, c: string) => (c === "n" ? "\n" : c === "r" ? "\r" : "\\"));
-}
-
-/** Adds `prompt` unless it repeats the newest entry, keeping the newest HISTORY_LIMIT. */
-function appendHistoryEntry(entries: string[], prompt: string): string[] {
-  const next = entries[entries.length - 1] === prompt ? entries.slice() : [...entries, prompt];
-  return next.slice(-HISTORY_LIMIT);
-}
-
-function readHistoryFile(file: string): string[] {
-  try {
-    return fs
-      .readFileSync(file, "utf8")
-      .split("\n")
-      .filter((l) => l !== "")
-      .map(unescapeHistoryLine)
-      .slice(-HISTORY_LIMIT);
-  } catch {
-    return [];
-  }
-}
-
-/**
- * The prompt history in ~/.aic_history. Several aic processes may save at
- * once: each save locks the file (proper-lockfile), re-reads it, appends and
- * replaces it atomically (write-file-atomic), so no process drops another's
- * entries.
- */
-class PromptHistory {
-  entries: string[];
-  constructor(readonly file: string) {
-    this.entries = readHistoryFile(file);
-  }
-
-  async add(prompt: string): Promise<void> {
-    if (!prompt.trim()) return;
-    this.entries = appendHistoryEntry(this.entries, prompt);
-    const lockfile = require("proper-lockfile") as typeof import("proper-lockfile");
-    const writeFileAtomic = require("write-file-atomic") as typeof import("write-file-atomic");
-    if (!fs.existsSync(this.file)) fs.writeFileSync(this.file, "", { mode: 0o600, flag: "a" });
-    const release = await lockfile.lock(this.file, { realpath: false, stale: 5000, retries: { retries: 200, minTimeout: 2, maxTimeout: 50, randomize: true } });
+  const files: string[] = [];
+  const parts: string[] = [];
+  let budget = AGENTS_MD_LIMIT_BYTES;
+  for (const d of chain) {
+    const file = path.join(d, "AGENTS.md");
+    let text: string;
     try {
-      const merged = appendHistoryEntry(readHistoryFile(this.file), prompt);
-      writeFileAtomic.sync(this.file, merged.map(escapeHistoryLine).join("\n") + "\n", { mode: 0o600 });
-    } finally {
-      await release();
-    }
-  }
-}
-
-/** Readline-style Up/Down walking of the history that keeps the line in progress. */
-class HistoryCursor {
-  private index: number;
-  private draft = "";
-  constructor(private readonly history: () => readonly string[]) {
-    this.index = history().length;
-  }
-  reset(): void {
-    this.index = this.history().length;
-    this.draft = "";
-  }
-  /** The entry before the current one, or undefined at the oldest. */
-  older(current: string): string | undefined {
-    const entries = this.history();
-    if (this.index > entries.length) this.index = entries.length;
-    if (this.index === 0) return undefined;
-    if (this.index === entries.length) this.draft = current;
-    return entries[--this.index];
-  }
-  /** The entry after the current one; past the newest, the line that was in progress. */
-  newer(): string | undefined {
-    const entries = this.history();
-    if (this.index >= entries.length) return undefined;
-    this.index++;
-    return this.index === entries.length ? this.draft : entries[this.index];
-  }
-}
-
-/** Ctrl+R: newest-first, case-insensitive substring search; Ctrl+R again steps to the next older match. */
-class ReverseSearch {
-  query = "";
-  /** Index in the history of the current match, or -1. */
-  match = -1;
-  constructor(private readonly history: () => readonly string[]) {}
-
-  private find(before: number): number {
-    const entries = this.history();
-    const q = this.query.toLowerCase();
-    for (let i = Math.min(before, entries.length) - 1; i >= 0; i--) if (entries[i]!.toLowerCase().includes(q)) return i;
-    return -1;
-  }
-  /** The query changed: search again from the newest entry. */
-  setQuery(query: string): void {
-    this.query = query;
-    this.match = this.find(this.history().length);
-  }
-  /** Ctrl+R pressed again: the next older match (stays put when there is none). */
-  next(): void {
-    const older = this.find(this.match < 0 ? this.history().length : this.match);
-    if (older >= 0) this.match = older;
-  }
-  get text(): string | undefined {
-    return this.match >= 0 ? this.history()[this.match] : undefined;
-  }
-}
-
-/** Tokens per second over the last second of streaming; 0 once the stream has been idle for 2 s. */
-class TokenRate {
-  private samples: { at: number; tokens: number }[] = [];
-  add(tokens: number, now = Date.now()): void {
-    this.samples.push({ at: now, tokens });
-  }
-  rate(now = Date.now()): number {
-    this.samples = this.samples.filter((s) => now - s.at <= 2000);
-    const last = this.samples[this.samples.length - 1];
-    if (!last || now - last.at > 2000) return 0;
-    const window = this.samples.filter((s) => now - s.at <= 1000);
-    return window.reduce((n, s) => n + s.tokens, 0);
-  }
-}
-
-type OpenTui = typeof import("@opentui/core");
-type CliRenderer = import("@opentui/core").CliRenderer;
-type KeyEvent = import("@opentui/core").KeyEvent;
-type XTerm = import("@xterm/headless").Terminal;
-
-const TUI_MIN_WIDTH = 60;
-const TUI_MIN_HEIGHT = 15;
-const PANE_MAX_LINES = 5000;
-const BANNER_HIDE_MS = 20_000;
-
-const COLORS = {
-  dim: "#8a8a8a",
-  thinking: "#7a7a9a",
-  info: "#9e9e9e",
-  warning: "#ffd75f",
-  error: "#ff5f5f",
-  command: "#5fd7ff",
-  ok: "#5fd75f",
-  bad: "#ff875f",
-  summary: "#af87ff",
-  tabOn: "#87afff",
-} as const;
-
-/**
- * A scrollable log that keeps at most `maxLines` lines and follows new text
- * unless the person has scrolled up. Lines live in blocks of 64, one text
- * node each: an append re-encodes only the last block (once per frame) and
- * trimming drops whole blocks, so a long stream stays cheap.
- */
-class LogPane {
-  private static readonly BLOCK = 64;
-  readonly box: import("@opentui/core").ScrollBoxRenderable;
-  private blocks: { node: import("@opentui/core").TextRenderable; lines: import("@opentui/core").TextChunk[][] }[] = [];
-  private total = 0;
-  private dirty = new Set<(typeof this.blocks)[number]>();
-  private scheduled = false;
-
-  constructor(
-    private readonly ot: OpenTui,
-    private readonly renderer: CliRenderer,
-    options: import("@opentui/core").ScrollBoxOptions,
-    private readonly maxLines = PANE_MAX_LINES,
-  ) {
-    this.box = new ot.ScrollBoxRenderable(renderer, { stickyScroll: true, stickyStart: "bottom", ...options });
-    this.box.focusable = false;
-  }
-
-  private newBlock() {
-    const block = { node: new this.ot.TextRenderable(this.renderer, { content: "", width: "100%", wrapMode: "char" }), lines: [[]] as import("@opentui/core").TextChunk[][] };
-    this.blocks.push(block);
-    this.box.add(block.node);
-    this.total++;
-    return block;
-  }
-
-  private chunk(text: string, color?: string): import("@opentui/core").TextChunk {
-    return { __isChunk: true, text, fg: color ? this.ot.parseColor(color) : undefined } as import("@opentui/core").TextChunk;
-  }
-
-  /** Appends text (newlines start new lines) in one colour. */
-  append(text: string, color?: string): void {
-    let block = this.blocks[this.blocks.length - 1] ?? this.newBlock();
-    text.split("\n").forEach((part, i) => {
-      if (i > 0) {
-        if (block.lines.length >= LogPane.BLOCK) block = this.newBlock();
-        else {
-          block.lines.push([]);
-          this.total++;
-        }
-      }
-      if (part) block.lines[block.lines.length - 1]!.push(this.chunk(part, color));
-      this.dirty.add(block);
-    });
-    this.trim();
-    this.schedule();
-  }
-
-  /** Replaces the line in progress (a command's partial line, a progress bar). */
-  rewriteLastLine(text: string, color?: string): void {
-    const block = this.blocks[this.blocks.length - 1] ?? this.newBlock();
-    block.lines[block.lines.length - 1] = text ? [this.chunk(text, color)] : [];
-    this.dirty.add(block);
-    this.schedule();
-  }
-
-  /** Whether the last line is empty (so a message can start on a fresh line). */
-  get atLineStart(): boolean {
-    const block = this.blocks[this.blocks.length - 1];
-    return !block || block.lines[block.lines.length - 1]!.length === 0;
-  }
-
-  line(text: string, color?: string): void {
-    this.append(`${this.atLineStart ? "" : "\n"}${text}\n`, color);
-  }
-
-  private trim(): void {
-    let dropped = 0;
-    while (this.total > this.maxLines && this.blocks.length > 1) {
-      const old = this.blocks.shift()!;
-      dropped += old.node.height;
-      this.total -= old.lines.length;
-      this.dirty.delete(old);
-      this.box.remove(old.node);
-      old.node.destroy();
-    }
-    // Someone reading older lines keeps the same lines in view.
-    if (dropped && !this.following) this.box.scrollTop = Math.max(0, this.box.scrollTop - dropped);
-  }
-
-  private schedule(): void {
-    if (this.scheduled) return;
-    this.scheduled = true;
-    this.renderer.requestAnimationFrame(() => this.flush());
-  }
-
-  flush(): void {
-    this.scheduled = false;
-    for (const block of this.dirty) {
-      const chunks: import("@opentui/core").TextChunk[] = [];
-      block.lines.forEach((l, i) => {
-        if (i) chunks.push(this.chunk("\n"));
-        chunks.push(...l);
-      });
-      block.node.content = new this.ot.StyledText(chunks);
-    }
-    this.dirty.clear();
-  }
-
-  get following(): boolean {
-    return this.box.scrollTop >= this.box.scrollHeight - this.box.viewport.height - 1;
-  }
-
-  get lineCount(): number {
-    return this.total;
-  }
-
-  page(direction: -1 | 1): void {
-    this.box.scrollBy(direction * 0.8, "viewport");
-  }
-
-  clear(): void {
-    for (const b of this.blocks) {
-      this.box.remove(b.node);
-      b.node.destroy();
-    }
-    this.blocks = [];
-    this.total = 0;
-    this.dirty.clear();
-    // Whatever the reader had scrolled to is gone: follow new text again.
-    this.box.scrollTo(Number.MAX_SAFE_INTEGER);
-  }
-}
-
-/** xterm's 256-colour palette as hex. */
-function xtermPalette(): string[] {
-  const base = ["#000000", "#cd0000", "#00cd00", "#cdcd00", "#0000ee", "#cd00cd", "#00cdcd", "#e5e5e5", "#7f7f7f", "#ff0000", "#00ff00", "#ffff00", "#5c5cff", "#ff00ff", "#00ffff", "#ffffff"];
-  const hex = (r: number, g: number, b: number) => `#${[r, g, b].map((v) => v.toString(16).padStart(2, "0")).join("")}`;
-  const levels = [0, 95, 135, 175, 215, 255];
-  const palette = base.slice();
-  for (let i = 16; i < 232; i++) {
-    const n = i - 16;
-    palette.push(hex(levels[Math.floor(n / 36)]!, levels[Math.floor(n / 6) % 6]!, levels[n % 6]!));
-  }
-  for (let i = 232; i < 256; i++) {
-    const g = 8 + (i - 232) * 10;
-    palette.push(hex(g, g, g));
-  }
-  return palette;
-}
-
-/**
- * The Shell tab's screen: paints an @xterm/headless terminal, with colours
- * and cursor, into its own off-screen buffer only when xterm changed; each
- * frame just copies that buffer (painting every cell every frame is slow).
- */
-function defineTerminalView(ot: OpenTui) {
-  const palette = xtermPalette().map((h) => ot.RGBA.fromHex(h));
-  const defaultFg = ot.RGBA.fromHex("#d0d0d0");
-  const defaultBg = ot.RGBA.fromHex("#101010");
-  const rgbCache = new Map<number, import("@opentui/core").RGBA>();
-  const rgb = (n: number) => {
-    let c = rgbCache.get(n);
-    if (!c) rgbCache.set(n, (c = ot.RGBA.fromInts((n >> 16) & 255, (n >> 8) & 255, n & 255, 255)));
-    return c;
-  };
-  return class TerminalView extends ot.Renderable {
-    showCursor = true;
-    private cache: import("@opentui/core").OptimizedBuffer | null = null;
-    private stale = true;
-    private readonly subscriptions: { dispose(): void }[] = [];
-    constructor(ctx: import("@opentui/core").RenderContext, readonly term: XTerm, options: import("@opentui/core").RenderableOptions) {
-      super(ctx, options);
-      this.subscriptions.push(
-        term.onWriteParsed(() => this.invalidate()),
-        term.onScroll(() => this.invalidate()),
-      );
-      this.onMouseScroll = (e) => {
-        const lines = e.scroll?.direction === "up" ? -3 : e.scroll?.direction === "down" ? 3 : 0;
-        if (lines) {
-          this.term.scrollLines(lines);
-          this.invalidate();
-        }
-      };
-    }
-    invalidate(): void {
-      this.stale = true;
-      this.requestRender();
-    }
-    protected override renderSelf(target: import("@opentui/core").OptimizedBuffer): void {
-      const { width, height } = this;
-      if (width <= 0 || height <= 0) return;
-      if (!this.cache || this.cache.width !== width || this.cache.height !== height) {
-        this.cache?.destroy();
-        this.cache = ot.OptimizedBuffer.create(width, height, this.ctx.widthMethod, { owner: (this.ctx as unknown as { nativeScene: unknown }).nativeScene } as never);
-        this.stale = true;
-      }
-      if (this.stale) {
-        this.paint(this.cache);
-        this.stale = false;
-      }
-      target.drawFrameBuffer(this.x, this.y, this.cache);
-    }
-    protected override destroySelf(): void {
-      for (const s of this.subscriptions) s.dispose();
-      this.cache?.destroy();
-      this.cache = null;
-      super.destroySelf();
-    }
-    private paint(buffer: import("@opentui/core").OptimizedBuffer): void {
-      const active = this.term.buffer.active;
-      const cell = active.getNullCell();
-      const rows = Math.min(buffer.height, this.term.rows);
-      const cols = Math.min(buffer.width, this.term.cols);
-      buffer.clear(defaultBg);
-      for (let y = 0; y < rows; y++) {
-        const line = active.getLine(active.viewportY + y);
-        if (!line) continue;
-        let run = "";
-        let runX = 0;
-        let runFg = defaultFg;
-        let runBg = defaultBg;
-        let runAttr = 0;
-        const flush = () => {
-          if (run) buffer.drawText(run, runX, y, runFg, runBg, runAttr);
-          run = "";
-        };
-        for (let x = 0; x < cols; x++) {
-          line.getCell(x, cell);
-          if (cell.getWidth() === 0) continue;
-          let fg = cell.isFgDefault() ? defaultFg : cell.isFgRGB() ? rgb(cell.getFgColor()) : palette[cell.getFgColor()]!;
-          let bg = cell.isBgDefault() ? defaultBg : cell.isBgRGB() ? rgb(cell.getBgColor()) : palette[cell.getBgColor()]!;
-          let attr = 0;
-          if (cell.isBold()) attr |= ot.TextAttributes.BOLD;
-          if (cell.isDim()) attr |= ot.TextAttributes.DIM;
-          if (cell.isItalic()) attr |= ot.TextAttributes.ITALIC;
-          if (cell.isUnderline()) attr |= ot.TextAttributes.UNDERLINE;
-          if (cell.isInverse()) [fg, bg] = [bg, fg];
-          if (fg !== runFg || bg !== runBg || attr !== runAttr) {
-            flush();
-            runX = x;
-            runFg = fg;
-            runBg = bg;
-            runAttr = attr;
-          } else if (!run) runX = x;
-          run += cell.getChars() || " ";
-        }
-        flush();
-      }
-      if (this.showCursor && active.viewportY === active.baseY && active.cursorY < rows && active.cursorX < cols) {
-        const ch = active.getLine(active.baseY + active.cursorY)?.getCell(active.cursorX, cell)?.getChars() || " ";
-        buffer.setCell(active.cursorX, active.cursorY, ch, defaultBg, defaultFg, 0);
-      }
-    }
-  };
-}
-
-const CSI_TILDE_KEYS: Record<string, number> = { insert: 2, delete: 3, pageup: 5, pagedown: 6, f5: 15, f6: 17, f7: 18, f8: 19, f9: 20, f10: 21, f11: 23, f12: 24 };
-const CSI_LETTER_KEYS: Record<string, string> = { up: "A", down: "B", right: "C", left: "D", home: "H", end: "F" };
-const SS3_KEYS: Record<string, string> = { f1: "P", f2: "Q", f3: "R", f4: "S" };
-const CTRL_SYMBOLS: Record<string, string> = { "@": "\x00", "2": "\x00", "[": "\x1b", "3": "\x1b", "\\": "\x1c", "4": "\x1c", "]": "\x1d", "5": "\x1d", "^": "\x1e", "6": "\x1e", _: "\x1f", "7": "\x1f", "-": "\x1f", "/": "\x1f", "8": "\x7f", "?": "\x7f" };
-
-/**
- * The bytes a shell on a PTY expects for a key. Built from the key's name
- * and modifiers, never from its raw sequence: under the kitty keyboard
- * protocol the raw bytes of Ctrl+C are `ESC[99;5u`, which a shell ignores.
- */
-function keyToBytes(key: KeyEvent, applicationCursor = false): string {
-  const mod = 1 + (key.shift ? 1 : 0) + (key.meta ? 2 : 0) + (key.ctrl ? 4 : 0);
-  const name = key.name;
-  const letter = CSI_LETTER_KEYS[name];
-  if (letter) return mod > 1 ? `\x1b[1;${mod}${letter}` : applicationCursor ? `\x1bO${letter}` : `\x1b[${letter}`;
-  const tilde = CSI_TILDE_KEYS[name];
-  if (tilde) return mod > 1 ? `\x1b[${tilde};${mod}~` : `\x1b[${tilde}~`;
-  const ss3 = SS3_KEYS[name];
-  if (ss3) return mod > 1 ? `\x1b[1;${mod}${ss3}` : `\x1bO${ss3}`;
-  const alt = key.meta ? "\x1b" : "";
-  switch (name) {
-    case "return":
-    case "enter":
-    case "kpenter":
-      return alt + "\r";
-    case "linefeed":
-      return alt + "\n";
-    case "tab":
-      return key.shift ? "\x1b[Z" : alt + "\t";
-    case "backspace":
-      return alt + (key.ctrl ? "\x08" : "\x7f");
-    case "escape":
-      return alt + "\x1b";
-    case "space":
-      return alt + (key.ctrl ? "\x00" : " ");
-  }
-  if (key.ctrl && name.length === 1) {
-    const c = name.toLowerCase();
-    if (c >= "a" && c <= "z") return alt + String.fromCharCode(c.charCodeAt(0) - 96);
-    if (CTRL_SYMBOLS[c]) return alt + CTRL_SYMBOLS[c];
-  }
-  const seq = key.sequence;
-  if (seq && !/^\x1b\[[\d;:]*u$/.test(seq)) return key.meta && !seq.startsWith("\x1b") ? "\x1b" + seq : seq;
-  return "";
-}
-
-/**
- * Turns a command's raw output into console-pane lines as it streams:
- * escape sequences stripped, `\r` restarting the line in progress (so a
- * progress bar updates in place). Text is gathered and handed to the pane
- * once per frame, and of a flood only the lines the pane can keep are ever
- * turned into text nodes.
- */
-class ConsoleStream {
-  private decoder = new TextDecoder();
-  private current = "";
-  private incoming: { text: string; bytes: number }[] = [];
-  private incomingBytes = 0;
-  private scheduled = false;
-
-  constructor(
-    private readonly pane: LogPane,
-    private readonly schedule: (flush: () => void) => void,
-  ) {}
-
-  write(bytes: Uint8Array): void {
-    this.incoming.push({ text: this.decoder.decode(bytes, { stream: true }), bytes: bytes.length });
-    this.incomingBytes += bytes.length;
-    // Between two frames, keep only what can still be shown: the newest bytes.
-    while (this.incoming.length > 1 && this.incomingBytes > 4 * 1024 * 1024) this.incomingBytes -= this.incoming.shift()!.bytes;
-    if (!this.scheduled) {
-      this.scheduled = true;
-      this.schedule(() => this.flush());
-    }
-  }
-
-  flush(): void {
-    this.scheduled = false;
-    if (!this.incoming.length) return;
-    const text = Bun.stripANSI(this.incoming.map((c) => c.text).join(""))
-      .replace(/\r\n/g, "\n")
-      .replace(/[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]/g, "");
-    this.incoming = [];
-    this.incomingBytes = 0;
-    let lines = text.split("\n");
-    const finished = lines.length - 1;
-    if (finished >= PANE_MAX_LINES) {
-      // More finished lines than the pane keeps: the older ones would be trimmed at once.
-      this.pane.clear();
-      this.current = "";
-      lines = lines.slice(lines.length - PANE_MAX_LINES);
-    }
-    const out: string[] = [];
-    lines.forEach((part, i) => {
-      if (i > 0) {
-        out.push(this.current);
-        this.current = "";
-      }
-      const cr = part.lastIndexOf("\r");
-      this.current = cr >= 0 ? part.slice(cr + 1) : this.current + part;
-    });
-    if (out.length) {
-      this.pane.rewriteLastLine(out[0]!);
-      if (out.length > 1) this.pane.append("\n" + out.slice(1).join("\n"));
-      this.pane.append("\n");
-    }
-    this.pane.rewriteLastLine(this.current);
-  }
-
-  end(): void {
-    this.flush();
-    if (this.current) this.pane.append("\n");
-    this.current = "";
-    this.decoder = new TextDecoder();
-  }
-}
-
-interface SlashCommand {
-  names: string[];
-  args?: string;
-  help: string;
-  run(tui: Tui, argument: string): void | Promise<void>;
-}
-
-const SLASH_COMMANDS: readonly SlashCommand[] = [
-  { names: ["/autoapprove", "/aa"], help: "toggle auto-approve (takes effect for the next command)", run: (t) => t.toggleAutoApprove() },
-  { names: ["/approve"], help: "run the command waiting for approval", run: (t) => t.answerApproval({ kind: "approve" }) },
-  { names: ["/reject"], help: "skip the command waiting for approval", run: (t) => t.answerApproval({ kind: "reject" }) },
-  { names: ["/suggest"], args: "<text>", help: "skip it and tell the agent what to do instead", run: (t, text) => t.suggestInstead(text) },
-  { names: ["/clear", "/new"], help: "forget the conversation and start a new session", run: (t) => t.clearConversation() },
-  { names: ["/session"], help: "show the session file and what is saved in it", run: (t) => t.showSession() },
-  { names: ["/reload"], help: "re-read the session file (agent stopped)", run: (t) => t.reloadSession() },
-  { names: ["/stop"], help: "stop the agent", run: (t) => t.stopAgent() },
-  { names: ["/quit", "/exit"], help: "stop the agent and quit", run: (t) => t.quit(EXIT.ok, "process_exit") },
-];
-
-interface TuiOptions {
-  config: Config;
-  renderer: CliRenderer;
-  ot: OpenTui;
-  Terminal: typeof import("@xterm/headless").Terminal;
-  /** Called once, when the TUI has shut down and wants the process to end with `code`. */
-  onExit(code: number): void;
-  /** The sandbox and system prompt; made here when not given (tests). */
-  prepared?: PreparedRun;
-  historyFile?: string;
-}
-
-/**
- * The split-pane interface (SPEC §10): agent output on the left, the
- * commands' console and an interactive shell on the right, a prompt and a
- * status footer below. It is one more EventSink for the agent, and the
- * approval function the agent awaits. Nothing here blocks: the model stream,
- * the PTYs and the keyboard all share one event loop.
- */
-class Tui implements EventSink {
-  readonly agent: Agent;
-  readonly session: SessionStore | undefined;
-  private readonly outputs: OutputStore;
-  readonly history: PromptHistory;
-  private readonly cursor: HistoryCursor;
-  private readonly search: ReverseSearch;
-  private searching: { saved: string } | undefined;
-  private readonly sandbox: Sandbox;
-  private readonly systemPrompt: string;
-  private readonly r: CliRenderer;
-  private readonly ot: OpenTui;
-  private readonly agentPane: LogPane;
-  private readonly consolePane: LogPane;
-  private readonly consoleStream: ConsoleStream;
-  private readonly root: import("@opentui/core").BoxRenderable;
-  private readonly tabConsole: import("@opentui/core").TextRenderable;
-  private readonly tabShell: import("@opentui/core").TextRenderable;
-  private readonly shellBox: import("@opentui/core").BoxRenderable;
-  private readonly banner: import("@opentui/core").TextRenderable;
-  private readonly searchLine: import("@opentui/core").TextRenderable;
-  readonly prompt: import("@opentui/core").InputRenderable;
-  private readonly footer: import("@opentui/core").TextRenderable;
-  private readonly modal: { overlay: import("@opentui/core").BoxRenderable; text: import("@opentui/core").TextRenderable };
-  private readonly tooSmall: import("@opentui/core").BoxRenderable;
-  private tab: "console" | "shell" = "console";
-  private shell: { pty: PtyProcess; term: XTerm; view: InstanceType<ReturnType<typeof defineTerminalView>>; cwdTimer: ReturnType<typeof setInterval>; cwd: string } | undefined;
-  private pending: { command: string; resolve(a: Approval): void } | undefined;
-  private run: Promise<RunOutcome> | undefined;
-  private readonly marker = new MarkerFilter();
-  private thinking = false;
-  private readonly rate = new TokenRate();
-  private step = 0;
-  private readonly startedAt = Date.now();
-  private readonly footerTimer: ReturnType<typeof setInterval>;
-  private footerText = "";
-  private exiting = false;
-
-  constructor(private readonly o: TuiOptions) {
-    const { config, renderer: r, ot } = o;
-    this.r = r;
-    this.ot = ot;
-    const sandbox = o.prepared?.sandbox ?? setUpSandbox(config);
-    this.sandbox = sandbox;
-    this.systemPrompt =
-      o.prepared?.systemPrompt ??
-      buildSystemPrompt({ fast: config.fast, timeoutSec: config.timeoutSec, maxOutputBytes: config.maxOutputBytes, sandbox, selfCommand: selfCommand(), projectInstructions: readProjectInstructions(process.cwd()) });
-    this.history = new PromptHistory(o.historyFile ?? path.join(os.homedir(), ".aic_history"));
-    this.cursor = new HistoryCursor(() => this.history.entries);
-    this.search = new ReverseSearch(() => this.history.entries);
-
-    // Layout: [agent | console/shell] over banner, search line, prompt, footer.
-    this.root = new ot.BoxRenderable(r, { flexDirection: "column", width: "100%", height: "100%" });
-    const top = new ot.BoxRenderable(r, { flexDirection: "row", flexGrow: 1, width: "100%" });
-    this.agentPane = new LogPane(ot, r, { width: "50%", flexShrink: 0, height: "100%", border: true, title: " Agent Output " });
-    const right = new ot.BoxRenderable(r, { flexDirection: "column", flexGrow: 1, height: "100%", border: true });
-    const tabs = new ot.BoxRenderable(r, { flexDirection: "row", height: 1, gap: 1 });
-    this.tabConsole = new ot.TextRenderable(r, { content: " Console Output " });
-    this.tabShell = new ot.TextRenderable(r, { content: " Shell " });
-    this.tabConsole.onMouseDown = () => this.setTab("console");
-    this.tabShell.onMouseDown = () => this.setTab("shell");
-    tabs.add(this.tabConsole);
-    tabs.add(this.tabShell);
-    this.consolePane = new LogPane(ot, r, { flexGrow: 1, width: "100%" });
-    this.consoleStream = new ConsoleStream(this.consolePane, (flush) => r.requestAnimationFrame(flush));
-    this.shellBox = new ot.BoxRenderable(r, { flexGrow: 1, width: "100%", visible: false, flexDirection: "column" });
-    // The person's own shell is not the agent's: it is not confined, and the tab says so.
-    this.shellBox.add(new ot.TextRenderable(r, { content: "Your own shell, not sandboxed. Tab goes back to the console.", fg: COLORS.dim, height: 1, width: "100%" }));
-    right.add(tabs);
-    right.add(this.consolePane.box);
-    right.add(this.shellBox);
-    top.add(this.agentPane.box);
-    top.add(right);
-    this.banner = new ot.TextRenderable(r, { height: 1, width: "100%", bg: "#5f0000", fg: "#ffffaf", content: "" });
-    this.searchLine = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#ffd75f", content: "", visible: false });
-    this.prompt = new ot.InputRenderable(r, {
-      width: "100%",
-      maxLength: 100_000,
-      placeholder: "Type a task, or /help for commands…",
-      backgroundColor: "#1c1c1c",
-      focusedBackgroundColor: "#262626",
-    });
-    this.footer = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#b0b0b0", bg: "#202020", content: "" });
-    for (const child of [top, this.banner, this.searchLine, this.prompt, this.footer]) this.root.add(child);
-    r.root.add(this.root);
-
-    this.modal = this.buildModal();
-    this.tooSmall = new ot.BoxRenderable(r, { position: "absolute", left: 0, top: 0, width: "100%", height: "100%", zIndex: 100, backgroundColor: "#000000", justifyContent: "center", alignItems: "center", visible: false });
-    this.tooSmall.add(new ot.TextRenderable(r, { content: `The terminal is too small for aic (needs at least ${TUI_MIN_WIDTH}×${TUI_MIN_HEIGHT}). Enlarge it, or press Ctrl+C to quit.`, wrapMode: "word" }));
-    r.root.add(this.tooSmall);
-    r.on("resize", () => this.checkSize());
-    this.checkSize();
-
-    this.prompt.on(ot.InputRenderableEvents.ENTER, (value: string) => void this.submit(value));
-    r.keyInput.on("keypress", (key: KeyEvent) => this.onKey(key));
-    r.keyInput.on("paste", (event: { bytes: Uint8Array; preventDefault(): void }) => {
-      if (this.tooSmall.visible) return event.preventDefault();
-      if (this.tab !== "shell" || !this.shell) return;
-      this.shell.term.scrollToBottom();
-      event.preventDefault();
-      const text = new TextDecoder().decode(event.bytes);
-      this.shell.pty.terminal.write(this.shell.term.modes.bracketedPasteMode ? `\x1b[200~${text}\x1b[201~` : text);
-    });
-    this.setTab("console");
-    this.prompt.focus();
-
-    const conversation = openConversation(config, this, this.systemPrompt, config.noSession ? undefined : (config.session ?? ".aicsession"));
-    this.session = conversation.session;
-    this.outputs = conversation.outputs;
-    this.agent = new Agent({
-      config,
-      sink: this,
-      approve: (request) => this.requestApproval(request),
-      sandbox: this.sandbox,
-      systemPrompt: this.systemPrompt,
-      session: this.session,
-      outputs: this.outputs,
-      workDir: conversation.workDir,
-      canAnswerInput: () => false,
-      beforeCommand: () => this.followShellCwd(),
-    });
-    this.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: this.sandbox.status, sandbox_rules: this.sandbox.ruleCount, session: this.session?.path ?? null, request: config.request ?? "" });
-    if (conversation.loaded) {
-      for (const line of conversation.loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
-      this.agent.restore(conversation.loaded);
-    } else this.agentPane.line("[SESSION] off (--no-session): nothing is saved", COLORS.info);
-    this.footerTimer = setInterval(() => this.refreshStatus(), 250);
-    this.refreshStatus();
-    if (config.request) void this.submit(config.request);
-    // Loading the tokenizer costs a few hundred ms of CPU: pay it while the person reads the first screen, not mid-stream.
-    setTimeout(() => {
-      if (this.exiting) return;
-      this.agent.warmUp();
-      require("proper-lockfile");
-      require("write-file-atomic");
-    }, 50);
-  }
-
-  // ── approval ─────────────────────────────────────────────────────────────
-
-  private buildModal() {
-    const { ot, r } = this;
-    // Only as big as the dialog, so the wheel still scrolls the panes around it.
-    const overlay = new ot.BoxRenderable(r, { position: "absolute", left: "15%", top: "25%", width: "70%", zIndex: 50, visible: false });
-    const dialog = new ot.BoxRenderable(r, { width: "100%", border: true, borderStyle: "rounded", title: " Approve command? ", backgroundColor: "#1c1c3a", flexDirection: "column", padding: 1, gap: 1 });
-    const text = new ot.TextRenderable(r, { content: "", wrapMode: "char" });
-    const buttons = new ot.BoxRenderable(r, { flexDirection: "row", justifyContent: "center", gap: 4, height: 1 });
-    const button = (label: string, color: string, answer: Approval) => {
-      const b = new ot.BoxRenderable(r, { backgroundColor: color, paddingLeft: 1, paddingRight: 1, height: 1 });
-      b.onMouseDown = (e) => {
-        e.stopPropagation();
-        this.answerApproval(answer);
-      };
-      b.add(new ot.TextRenderable(r, { content: label, fg: "#000000" }));
-      return b;
-    };
-    buttons.add(button("[Y] Approve", COLORS.ok, { kind: "approve" }));
-    buttons.add(button("[N] Reject", COLORS.bad, { kind: "reject" }));
-    dialog.add(text);
-    dialog.add(buttons);
-    overlay.add(dialog);
-    r.root.add(overlay);
-    return { overlay, text };
-  }
-
-  private requestApproval({ command }: { id: string; command: string }): Promise<Approval> {
-    return new Promise((resolve) => {
-      if (this.searching) this.endSearch(this.searching.saved);
-      this.pending = { command, resolve };
-      this.modal.text.content = `${visibleControls(command)}\n\nY or Enter approves · N or Escape rejects · /suggest <text> steers instead`;
-      this.modal.overlay.visible = this.tab === "console";
-      this.refreshStatus();
-    });
-  }
-
-  answerApproval(answer: Approval): void {
-    const pending = this.pending;
-    if (!pending) return this.agentPane.line("No command is waiting for approval.", COLORS.warning);
-    this.pending = undefined;
-    this.modal.overlay.visible = false;
-    pending.resolve(answer);
-    this.refreshStatus();
-  }
-
-  suggestInstead(text: string): void {
-    if (!text.trim()) return this.agentPane.line("Usage: /suggest <what the agent should do instead>", COLORS.warning);
-    if (this.pending) return this.answerApproval({ kind: "suggest", text: text.trim() });
-    if (this.agent.running) {
-      this.agent.suggest(text.trim());
-      return this.agentPane.line(`[queued suggestion] ${text.trim()}`, COLORS.info);
-    }
-    this.agentPane.line("No command is waiting for approval.", COLORS.warning);
-  }
-
-  toggleAutoApprove(): void {
-    this.agent.autoApprove = !this.agent.autoApprove;
-    this.agentPane.line(`Auto-approve is now ${this.agent.autoApprove ? "ON: commands run without asking" : "OFF: each command waits for your approval"}.`, this.agent.autoApprove ? COLORS.warning : COLORS.ok);
-    this.refreshStatus();
-  }
-
-  // ── prompt, history, slash commands ──────────────────────────────────────
-
-  async submit(raw: string): Promise<void> {
-    const text = raw.trim();
-    this.prompt.value = "";
-    this.cursor.reset();
-    if (!text) return;
-    if (text.startsWith("/")) return this.runSlash(text);
-    this.history.add(text).catch((error) => this.agentPane.line(`cannot save the prompt history: ${(error as Error).message}`, COLORS.warning));
-    this.cursor.reset(); // again: the history just grew by this prompt
-    if (this.agent.running) {
-      this.agent.suggest(text);
-      this.agentPane.line(`[queued suggestion] ${text}`, COLORS.info);
-      return;
-    }
-    this.startRun(text);
-  }
-
-  private startRun(request: string): void {
-    this.agentPane.line(`> ${request}`, COLORS.command);
-    this.step = 0;
-    this.run = this.agent.run(request);
-    this.run.finally(() => {
-      this.run = undefined;
-      this.refreshStatus();
-    });
-  }
-
-  private async runSlash(text: string): Promise<void> {
-    const [word = "", ...rest] = text.split(/\s+/);
-    const command = SLASH_COMMANDS.find((c) => c.names.includes(word.toLowerCase()));
-    if (!command) {
-      this.agentPane.line("Commands:", COLORS.info);
-      for (const c of SLASH_COMMANDS) this.agentPane.line(`  ${[c.names.join(", "), c.args].filter(Boolean).join(" ").padEnd(24)} ${c.help}`, COLORS.info);
-      return;
-    }
-    await command.run(this, text.slice(word.length).trim() || rest.join(" "));
-  }
-
-  stopAgent(): void {
-    if (!this.agent.running) return this.agentPane.line("The agent is not running.", COLORS.info);
-    this.agent.stop();
-    this.agentPane.line("Stopping the agent…", COLORS.warning);
-  }
-
-  async clearConversation(): Promise<void> {
-    if (this.run) {
-      this.agent.stop();
-      await this.run;
-    }
-    this.agent.clear();
-    this.step = 0;
-    this.agentPane.clear();
-    this.consolePane.clear();
-    this.agentPane.line(`[SESSION] cleared; new session ${this.session?.sessionId ?? "(not saved)"}`, COLORS.info);
-    this.refreshStatus();
-  }
-
-  showSession(): void {
-    const s = this.session;
-    if (!s) return this.agentPane.line("[SESSION] off (--no-session): nothing is saved.", COLORS.info);
-    let onDisk = "nothing yet";
-    try {
-      const doc = JSON.parse(fs.readFileSync(s.path, "utf8")) as { reason?: string; updated_at?: string; messages?: unknown[]; step_count?: number };
-      onDisk = `${doc.messages?.length ?? 0} message(s), step ${doc.step_count ?? 0}, last written ${doc.updated_at ?? "?"} (${doc.reason ?? "?"}), ${fs.statSync(s.path).size} bytes`;
-    } catch (error) {
-      if ((error as NodeJS.ErrnoException).code !== "ENOENT") onDisk = `unreadable (${(error as Error).message})`;
-    }
-    this.agentPane.line(`[SESSION] file ${s.path} · id ${s.sessionId} · instance ${s.instanceNumber}\n[SESSION] on disk: ${onDisk}`, COLORS.info);
-  }
-
-  reloadSession(): void {
-    if (this.agent.running) return this.agentPane.line("/reload works only while the agent is stopped (/stop first).", COLORS.warning);
-    if (!this.session) return this.agentPane.line("[SESSION] off (--no-session): nothing to reload.", COLORS.info);
-    const loaded = this.session.load(this.systemPrompt);
-    for (const line of loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
-    this.agent.restore(loaded.messages ? loaded : { ...loaded, messages: [], stepCount: 0, usage: emptyUsage() });
-    this.step = 0;
-    this.refreshStatus();
-  }
-
-  // ── keys ─────────────────────────────────────────────────────────────────
-
-  private onKey(key: KeyEvent): void {
-    const id = `${key.ctrl ? "C-" : ""}${key.meta ? "M-" : ""}${key.shift ? "S-" : ""}${key.name}`;
-    // Nothing is visible on a too-small terminal: nothing may be typed, sent or approved blind.
-    if (this.tooSmall.visible) {
-      key.preventDefault();
-      if (id === "C-c") void this.quit(EXIT.sigint, "interrupted");
-      return;
-    }
-    if (this.searching) return this.onSearchKey(key, id);
-    if (id === "tab") {
-      key.preventDefault();
-      return this.setTab(this.tab === "console" ? "shell" : "console");
-    }
-    if (this.tab === "shell" && this.shell) {
-      key.preventDefault();
-      // Shift+Tab is the shell's Tab (completion), since Tab itself switches panes.
-      const bytes = id === "S-tab" ? "\t" : keyToBytes(key, this.shell.term.modes.applicationCursorKeysMode);
-      if (bytes) {
-        this.shell.term.scrollToBottom(); // typing brings a scrolled-back shell view back, as in any terminal
-        this.shell.pty.terminal.write(bytes);
-      }
-      return;
-    }
-    if (this.modal.overlay.visible && this.onApprovalKey(key, id)) return;
-    const action = TUI_KEYS[id];
-    if (!action) return;
-    key.preventDefault();
-    action(this);
-  }
-
-  /**
-   * Keys while a command waits for approval; true when the key was used.
-   * Y/Enter approve and N/Escape reject while the prompt is empty. Text
-   * being typed keeps going to the prompt (a `y` typed as the dialog popped
-   * up must not approve a command nobody read); Escape then clears it, as it
-   * cancels a slash command (/suggest …) being typed. Paging still scrolls.
-   */
-  private onApprovalKey(key: KeyEvent, id: string): boolean {
-    if (id === "C-c" || TUI_PAGING.has(id)) return false; // quitting and paging work as always
-    if (this.prompt.value !== "") {
-      if (id !== "escape") return false;
-      key.preventDefault();
-      this.prompt.value = "";
-      return true;
-    }
-    if (key.sequence === "/") return false;
-    key.preventDefault();
-    if (["y", "S-y", "return"].includes(id)) this.answerApproval({ kind: "approve" });
-    else if (["n", "S-n", "escape"].includes(id)) this.answerApproval({ kind: "reject" });
-    return true;
-  }
-
-  historyOlder(): void {
-    const entry = this.cursor.older(this.prompt.value);
-    if (entry !== undefined) this.prompt.value = entry;
-  }
-
-  historyNewer(): void {
-    const entry = this.cursor.newer();
-    if (entry !== undefined) this.prompt.value = entry;
-  }
-
-  page(pane: "agent" | "console", direction: -1 | 1): void {
-    (pane === "agent" ? this.agentPane : this.consolePane).page(direction);
-  }
-
-  startSearch(): void {
-    this.searching = { saved: this.prompt.value };
-    this.search.setQuery("");
-    this.showSearch();
-  }
-
-  private onSearchKey(key: KeyEvent, id: string): void {
-    key.preventDefault();
-    if (id === "C-r") this.search.next();
-    else if (id === "return") {
-      const match = this.search.text;
-      this.endSearch(match ?? this.searching!.saved);
-      return;
-    } else if (id === "escape" || id === "C-g") return this.endSearch(this.searching!.saved);
-    else if (id === "C-c") return void this.quit(EXIT.sigint, "interrupted");
-    else if (id === "backspace") this.search.setQuery(this.search.query.slice(0, -1));
-    else if (!key.ctrl && !key.meta && key.sequence && key.sequence.length >= 1 && !key.sequence.startsWith("\x1b") && key.sequence >= " ") this.search.setQuery(this.search.query + key.sequence);
-    this.showSearch();
-  }
-
-  private showSearch(): void {
-    const match = this.search.text;
-    const failed = this.search.query && match === undefined ? "failing " : "";
-    this.searchLine.content = `(${failed}reverse-i-search)\`${this.search.query}': ${match ?? ""}   [Ctrl+R older · Enter accept · Esc cancel]`;
-    this.searchLine.visible = true;
-  }
-
-  private endSearch(value: string): void {
-    this.searching = undefined;
-    this.searchLine.visible = false;
-    this.prompt.value = value;
-    this.cursor.reset();
-  }
-
-  // ── panes, tabs, shell ───────────────────────────────────────────────────
-
-  setTab(tab: "console" | "shell"): void {
-    if (this.searching) this.endSearch(this.searching.saved);
-    this.tab = tab;
-    this.consolePane.box.visible = tab === "console";
-    this.shellBox.visible = tab === "shell";
-    const label = (node: import("@opentui/core").TextRenderable, on: boolean) => {
-      node.fg = on ? "#000000" : COLORS.dim;
-      node.bg = on ? COLORS.tabOn : "transparent";
-    };
-    label(this.tabConsole, tab === "console");
-    label(this.tabShell, tab === "shell");
-    // The dialog would cover the shell; the banner keeps showing what waits for approval.
-    this.modal.overlay.visible = tab === "console" && this.pending !== undefined;
-    if (tab === "shell") {
-      this.startShell();
-      this.prompt.blur();
-      if (this.shell) this.shell.view.showCursor = true;
-    } else {
-      if (this.shell) this.shell.view.showCursor = false;
-      this.prompt.focus();
-    }
-    this.refreshStatus();
-  }
-
-  private startShell(): void {
-    if (this.shell) return;
-    const { ot, r } = this;
-    const cols = Math.max(20, Math.floor(r.width / 2) - 2);
-    const rows = Math.max(5, r.height - 8);
-    const shellPath = process.env.SHELL && fs.existsSync(process.env.SHELL) ? process.env.SHELL : fs.existsSync("/bin/bash") ? "/bin/bash" : "/bin/sh";
-    // Output that arrives before the emulator exists waits here (a few bytes of prompt at most).
-    let early: Uint8Array[] | undefined = [];
-    let term: XTerm | undefined;
-    let pty: PtyProcess;
-    try {
-      // The person's own shell: not confined by the sandbox, which is for the agent's commands (the tab says so).
-      pty = spawnPty([shellPath, "-i"], {
-        cwd: process.cwd(),
-        env: { ...commandEnvironment(), TERM: "xterm-256color" },
-        cols,
-        rows,
-        onData: (bytes) => (term ? term.write(bytes) : early?.push(bytes)),
-      });
-    } catch (error) {
-      this.agentPane.line(`cannot start the shell ${shellPath}: ${(error as Error).message}`, COLORS.error);
-      this.tab = "shell"; // so that setTab below switches everything back
-      queueMicrotask(() => this.setTab("console"));
-      return;
-    }
-    term = new this.o.Terminal({ cols, rows, scrollback: 2000, allowProposedApi: true, logLevel: "off" });
-    for (const bytes of early ?? []) term.write(bytes);
-    early = undefined;
-    const TerminalView = defineTerminalView(ot);
-    const view = new TerminalView(r, term, { flexGrow: 1, width: "100%", height: "100%" });
-    term.onData((data) => pty.terminal.write(data));
-    view.onSizeChange = () => {
-      if (view.width < 2 || view.height < 2) return;
-      term.resize(view.width, view.height);
-      pty.terminal.resize(view.width, view.height);
-    };
-    this.shellBox.add(view);
-    // Follow the shell's directory: polled for the info line, and checked again right before every command.
-    const cwdTimer = setInterval(() => this.followShellCwd(), 300);
-    this.shell = { pty, term, view, cwdTimer, cwd: process.cwd() };
-    void pty.proc.exited.then(() => {
-      if (this.exiting || !this.shell) return;
-      clearInterval(this.shell.cwdTimer);
-      pty.terminal.close();
-      this.shellBox.remove(view);
-      view.destroy();
-      term.dispose();
-      this.shell = undefined;
-      this.agentPane.line("[shell] the shell exited; Tab to it again for a new one", COLORS.info);
-      if (this.tab === "shell") this.setTab("console");
-    });
-  }
-
-  /** When the Shell tab's shell changed directory, the agent follows it (SPEC §10). */
-  followShellCwd(): void {
-    const shell = this.shell;
-    if (!shell) return;
-    let now: string;
-    try {
-      now = fs.readlinkSync(`/proc/${shell.pty.proc.pid}/cwd`);
+      text = readOwnFile(file, AGENTS_MD_LIMIT_BYTES, true).toString("utf8").trim();
     } catch {
-      return;
+      continue; // missing, or not a regular file: a command may have planted a FIFO there
     }
-    if (now === shell.cwd) return;
-    shell.cwd = now;
-    try {
-      process.chdir(now);
-      this.agentPane.line(`[cwd] the agent now works in ${now} (followed the Shell tab)`, COLORS.info);
-    } catch {
-      /* not a directory we may enter */
-    }
+    if (!text || budget <= 0) continue;
+    text = headBytes(text, budget);
+    budget -= utf8.encode(text).length;
+    files.push(file);
+    parts.push(text);
   }
-
-  private checkSize(): void {
-    const small = this.r.width < TUI_MIN_WIDTH || this.r.height < TUI_MIN_HEIGHT;
-    this.tooSmall.visible = small;
-    this.root.visible = !small;
-  }
-
-  // ── status ───────────────────────────────────────────────────────────────
-
-  private refreshStatus(): void {
-    const c = this.o.config;
-    const u = this.agent?.usage ?? emptyUsage();
-    const tokens = u.billable_tokens;
-    const sandboxOn = this.sandbox.enabled;
-    // Most telling first, compact: a narrow terminal cuts the end of the line.
-    const parts = [
-      `step ${this.step}/${c.maxSteps}`,
-      `ctx ${compactCount(this.agent?.contextEstimate ?? 0)}/${compactCount(this.agent?.budget ?? promptBudget(c))}`,
-      `${compactCount(tokens)} tok`,
-      `${this.rate.rate()} tok/s`,
-      this.pending ? "⚠ pending" : this.agent?.running ? "running" : "idle",
-      `auto-approve ${this.agent?.autoApprove ? "ON" : "off"}`,
-      c.model,
-      this.session ? `${path.basename(this.session.path)}#${this.session.sessionId}` : "no session",
-    ];
-    const sandboxLabel = `Sandbox: ${sandboxOn ? "on" : "off"}`;
-    const text = `${sandboxLabel}│${parts.join("│")}`;
-    if (text !== this.footerText) {
-      this.footerText = text;
-      const { ot } = this;
-      this.footer.content = new ot.StyledText([
-        { __isChunk: true, text: ` ${sandboxLabel}`, fg: ot.parseColor(sandboxOn ? COLORS.ok : COLORS.error) } as import("@opentui/core").TextChunk,
-        { __isChunk: true, text: `│${parts.join("│")}` } as import("@opentui/core").TextChunk,
-      ]);
-    }
-    this.refreshBanner();
-  }
-
-  private refreshBanner(): void {
-    let text = "";
-    if (this.pending) text = ` ⚠ Approval needed: ${visibleControls(this.pending.command.split("\n")[0] ?? "")}  —  Y/Enter or /approve · N/Esc or /reject · /suggest <text>`;
-    else if (!this.agent?.autoApprove && Date.now() - this.startedAt < BANNER_HIDE_MS) text = " ⚠ Commands the agent proposes run for real on this machine once you approve them. /aa turns on auto-approve.";
-    if (this.banner.content.toString() !== text) this.banner.content = text;
-    this.banner.visible = text !== "";
-  }
-
-  // ── events from the agent ────────────────────────────────────────────────
-
-  emit(e: AgentEvent): void {
-    const agent = this.agentPane;
-    switch (e.type) {
-      case "start":
-        agent.line(visibleControls(`aic ${VERSION} · ${e.model} · ${e.api_base} · ${e.cwd}`), COLORS.info);
-        agent.line(`Sandbox: ${e.sandbox}`, e.sandbox.startsWith("on") ? COLORS.ok : COLORS.error);
-        return;
-      case "info":
-        return agent.line(visibleControls(e.text), COLORS.info);
-      case "warning":
-        return agent.line(visibleControls(`warning: ${e.text}`), COLORS.warning);
-      case "error":
-        return agent.line(visibleControls(`error: ${e.message}`), COLORS.error);
-      case "step":
-        this.step = e.step;
-        return this.refreshStatus();
-      case "reasoning_delta":
-        this.rate.add(1);
-        if (this.o.config.noThinking) return;
-        if (!this.thinking) {
-          agent.line("[THINKING]", COLORS.thinking);
-          this.thinking = true;
-        }
-        return agent.append(visibleControls(e.text), COLORS.thinking);
-      case "thinking_complete":
-        if (!this.o.config.noThinking) agent.line("[THINKING COMPLETE]", COLORS.thinking);
-        this.thinking = false;
-        return;
-      case "assistant_delta":
-        this.rate.add(1);
-        if (this.thinking) {
-          this.thinking = false;
-          agent.append("\n");
-        }
-        return agent.append(visibleControls(this.marker.push(e.text)));
-      case "assistant":
-        agent.append(visibleControls(this.marker.flush()));
-        if (!agent.atLineStart) agent.append("\n");
-        this.thinking = false;
-        return;
-      case "reasoning":
-        return;
-      case "retry":
-        return agent.line(visibleControls(`model request failed (${e.reason}); retry ${e.attempt} in ${(e.wait_ms / 1000).toFixed(1)} s`), COLORS.warning);
-      case "discarded":
-        this.thinking = false;
-        return agent.line(visibleControls(`[the answer above was discarded: ${e.reason}]`), COLORS.warning);
-      case "context":
-        return this.refreshStatus();
-      case "command":
-        return this.consolePane.line(`$ ${visibleControls(e.command)}`, COLORS.command);
-      case "approval":
-        if (e.decision === "rejected") this.consolePane.line("(rejected)", COLORS.bad);
-        if (e.decision === "suggestion") this.consolePane.line(visibleControls(`(rejected with a suggestion: ${e.suggestion})`), COLORS.bad);
-        return;
-      case "command_output":
-        return this.consoleStream.write(e.data);
-      case "command_result": {
-        this.consoleStream.end();
-        const note = e.status === "exited" ? `exit code ${e.exit_code}` : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
-        return this.consolePane.line(`[${note}]`, e.exit_code === 0 ? COLORS.ok : COLORS.bad);
-      }
-      case "compression":
-        return agent.line(`[COMPRESSION] ${e.algorithm}: ${e.before_tokens} → ${e.after_tokens} tokens; ${e.detail}`, COLORS.summary);
-      case "summary_delta":
-        return this.consolePane.append(visibleControls(e.text), COLORS.summary);
-      case "usage":
-        return this.refreshStatus();
-      case "end": {
-        // A stopped run no longer waits for an answer: the dialog must not swallow the next key.
-        if (this.pending) {
-          this.pending = undefined;
-          this.modal.overlay.visible = false;
-        }
-        const u = e.usage;
-        agent.line(`[${e.status}] ${e.steps} step(s) · ${u.input_tokens} in / ${u.output_tokens} out / ${u.cached_tokens} cached tokens`, e.exit_code === 0 ? COLORS.ok : COLORS.warning);
-        return this.refreshStatus();
-      }
-    }
-  }
-
-  // ── leaving ──────────────────────────────────────────────────────────────
-
-  /**
-   * Stops the agent, saves the session, ends the shell, restores the
-   * terminal, and exits with `code`; `message` goes to stderr once the
-   * terminal is back to normal (a crash report, say).
-   */
-  async quit(code: number, reason: string, message?: string): Promise<void> {
-    if (this.exiting) return;
-    this.exiting = true;
-    clearInterval(this.footerTimer);
-    this.agent.stop(code);
-    if (this.pending) this.answerApproval({ kind: "reject" });
-    if (this.run) await Promise.race([this.run, Bun.sleep(3000)]);
-    this.agent.checkpoint(reason);
-    this.session?.release();
-    if (this.shell) {
-      clearInterval(this.shell.cwdTimer);
-      try {
-        process.kill(-this.shell.pty.proc.pid, "SIGHUP");
-      } catch {
-        /* already gone */
-      }
-      this.shell.pty.terminal.close();
-    }
-    this.outputs.close();
-    try {
-      this.r.destroy();
-      // A hung-up terminal cannot take the restore bytes: `closed` then rejects, and exiting must not depend on it.
-      await Promise.race([this.r.closed.catch(() => undefined), Bun.sleep(1000)]);
-    } catch {
-      /* the terminal is gone; nothing left to restore */
-    } finally {
-      if (message) writeOut(2, message);
-      this.o.onExit(code);
-    }
-  }
+  return files.length ? { files, text: parts.join("\n\n") } : undefined;
 }
 
-/** 950, 12.3k, 1.2M: token counts that fit a status line. */
-function compactCount(n: number): string {
-  if (n < 10_000) return String(n);
-  if (n < 1_000_000) return `${(n / 1000).toFixed(n < 100_000 ? 1 : 0)}k`;
-  return `${(n / 1_000_000).toFixed(1)}M`;
+/** The sandbox and the system prompt that describes it. */
+function prepareParts(config: Config): PreparedRun {
+  const sandbox = setUpSandbox(config);
+  const systemPrompt = buildSystemPrompt({
+    fast: config.fast,
+    timeoutSec: config.timeoutSec,
+    maxOutputBytes: config.maxOutputBytes,
+    sandbox,
+    selfCommand: selfCommand(),
+    projectInstructions: readProjectInstructions(process.cwd()),
+  });
+  return { sandbox, systemPrompt };
 }
 
-const TUI_PAGING = new Set(["pageup", "pagedown", "S-pageup", "S-pagedown"]);
+/** What either front end needs before anything runs: the sandbox, the system prompt, and a budget with room in it. */
+async function prepareRun(config: Config): Promise<PreparedRun> {
+  const prepared = prepareParts(config);
+  await checkPromptRoom(config, prepared.systemPrompt);
+  return prepared;
+}
 
-/** Keys handled by the TUI itself when the prompt has focus (everything else goes to the prompt). */
-const TUI_KEYS: Record<string, (tui: Tui) => void> = {
-  up: (t) => t.historyOlder(),
-  "C-p": (t) => t.historyOlder(),
-  down: (t) => t.historyNewer(),
-  "C-n": (t) => t.historyNewer(),
-  "C-r": (t) => t.startSearch(),
-  pageup: (t) => t.page("agent", -1),
-  pagedown: (t) => t.page("agent", 1),
-  "S-pageup": (t) => t.page("console", -1),
-  "S-pagedown": (t) => t.page("console", 1),
-  "C-c": (t) => void t.quit(EXIT.sigint, "interrupted"),
-  escape: (t) => void t.quit(EXIT.ok, "interrupted"),
+interface RunOutcome {
+  status: RunStatus;
+  exitCode: number;
+}
+
+const EXIT_FOR_STATUS: Record<RunStatus, number> = {
+  completed: EXIT.ok,
+  terminal: EXIT.ok,
+  step_limit: EXIT.stepLimit,
+  needs_approval: EXIT.needsApproval,
+  failed: EXIT.failure,
+  stopped: EXIT.sigint,
 };
 
-async function runTui(config: Config, prepared: PreparedRun): Promise<number> {
-  if (!process.stdin.isTTY || !process.stdout.isTTY) {
-    writeOut(2, "aic: error: the terminal UI needs a terminal on stdin and stdout; use --nogui for scripts and pipes\n");
-    return EXIT.usage;
-  }
-  if (config.request === "-") {
-    writeOut(2, "aic: error: reading the request from stdin (-) needs --nogui\n");
-    return EXIT.usage;
-  }
-  const [ot, Terminal] = await Promise.all([import("@opentui/core"), loadXterm()]);
-  let renderer: CliRenderer;
-  try {
-    renderer = await ot.createCliRenderer({ exitOnCtrlC: false, exitSignals: [], autoFocus: false, openConsoleOnError: false, useMouse: true, maxFps: 60 });
-  } catch (error) {
-    writeOut(2, `aic: error: cannot start the terminal UI (${(error as Error).message}); check that $TMPDIR is writable, or use --nogui\n`);
-    return EXIT.failure;
-  }
-  return new Promise<number>((resolve) => {
-    const tui = new Tui({ config, renderer, ot, Terminal, onExit: resolve, prepared });
-    for (const sig of Object.keys(EXIT_SIGNALS) as ExitSignal[])
-      process.on(sig, () => void tui.quit(EXIT_SIGNALS[sig], `signal_${os.constants.signals[sig]}`));
-    const crash = (error: unknown) => void tui.quit(EXIT.failure, "process_exit", `aic: internal error: ${(error as Error)?.stack ?? error}\n`);
-    process.on("uncaughtException", crash);
-    process.on("unhandledRejection", crash);
+/** What a front end gives a run: where its events go, how approvals are answered, and who can type into a command. */
+interface FrontEnd {
+  sink: EventSink;
+  approve: ApproveFn;
+  /** Whether a person can type into a running command (decides the stuck-on-input rule). */
+  canAnswerInput(): boolean;
+  attachInput?: RunOptions["attachInput"];
+  /** Runs right before each command starts (the TUI checks where its shell went). */
+  beforeCommand?(): void;
+}
+
+/** One run of aic, built the same way for both front ends. */
+interface Run {
+  readonly agent: Agent;
+  readonly session: SessionStore | undefined;
+  /** What the session file restored, if anything (its usage shows at once). */
+  readonly restored: LoadedSession | undefined;
+  /** Saves the session with `reason`, releases its lock, keeps or removes the saved outputs: once, on every exit path. */
+  close(reason: string): void;
+}
+
+/**
+ * The session file (when there is one), the store of saved outputs that
+ * belongs with it, and the agent, wired to a front end. The `start` event
+ * goes out once the session file is claimed (its instance number is known);
+ * what loading it repaired follows.
+ */
+function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, request: string): Run {
+  const sessionPath = config.noSession ? undefined : (config.session ?? (config.nogui ? undefined : ".aicsession"));
+  OutputStore.pruneOld();
+  const session = sessionPath
+    ? SessionStore.claim(sessionPath, { model: config.model, apiBase: config.apiBase }, front.sink)
+    : undefined;
+  front.sink.emit({
+    type: "start",
+    model: config.model,
+    api_base: config.apiBase,
+    cwd: process.cwd(),
+    sandbox: prepared.sandbox.status,
+    sandbox_rules: prepared.sandbox.ruleCount,
+    session: session?.path ?? null,
+    request,
   });
+  const loaded = session?.load(prepared.systemPrompt);
+  const outputs = new OutputStore(
+    session !== undefined,
+    session?.sessionId ?? String(process.pid),
+    session?.outputDir,
+    (dir) => {
+      if (session) session.outputDir = dir;
+    },
+  );
+  const workDir = HeldDirectory.open(process.cwd());
+  const agent = new Agent({
+    config,
+    sink: front.sink,
+    approve: front.approve,
+    sandbox: prepared.sandbox,
+    systemPrompt: prepared.systemPrompt,
+    session,
+    outputs,
+    workDir,
+    canAnswerInput: front.canAnswerInput,
+    attachInput: front.attachInput,
+    beforeCommand: front.beforeCommand,
+  });
+  if (loaded) {
+    for (const line of loaded.reports) front.sink.emit({ type: "info", text: `[SESSION] ${line}` });
+    agent.restore(loaded);
+  } else if (!config.nogui) front.sink.emit({ type: "info", text: "[SESSION] off (--no-session): nothing is saved" });
+  let closed = false;
+  return {
+    agent,
+    session,
+    restored: loaded,
+    close(reason) {
+      if (closed) return;
+      closed = true;
+      agent.checkpoint(reason);
+      session?.release();
+      outputs.close();
+      workDir.close();
+    },
+  };
+}
+
+const EXIT_SIGNALS = { SIGINT: EXIT.sigint, SIGTERM: EXIT.sigterm, SIGHUP: EXIT.sighup } as const;
+type ExitSignal = keyof typeof EXIT_SIGNALS;
+
+/**
+ * How a front end ends on a signal or a crash: `onSignal` gets the exit
+ * code and the session's checkpoint reason of the first SIGINT, SIGTERM or
+ * SIGHUP; `onCrash` gets anything thrown outside the loop's own handling (a
+ * PTY or emulator callback), so the session is still saved first.
+ */
+function onExitEvents(onSignal: (code: number, reason: string) => void, onCrash: (error: unknown) => void): void {
+  let signalled = false;
+  for (const sig of Object.keys(EXIT_SIGNALS) as ExitSignal[])
+    process.on(sig, () => {
+      if (signalled) return;
+      signalled = true;
+      onSignal(EXIT_SIGNALS[sig], `signal_${os.constants.signals[sig]}`);
+    });
+  process.on("uncaughtException", onCrash);
+  process.on("unhandledRejection", onCrash);
+}
+
+/** A crash report, for stderr once the terminal is usable. */
+const crashReport = (error: unknown) => `aic: internal error: ${(error as Error)?.stack ?? error}\n`;
+
+const F_GETFL = 3;
+const F_SETFL = 4;
+
+/**
+ * Remembers the file-status flags of stdin, stdout and stderr, and returns
+ * what puts them back. Bun makes a pipe it writes to non-blocking, and the
+ * flag lives on the open file description shared with the parent (a CI
+ * shell, tee, /usr/bin/time), whose own writes would then fail with EAGAIN.
+ */
+function rememberStreamFlags(): () => void {
+  const c = libc()?.symbols;
+  if (!c) return () => {};
+  const saved = [0, 1, 2].map((fd) => c.fcntl(fd, F_GETFL, 0));
+  return () =>
+    saved.forEach((flags, fd) => {
+      if (flags >= 0 && c.fcntl(fd, F_GETFL, 0) !== flags) c.fcntl(fd, F_SETFL, flags);
+    });
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Main
-// Owns: choosing the mode, wiring sinks, session, signals and stdin, and
-// turning the run's outcome into an exit code with everything saved first.
+// Headless front end
+// Owns: --nogui: standard input for approvals and for keystrokes to a running
+// command, and the run's outcome as an exit code, with everything saved first.
 // ════════════════════════════════════════════════════════════════════════════
 
 /**
@@ -5173,9 +4862,6 @@ function plainApproval(stdin: StdinReader): ApproveFn {
   };
 }
 
-const EXIT_SIGNALS = { SIGINT: EXIT.sigint, SIGTERM: EXIT.sigterm, SIGHUP: EXIT.sighup } as const;
-type ExitSignal = keyof typeof EXIT_SIGNALS;
-
 async function runHeadless(config: Config, prepared: PreparedRun): Promise<number> {
   const sink: EventSink = config.json ? new JsonSink() : new PlainSink(!config.noThinking);
   for (const w of config.warnings) sink.emit({ type: "warning", text: w });
@@ -5190,111 +4876,1843 @@ async function runHeadless(config: Config, prepared: PreparedRun): Promise<numbe
       return EXIT.usage;
     }
   }
-  const { sandbox, systemPrompt } = prepared;
-  const { session, loaded, outputs, workDir } = openConversation(config, sink, systemPrompt, config.session && !config.noSession ? config.session : undefined);
   const stdinIsTerminal = Boolean(process.stdin.isTTY);
-  const agent = new Agent({
+  const run = createRun(
     config,
-    sink,
-    approve: plainApproval(stdin),
-    sandbox,
-    systemPrompt,
-    session,
-    outputs,
-    workDir,
-    canAnswerInput: () => stdinIsTerminal,
-    attachInput: stdinIsTerminal ? (write) => stdin.attach(write) : undefined,
-  });
-  if (loaded) {
-    for (const line of loaded.reports) sink.emit({ type: "info", text: `[SESSION] ${line}` });
-    agent.restore(loaded);
-  }
-
-  let signalled: ExitSignal | undefined;
+    prepared,
+    {
+      sink,
+      approve: plainApproval(stdin),
+      canAnswerInput: () => stdinIsTerminal,
+      attachInput: stdinIsTerminal ? (write) => stdin.attach(write) : undefined,
+    },
+    request,
+  );
   const finish = (code: number, reason: string) => {
-    agent.checkpoint(reason);
-    session?.release();
-    outputs.close();
+    run.close(reason);
     return code;
   };
-  for (const sig of Object.keys(EXIT_SIGNALS) as ExitSignal[]) {
-    process.on(sig, () => {
-      if (signalled) return;
-      signalled = sig;
-      agent.stop(EXIT_SIGNALS[sig]);
+  let signalled: { code: number; reason: string } | undefined;
+  onExitEvents(
+    (code, reason) => {
+      signalled = { code, reason };
+      run.agent.stop(code);
       // The loop normally winds down at once; this only guards a wedged shutdown.
-      setTimeout(() => process.exit(finish(EXIT_SIGNALS[sig], `signal_${os.constants.signals[sig]}`)), 3000).unref();
-    });
-  }
-
-  // Anything thrown outside the loop's own try (a PTY or emulator callback) still saves the session first.
-  const crash = (error: unknown) => {
-    writeOut(2, `aic: internal error: ${(error as Error)?.stack ?? error}\n`);
-    process.exit(finish(EXIT.failure, "process_exit"));
-  };
-  process.on("uncaughtException", crash);
-  process.on("unhandledRejection", crash);
-  sink.emit({ type: "start", model: config.model, api_base: config.apiBase, cwd: process.cwd(), sandbox: sandbox.status, sandbox_rules: sandbox.ruleCount, session: session?.path ?? null, request });
-  const outcome = await agent.run(request);
-  if (signalled) return finish(EXIT_SIGNALS[signalled], `signal_${os.constants.signals[signalled]}`);
+      setTimeout(() => process.exit(finish(code, reason)), SIGNAL_SHUTDOWN_GUARD_MS).unref();
+    },
+    (error) => {
+      writeOut(2, crashReport(error));
+      process.exit(finish(EXIT.failure, "process_exit"));
+    },
+  );
+  const outcome = await run.agent.run(request);
+  if (signalled) return finish(signalled.code, signalled.reason);
   if (outcome.status === "needs_approval")
     writeOut(2, "aic: a command needs approval but standard input has ended; use --auto-approve for unattended runs\n");
   return finish(outcome.exitCode, "process_exit");
 }
 
-const F_GETFL = 3;
-const F_SETFL = 4;
+// ════════════════════════════════════════════════════════════════════════════
+// Web search
+// Owns: `aic search QUERY`, the model's way to the web: DuckDuckGo through
+// duck-duck-scrape, printed as a JSON array of {title, href, body}.
+// ════════════════════════════════════════════════════════════════════════════
+
+const SEARCH_TIMEOUT_MS = 20_000;
+
+function stripTags(html: string): string {
+  return html
+    .replace(/<[^>]*>/g, "")
+    .replace(/&#x27;|&#39;/g, "'")
+    .replace(/&quot;/g, '"')
+    .replace(/&lt;/g, "<")
+    .replace(/&gt;/g, ">")
+    .replace(/&amp;/g, "&")
+    .trim();
+}
+
+function lookupHost(host: string): Promise<void> {
+  return new Promise((resolve, reject) =>
+    (require("node:dns") as typeof import("node:dns")).lookup(host, (error) =>
+      error
+        ? reject(new Error(`cannot resolve ${host} (${error.code ?? error.message}); is the network reachable?`))
+        : resolve(),
+    ),
+  );
+}
+
+async function runSearch(query: string, maxResults: number): Promise<number> {
+  try {
+    // duck-duck-scrape's HTTP client still calls url.parse(); its deprecation notice would be noise on stderr.
+    process.noDeprecation = true;
+    // The library reports any network failure as "Failed to get the VQD"; name the real cause first.
+    await lookupHost("duckduckgo.com");
+    const { search, SafeSearchType } = await import("duck-duck-scrape");
+    const timeout = new Promise<never>((_, reject) =>
+      setTimeout(() => reject(new Error(`no answer within ${SEARCH_TIMEOUT_MS / 1000} s`)), SEARCH_TIMEOUT_MS).unref(),
+    );
+    const found = await Promise.race([search(query, { safeSearch: SafeSearchType.MODERATE }), timeout]);
+    const results = (found.noResults ? [] : found.results).slice(0, maxResults).map((r) => ({
+      title: stripTags(r.title ?? ""),
+      href: r.url ?? "",
+      body: stripTags(r.description ?? ""),
+    }));
+    writeOut(1, JSON.stringify(results, null, 2) + "\n");
+    return EXIT.ok;
+  } catch (error) {
+    const e = error as Error & { code?: string };
+    writeOut(2, `aic search: error: the search failed: ${e.code ? `${e.code} ` : ""}${e.message.split("\n")[0]}\n`);
+    return EXIT.failure;
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI parts: prompt history and figures
+// Owns: the prompt history file shared by every aic of the person (locked,
+// merged, replaced atomically), walking it with Up/Down and Ctrl+R, and the
+// footer's small figures. Loaded only by the TUI.
+// ════════════════════════════════════════════════════════════════════════════
+
+const HISTORY_LIMIT = 1000;
+
+/** One prompt per line: backslashes and newlines escaped so a multi-line prompt stays one entry. */
+function escapeHistoryLine(prompt: string): string {
+  return prompt.replace(/\\/g, "\\\\").replace(/\n/g, "\\n").replace(/\r/g, "\\r");
+}
+
+function unescapeHistoryLine(line: string): string {
+  return line.replace(/\\(\\|n|r)/g, (_, c: string) => (c === "n" ? "\n" : c === "r" ? "\r" : "\\"));
+}
+
+/** Adds `prompt` unless it repeats the newest entry, keeping the newest HISTORY_LIMIT. */
+function appendHistoryEntry(entries: string[], prompt: string): string[] {
+  const next = entries[entries.length - 1] === prompt ? entries.slice() : [...entries, prompt];
+  return next.slice(-HISTORY_LIMIT);
+}
+
+function readHistoryFile(file: string): string[] {
+  try {
+    return fs
+      .readFileSync(file, "utf8")
+      .split("\n")
+      .filter((l) => l !== "")
+      .map(unescapeHistoryLine)
+      .slice(-HISTORY_LIMIT);
+  } catch {
+    return [];
+  }
+}
 
 /**
- * Remembers the file-status flags of stdin, stdout and stderr, and returns
- * what puts them back. Bun makes a pipe it writes to non-blocking, and the
- * flag lives on the open file description shared with the parent (a CI
- * shell, tee, /usr/bin/time), whose own writes would then fail with EAGAIN.
+ * The prompt history in ~/.aic_history. Several aic processes may save at
+ * once: each save locks the file (proper-lockfile), re-reads it, appends and
+ * replaces it atomically (write-file-atomic), so no process drops another's
+ * entries.
  */
-function rememberStreamFlags(): () => void {
-  const c = libc()?.symbols;
-  if (!c) return () => {};
-  const saved = [0, 1, 2].map((fd) => c.fcntl(fd, F_GETFL, 0));
-  return () =>
-    saved.forEach((flags, fd) => {
-      if (flags >= 0 && c.fcntl(fd, F_GETFL, 0) !== flags) c.fcntl(fd, F_SETFL, flags);
+class PromptHistory {
+  entries: string[];
+  constructor(readonly file: string) {
+    this.entries = readHistoryFile(file);
+  }
+
+  async add(prompt: string): Promise<void> {
+    if (!prompt.trim()) return;
+    this.entries = appendHistoryEntry(this.entries, prompt);
+    const lockfile = require("proper-lockfile") as typeof import("proper-lockfile");
+    const writeFileAtomic = require("write-file-atomic") as typeof import("write-file-atomic");
+    if (!fs.existsSync(this.file)) fs.writeFileSync(this.file, "", { mode: 0o600, flag: "a" });
+    const release = await lockfile.lock(this.file, {
+      realpath: false,
+      stale: 5000,
+      retries: { retries: 200, minTimeout: 2, maxTimeout: 50, randomize: true },
     });
+    try {
+      const merged = appendHistoryEntry(readHistoryFile(this.file), prompt);
+      writeFileAtomic.sync(this.file, merged.map(escapeHistoryLine).join("\n") + "\n", { mode: 0o600 });
+    } finally {
+      await release();
+    }
+  }
 }
 
-/** A budget must leave room for a conversation beside the system prompt, or nothing could ever be compressed into it. */
-const MIN_CONVERSATION_TOKENS = 1024;
-
-async function checkPromptRoom(config: Config, systemPrompt: string): Promise<void> {
-  const budget = promptBudget(config);
-  // Bytes bound tokens from above: most budgets are clearly big enough without loading tiktoken.
-  if (budget >= Buffer.byteLength(systemPrompt) + PER_MESSAGE_OVERHEAD + MIN_CONVERSATION_TOKENS) return;
-  const prompt = (await loadEncoder()).count(systemPrompt) + PER_MESSAGE_OVERHEAD;
-  if (budget >= prompt + MIN_CONVERSATION_TOKENS) return;
-  const reserved = isGptModel(config.model) ? 0 : OUTPUT_RESERVATION_TOKENS;
-  const reserve = reserved ? ` after the ${reserved} tokens reserved for the answer of models whose name lacks "gpt"` : "";
-  const least = reserved + prompt + MIN_CONVERSATION_TOKENS;
-  throw new UsageError(`--max-prompt-len ${config.maxPromptLen} leaves no room for the conversation: the budget is ${budget} tokens${reserve}, and the system prompt alone takes ${prompt}; give at least ${least}`);
+/** Readline-style Up/Down walking of the history that keeps the line in progress. */
+class HistoryCursor {
+  private index: number;
+  private draft = "";
+  constructor(private readonly history: () => readonly string[]) {
+    this.index = history().length;
+  }
+  reset(): void {
+    this.index = this.history().length;
+    this.draft = "";
+  }
+  /** The entry before the current one, or undefined at the oldest. */
+  older(current: string): string | undefined {
+    const entries = this.history();
+    if (this.index > entries.length) this.index = entries.length;
+    if (this.index === 0) return undefined;
+    if (this.index === entries.length) this.draft = current;
+    return entries[--this.index];
+  }
+  /** The entry after the current one; past the newest, the line that was in progress. */
+  newer(): string | undefined {
+    const entries = this.history();
+    if (this.index >= entries.length) return undefined;
+    this.index++;
+    return this.index === entries.length ? this.draft : entries[this.index];
+  }
 }
 
-interface PreparedRun {
-  sandbox: Sandbox;
-  systemPrompt: string;
+/** Ctrl+R: newest-first, case-insensitive substring search; Ctrl+R again steps to the next older match. */
+class ReverseSearch {
+  query = "";
+  /** Index in the history of the current match, or -1. */
+  match = -1;
+  constructor(private readonly history: () => readonly string[]) {}
+
+  private find(before: number): number {
+    const entries = this.history();
+    const q = this.query.toLowerCase();
+    for (let i = Math.min(before, entries.length) - 1; i >= 0; i--) if (entries[i]!.toLowerCase().includes(q)) return i;
+    return -1;
+  }
+  /** The query changed: search again from the newest entry. */
+  setQuery(query: string): void {
+    this.query = query;
+    this.match = this.find(this.history().length);
+  }
+  /** Ctrl+R pressed again: the next older match (stays put when there is none). */
+  next(): void {
+    const older = this.find(this.match < 0 ? this.history().length : this.match);
+    if (older >= 0) this.match = older;
+  }
+  get text(): string | undefined {
+    return this.match >= 0 ? this.history()[this.match] : undefined;
+  }
 }
 
-/** What either front end needs before anything runs: the sandbox, the system prompt, and a budget with room in it. */
-async function prepareRun(config: Config): Promise<PreparedRun> {
-  const sandbox = setUpSandbox(config);
-  const systemPrompt = buildSystemPrompt({
-    fast: config.fast,
-    timeoutSec: config.timeoutSec,
-    maxOutputBytes: config.maxOutputBytes,
-    sandbox,
-    selfCommand: selfCommand(),
-    projectInstructions: readProjectInstructions(process.cwd()),
+/** Tokens per second over the last second of streaming; 0 once the stream has been idle for 2 s. */
+class TokenRate {
+  private static readonly WINDOW_MS = 1000;
+  /** With no token for this long the rate reads 0. */
+  private static readonly IDLE_MS = 2000;
+  private samples: { at: number; tokens: number }[] = [];
+  add(tokens: number, now = Date.now()): void {
+    this.samples.push({ at: now, tokens });
+  }
+  rate(now = Date.now()): number {
+    this.samples = this.samples.filter((s) => now - s.at <= TokenRate.IDLE_MS);
+    const last = this.samples[this.samples.length - 1];
+    if (!last || now - last.at > TokenRate.IDLE_MS) return 0;
+    const window = this.samples.filter((s) => now - s.at <= TokenRate.WINDOW_MS);
+    return window.reduce((n, s) => n + s.tokens, 0);
+  }
+}
+
+/** 950, 12.3k, 1.2M: token counts that fit a status line. */
+function compactCount(n: number): string {
+  if (n < 10_000) return String(n);
+  if (n < 1_000_000) return `${(n / 1000).toFixed(n < 100_000 ? 1 : 0)}k`;
+  return `${(n / 1_000_000).toFixed(1)}M`;
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI parts: log panes
+// Owns: the scrolling log panes and the Console's live command output,
+// cheap to append to whatever a command or the model streams.
+// ════════════════════════════════════════════════════════════════════════════
+
+// OpenTUI is loaded only by the TUI (a dynamic import); a type-only import is erased from the --nogui path.
+import type {
+  BoxRenderable as BoxNode,
+  CliRenderer,
+  InputRenderable as InputNode,
+  KeyEvent,
+  OptimizedBuffer,
+  RGBA,
+  RenderContext,
+  RenderableOptions,
+  ScrollBoxOptions,
+  ScrollBoxRenderable as ScrollBoxNode,
+  TextChunk,
+  TextRenderable as TextNode,
+} from "@opentui/core";
+type OpenTui = typeof import("@opentui/core");
+type TerminalViewNode = InstanceType<ReturnType<typeof defineTerminalView>>;
+/** Between two frames the Console keeps only the newest bytes of a flood: more than a pane can show. */
+const CONSOLE_FRAME_BYTES = 4 * 1024 * 1024;
+const TUI_MIN_WIDTH = 60;
+const TUI_MIN_HEIGHT = 15;
+const PANE_MAX_LINES = 5000;
+
+const COLORS = {
+  dim: "#8a8a8a",
+  thinking: "#7a7a9a",
+  info: "#9e9e9e",
+  warning: "#ffd75f",
+  error: "#ff5f5f",
+  command: "#5fd7ff",
+  ok: "#5fd75f",
+  bad: "#ff875f",
+  summary: "#af87ff",
+  tabOn: "#87afff",
+} as const;
+
+/**
+ * A scrollable log that keeps at most `maxLines` lines and follows new text
+ * unless the person has scrolled up. Lines live in blocks of 64, one text
+ * node each: an append re-encodes only the last block (once per frame) and
+ * trimming drops whole blocks, so a long stream stays cheap.
+ */
+class LogPane {
+  private static readonly BLOCK = 64;
+  readonly box: ScrollBoxNode;
+  private blocks: { node: TextNode; lines: TextChunk[][] }[] = [];
+  private total = 0;
+  private dirty = new Set<(typeof this.blocks)[number]>();
+  private scheduled = false;
+
+  constructor(
+    private readonly ot: OpenTui,
+    private readonly renderer: CliRenderer,
+    options: ScrollBoxOptions,
+    private readonly maxLines = PANE_MAX_LINES,
+  ) {
+    this.box = new ot.ScrollBoxRenderable(renderer, { stickyScroll: true, stickyStart: "bottom", ...options });
+    this.box.focusable = false;
+  }
+
+  private newBlock() {
+    const block = {
+      node: new this.ot.TextRenderable(this.renderer, { content: "", width: "100%", wrapMode: "char" }),
+      lines: [[]] as TextChunk[][],
+    };
+    this.blocks.push(block);
+    this.box.add(block.node);
+    this.total++;
+    return block;
+  }
+
+  private chunk(text: string, color?: string): TextChunk {
+    return { __isChunk: true, text, fg: color ? this.ot.parseColor(color) : undefined } as TextChunk;
+  }
+
+  /** Appends text (newlines start new lines) in one colour. */
+  append(text: string, color?: string): void {
+    let block = this.blocks[this.blocks.length - 1] ?? this.newBlock();
+    text.split("\n").forEach((part, i) => {
+      if (i > 0) {
+        if (block.lines.length >= LogPane.BLOCK) block = this.newBlock();
+        else {
+          block.lines.push([]);
+          this.total++;
+        }
+      }
+      if (part) block.lines[block.lines.length - 1]!.push(this.chunk(part, color));
+      this.dirty.add(block);
+    });
+    this.trim();
+    this.schedule();
+  }
+
+  /** Replaces the line in progress (a command's partial line, a progress bar). */
+  rewriteLastLine(text: string, color?: string): void {
+    const block = this.blocks[this.blocks.length - 1] ?? this.newBlock();
+    block.lines[block.lines.length - 1] = text ? [this.chunk(text, color)] : [];
+    this.dirty.add(block);
+    this.schedule();
+  }
+
+  /** Whether the last line is empty (so a message can start on a fresh line). */
+  get atLineStart(): boolean {
+    const block = this.blocks[this.blocks.length - 1];
+    return !block || block.lines[block.lines.length - 1]!.length === 0;
+  }
+
+  line(text: string, color?: string): void {
+    this.append(`${this.atLineStart ? "" : "\n"}${text}\n`, color);
+  }
+
+  private trim(): void {
+    let dropped = 0;
+    while (this.total > this.maxLines && this.blocks.length > 1) {
+      const old = this.blocks.shift()!;
+      dropped += old.node.height;
+      this.total -= old.lines.length;
+      this.dirty.delete(old);
+      this.box.remove(old.node);
+      old.node.destroy();
+    }
+    // Someone reading older lines keeps the same lines in view.
+    if (dropped && !this.following) this.box.scrollTop = Math.max(0, this.box.scrollTop - dropped);
+  }
+
+  private schedule(): void {
+    if (this.scheduled) return;
+    this.scheduled = true;
+    this.renderer.requestAnimationFrame(() => this.flush());
+  }
+
+  flush(): void {
+    this.scheduled = false;
+    for (const block of this.dirty) {
+      const chunks: TextChunk[] = [];
+      block.lines.forEach((l, i) => {
+        if (i) chunks.push(this.chunk("\n"));
+        chunks.push(...l);
+      });
+      block.node.content = new this.ot.StyledText(chunks);
+    }
+    this.dirty.clear();
+  }
+
+  get following(): boolean {
+    return this.box.scrollTop >= this.box.scrollHeight - this.box.viewport.height - 1;
+  }
+
+  get lineCount(): number {
+    return this.total;
+  }
+
+  page(direction: -1 | 1): void {
+    this.box.scrollBy(direction * 0.8, "viewport");
+  }
+
+  clear(): void {
+    for (const b of this.blocks) {
+      this.box.remove(b.node);
+      b.node.destroy();
+    }
+    this.blocks = [];
+    this.total = 0;
+    this.dirty.clear();
+    // Whatever the reader had scrolled to is gone: follow new text again.
+    this.box.scrollTo(Number.MAX_SAFE_INTEGER);
+  }
+}
+
+/**
+ * Turns a command's raw output into console-pane lines as it streams:
+ * escape sequences stripped, `\r` restarting the line in progress (so a
+ * progress bar updates in place). Text is gathered and handed to the pane
+ * once per frame, and of a flood only the lines the pane can keep are ever
+ * turned into text nodes.
+ */
+class ConsoleStream {
+  private decoder = new TextDecoder();
+  private current = "";
+  private incoming: { text: string; bytes: number }[] = [];
+  private incomingBytes = 0;
+  private scheduled = false;
+
+  constructor(
+    private readonly pane: LogPane,
+    private readonly schedule: (flush: () => void) => void,
+  ) {}
+
+  write(bytes: Uint8Array): void {
+    this.incoming.push({ text: this.decoder.decode(bytes, { stream: true }), bytes: bytes.length });
+    this.incomingBytes += bytes.length;
+    // Between two frames, keep only what can still be shown: the newest bytes.
+    while (this.incoming.length > 1 && this.incomingBytes > CONSOLE_FRAME_BYTES)
+      this.incomingBytes -= this.incoming.shift()!.bytes;
+    if (!this.scheduled) {
+      this.scheduled = true;
+      this.schedule(() => this.flush());
+    }
+  }
+
+  flush(): void {
+    this.scheduled = false;
+    if (!this.incoming.length) return;
+    const text = Bun.stripANSI(this.incoming.map((c) => c.text).join(""))
+      .replace(/\r\n/g, "\n")
+      .replace(/[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]/g, "");
+    this.incoming = [];
+    this.incomingBytes = 0;
+    let lines = text.split("\n");
+    const finished = lines.length - 1;
+    if (finished >= PANE_MAX_LINES) {
+      // More finished lines than the pane keeps: the older ones would be trimmed at once.
+      this.pane.clear();
+      this.current = "";
+      lines = lines.slice(lines.length - PANE_MAX_LINES);
+    }
+    const out: string[] = [];
+    lines.forEach((part, i) => {
+      if (i > 0) {
+        out.push(this.current);
+        this.current = "";
+      }
+      const cr = part.lastIndexOf("\r");
+      this.current = cr >= 0 ? part.slice(cr + 1) : this.current + part;
+    });
+    if (out.length) {
+      this.pane.rewriteLastLine(out[0]!);
+      if (out.length > 1) this.pane.append("\n" + out.slice(1).join("\n"));
+      this.pane.append("\n");
+    }
+    this.pane.rewriteLastLine(this.current);
+  }
+
+  end(): void {
+    this.flush();
+    if (this.current) this.pane.append("\n");
+    this.current = "";
+    this.decoder = new TextDecoder();
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI parts: the shell's screen and its keys
+// Owns: painting an emulated terminal (the Shell tab) into the TUI, and the
+// bytes a shell expects for each key the person presses.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** xterm's 256-colour palette as hex. */
+function xtermPalette(): string[] {
+  const base = [
+    "#000000",
+    "#cd0000",
+    "#00cd00",
+    "#cdcd00",
+    "#0000ee",
+    "#cd00cd",
+    "#00cdcd",
+    "#e5e5e5",
+    "#7f7f7f",
+    "#ff0000",
+    "#00ff00",
+    "#ffff00",
+    "#5c5cff",
+    "#ff00ff",
+    "#00ffff",
+    "#ffffff",
+  ];
+  const hex = (r: number, g: number, b: number) => `#${[r, g, b].map((v) => v.toString(16).padStart(2, "0")).join("")}`;
+  const levels = [0, 95, 135, 175, 215, 255];
+  const palette = base.slice();
+  for (let i = 16; i < 232; i++) {
+    const n = i - 16;
+    palette.push(hex(levels[Math.floor(n / 36)]!, levels[Math.floor(n / 6) % 6]!, levels[n % 6]!));
+  }
+  for (let i = 232; i < 256; i++) {
+    const g = 8 + (i - 232) * 10;
+    palette.push(hex(g, g, g));
+  }
+  return palette;
+}
+
+/**
+ * The Shell tab's screen: paints an @xterm/headless terminal, with colours
+ * and cursor, into its own off-screen buffer only when xterm changed; each
+ * frame just copies that buffer (painting every cell every frame is slow).
+ */
+function defineTerminalView(ot: OpenTui) {
+  const palette = xtermPalette().map((h) => ot.RGBA.fromHex(h));
+  const defaultFg = ot.RGBA.fromHex("#d0d0d0");
+  const defaultBg = ot.RGBA.fromHex("#101010");
+  const rgbCache = new Map<number, RGBA>();
+  const rgb = (n: number) => {
+    let c = rgbCache.get(n);
+    if (!c) rgbCache.set(n, (c = ot.RGBA.fromInts((n >> 16) & 255, (n >> 8) & 255, n & 255, 255)));
+    return c;
+  };
+  return class TerminalView extends ot.Renderable {
+    showCursor = true;
+    private cache: OptimizedBuffer | null = null;
+    private stale = true;
+    private readonly subscriptions: { dispose(): void }[] = [];
+    constructor(
+      ctx: RenderContext,
+      readonly term: XTerm,
+      options: RenderableOptions,
+    ) {
+      super(ctx, options);
+      this.subscriptions.push(
+        term.onWriteParsed(() => this.invalidate()),
+        term.onScroll(() => this.invalidate()),
+      );
+      this.onMouseScroll = (e) => {
+        const lines = e.scroll?.direction === "up" ? -3 : e.scroll?.direction === "down" ? 3 : 0;
+        if (lines) {
+          this.term.scrollLines(lines);
+          this.invalidate();
+        }
+      };
+    }
+    invalidate(): void {
+      this.stale = true;
+      this.requestRender();
+    }
+    protected override renderSelf(target: OptimizedBuffer): void {
+      const { width, height } = this;
+      if (width <= 0 || height <= 0) return;
+      if (!this.cache || this.cache.width !== width || this.cache.height !== height) {
+        this.cache?.destroy();
+        this.cache = ot.OptimizedBuffer.create(width, height, this.ctx.widthMethod, {
+          owner: (this.ctx as unknown as { nativeScene: unknown }).nativeScene,
+        } as never);
+        this.stale = true;
+      }
+      if (this.stale) {
+        this.paint(this.cache);
+        this.stale = false;
+      }
+      target.drawFrameBuffer(this.x, this.y, this.cache);
+    }
+    protected override destroySelf(): void {
+      for (const s of this.subscriptions) s.dispose();
+      this.cache?.destroy();
+      this.cache = null;
+      super.destroySelf();
+    }
+    private paint(buffer: OptimizedBuffer): void {
+      const active = this.term.buffer.active;
+      const cell = active.getNullCell();
+      const rows = Math.min(buffer.height, this.term.rows);
+      const cols = Math.min(buffer.width, this.term.cols);
+      buffer.clear(defaultBg);
+      for (let y = 0; y < rows; y++) {
+        const line = active.getLine(active.viewportY + y);
+        if (!line) continue;
+        let run = "";
+        let runX = 0;
+        let runFg = defaultFg;
+        let runBg = defaultBg;
+        let runAttr = 0;
+        const flush = () => {
+          if (run) buffer.drawText(run, runX, y, runFg, runBg, runAttr);
+          run = "";
+        };
+        for (let x = 0; x < cols; x++) {
+          line.getCell(x, cell);
+          if (cell.getWidth() === 0) continue;
+          let fg = cell.isFgDefault()
+            ? defaultFg
+            : cell.isFgRGB()
+              ? rgb(cell.getFgColor())
+              : palette[cell.getFgColor()]!;
+          let bg = cell.isBgDefault()
+            ? defaultBg
+            : cell.isBgRGB()
+              ? rgb(cell.getBgColor())
+              : palette[cell.getBgColor()]!;
+          let attr = 0;
+          if (cell.isBold()) attr |= ot.TextAttributes.BOLD;
+          if (cell.isDim()) attr |= ot.TextAttributes.DIM;
+          if (cell.isItalic()) attr |= ot.TextAttributes.ITALIC;
+          if (cell.isUnderline()) attr |= ot.TextAttributes.UNDERLINE;
+          if (cell.isInverse()) [fg, bg] = [bg, fg];
+          if (fg !== runFg || bg !== runBg || attr !== runAttr) {
+            flush();
+            runX = x;
+            runFg = fg;
+            runBg = bg;
+            runAttr = attr;
+          } else if (!run) runX = x;
+          run += cell.getChars() || " ";
+        }
+        flush();
+      }
+      if (this.showCursor && active.viewportY === active.baseY && active.cursorY < rows && active.cursorX < cols) {
+        const ch =
+          active
+            .getLine(active.baseY + active.cursorY)
+            ?.getCell(active.cursorX, cell)
+            ?.getChars() || " ";
+        buffer.setCell(active.cursorX, active.cursorY, ch, defaultBg, defaultFg, 0);
+      }
+    }
+  };
+}
+
+const CSI_TILDE_KEYS: Record<string, number> = {
+  insert: 2,
+  delete: 3,
+  pageup: 5,
+  pagedown: 6,
+  f5: 15,
+  f6: 17,
+  f7: 18,
+  f8: 19,
+  f9: 20,
+  f10: 21,
+  f11: 23,
+  f12: 24,
+};
+const CSI_LETTER_KEYS: Record<string, string> = { up: "A", down: "B", right: "C", left: "D", home: "H", end: "F" };
+const SS3_KEYS: Record<string, string> = { f1: "P", f2: "Q", f3: "R", f4: "S" };
+const CTRL_SYMBOLS: Record<string, string> = {
+  "@": "\x00",
+  "2": "\x00",
+  "[": "\x1b",
+  "3": "\x1b",
+  "\\": "\x1c",
+  "4": "\x1c",
+  "]": "\x1d",
+  "5": "\x1d",
+  "^": "\x1e",
+  "6": "\x1e",
+  _: "\x1f",
+  "7": "\x1f",
+  "-": "\x1f",
+  "/": "\x1f",
+  "8": "\x7f",
+  "?": "\x7f",
+};
+
+/**
+ * The bytes a shell on a PTY expects for a key. Built from the key's name
+ * and modifiers, never from its raw sequence: under the kitty keyboard
+ * protocol the raw bytes of Ctrl+C are `ESC[99;5u`, which a shell ignores.
+ */
+function keyToBytes(key: KeyEvent, applicationCursor = false): string {
+  const mod = 1 + (key.shift ? 1 : 0) + (key.meta ? 2 : 0) + (key.ctrl ? 4 : 0);
+  const name = key.name;
+  const letter = CSI_LETTER_KEYS[name];
+  if (letter) return mod > 1 ? `\x1b[1;${mod}${letter}` : applicationCursor ? `\x1bO${letter}` : `\x1b[${letter}`;
+  const tilde = CSI_TILDE_KEYS[name];
+  if (tilde) return mod > 1 ? `\x1b[${tilde};${mod}~` : `\x1b[${tilde}~`;
+  const ss3 = SS3_KEYS[name];
+  if (ss3) return mod > 1 ? `\x1b[1;${mod}${ss3}` : `\x1bO${ss3}`;
+  const alt = key.meta ? "\x1b" : "";
+  switch (name) {
+    case "return":
+    case "enter":
+    case "kpenter":
+      return alt + "\r";
+    case "linefeed":
+      return alt + "\n";
+    case "tab":
+      return key.shift ? "\x1b[Z" : alt + "\t";
+    case "backspace":
+      return alt + (key.ctrl ? "\x08" : "\x7f");
+    case "escape":
+      return alt + "\x1b";
+    case "space":
+      return alt + (key.ctrl ? "\x00" : " ");
+  }
+  if (key.ctrl && name.length === 1) {
+    const c = name.toLowerCase();
+    if (c >= "a" && c <= "z") return alt + String.fromCharCode(c.charCodeAt(0) - 96);
+    if (CTRL_SYMBOLS[c]) return alt + CTRL_SYMBOLS[c];
+  }
+  const seq = key.sequence;
+  if (seq && !/^\x1b\[[\d;:]*u$/.test(seq)) return key.meta && !seq.startsWith("\x1b") ? "\x1b" + seq : seq;
+  return "";
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI parts: the approval dialog, the Shell tab and the footer
+// Owns: the dialog that shows the command waiting for approval, the person's
+// own shell (not sandboxed) behind the Shell tab, and the footer's line. The
+// app decides which keys reach them.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** The approval dialog: the command and two buttons. It only shows and hides; the app decides which keys answer it. */
+class ApprovalDialog {
+  readonly overlay: BoxNode;
+  private readonly text: TextNode;
+
+  constructor(ot: OpenTui, r: CliRenderer, onAnswer: (answer: Approval) => void) {
+    // Only as big as the dialog, so the wheel still scrolls the panes around it.
+    this.overlay = new ot.BoxRenderable(r, {
+      position: "absolute",
+      left: "15%",
+      top: "25%",
+      width: "70%",
+      zIndex: 50,
+      visible: false,
+    });
+    const dialog = new ot.BoxRenderable(r, {
+      width: "100%",
+      border: true,
+      borderStyle: "rounded",
+      title: " Approve command? ",
+      backgroundColor: "#1c1c3a",
+      flexDirection: "column",
+      padding: 1,
+      gap: 1,
+    });
+    this.text = new ot.TextRenderable(r, { content: "", wrapMode: "char" });
+    const buttons = new ot.BoxRenderable(r, { flexDirection: "row", justifyContent: "center", gap: 4, height: 1 });
+    const button = (label: string, color: string, answer: Approval) => {
+      const b = new ot.BoxRenderable(r, { backgroundColor: color, paddingLeft: 1, paddingRight: 1, height: 1 });
+      b.onMouseDown = (e) => {
+        e.stopPropagation();
+        onAnswer(answer);
+      };
+      b.add(new ot.TextRenderable(r, { content: label, fg: "#000000" }));
+      return b;
+    };
+    buttons.add(button("[Y] Approve", COLORS.ok, { kind: "approve" }));
+    buttons.add(button("[N] Reject", COLORS.bad, { kind: "reject" }));
+    dialog.add(this.text);
+    dialog.add(buttons);
+    this.overlay.add(dialog);
+    r.root.add(this.overlay);
+  }
+
+  show(command: string): void {
+    this.text.content = `${visibleControls(command)}\n\nY or Enter approves · N or Escape rejects · /suggest <text> steers instead`;
+    this.overlay.visible = true;
+  }
+
+  hide(): void {
+    this.overlay.visible = false;
+  }
+
+  get visible(): boolean {
+    return this.overlay.visible;
+  }
+}
+
+/** How often the Shell tab looks where its shell went, for the info line (commands check again right before they run). */
+const SHELL_CWD_POLL_MS = 300;
+const SHELL_SCROLLBACK_LINES = 2000;
+
+/**
+ * The Shell tab: the person's own $SHELL on a PTY, shown through an
+ * emulated screen, every key forwarded while it has focus. It is not
+ * confined: the sandbox is for the agent's commands, and the tab says so.
+ */
+class ShellTab {
+  readonly box: BoxNode;
+  private shell:
+    | { pty: PtyProcess; term: XTerm; view: TerminalViewNode; cwdTimer: ReturnType<typeof setInterval>; cwd: string }
+    | undefined;
+
+  constructor(
+    private readonly ot: OpenTui,
+    private readonly r: CliRenderer,
+    private readonly Terminal: XTermClass,
+    private readonly events: { onCwd(dir: string): void; onExit(): void; onError(message: string): void },
+  ) {
+    this.box = new ot.BoxRenderable(r, { flexGrow: 1, width: "100%", visible: false, flexDirection: "column" });
+    this.box.add(
+      new ot.TextRenderable(r, {
+        content: "Your own shell, not sandboxed. Tab goes back to the console.",
+        fg: COLORS.dim,
+        height: 1,
+        width: "100%",
+      }),
+    );
+  }
+
+  get running(): boolean {
+    return this.shell !== undefined;
+  }
+
+  /** Starts the shell if it is not running; false when it cannot start. */
+  start(): boolean {
+    if (this.shell) return true;
+    const { ot, r } = this;
+    const cols = Math.max(20, Math.floor(r.width / 2) - 2);
+    const rows = Math.max(5, r.height - 8);
+    const shellPath =
+      process.env.SHELL && fs.existsSync(process.env.SHELL)
+        ? process.env.SHELL
+        : fs.existsSync("/bin/bash")
+          ? "/bin/bash"
+          : "/bin/sh";
+    // Output that arrives before the emulator exists waits here (a few bytes of prompt at most).
+    let early: Uint8Array[] | undefined = [];
+    let term: XTerm | undefined;
+    let pty: PtyProcess;
+    try {
+      pty = spawnPty([shellPath, "-i"], {
+        cwd: process.cwd(),
+        env: { ...commandEnvironment(), TERM: "xterm-256color" },
+        cols,
+        rows,
+        onData: (bytes) => (term ? term.write(bytes) : early?.push(bytes)),
+      });
+    } catch (error) {
+      this.events.onError(`cannot start the shell ${shellPath}: ${(error as Error).message}`);
+      return false;
+    }
+    const started = new this.Terminal({
+      cols,
+      rows,
+      scrollback: SHELL_SCROLLBACK_LINES,
+      allowProposedApi: true,
+      logLevel: "off",
+    });
+    term = started;
+    for (const bytes of early ?? []) started.write(bytes);
+    early = undefined;
+    const TerminalView = defineTerminalView(ot);
+    const view = new TerminalView(r, started, { flexGrow: 1, width: "100%", height: "100%" });
+    started.onData((data) => pty.terminal.write(data));
+    view.onSizeChange = () => {
+      if (view.width < 2 || view.height < 2) return;
+      started.resize(view.width, view.height);
+      pty.terminal.resize(view.width, view.height);
+    };
+    this.box.add(view);
+    const cwdTimer = setInterval(() => this.checkCwd(), SHELL_CWD_POLL_MS);
+    this.shell = { pty, term: started, view, cwdTimer, cwd: process.cwd() };
+    void pty.proc.exited.then(() => {
+      if (this.shell?.pty !== pty) return;
+      this.dispose();
+      this.events.onExit();
+    });
+    return true;
+  }
+
+  showCursor(on: boolean): void {
+    if (this.shell) this.shell.view.showCursor = on;
+  }
+
+  /** Forwards a key; Shift+Tab is the shell's Tab (completion), since Tab itself switches panes. */
+  key(key: KeyEvent, id: string): void {
+    const shell = this.shell;
+    if (!shell) return;
+    const bytes = id === "S-tab" ? "\t" : keyToBytes(key, shell.term.modes.applicationCursorKeysMode);
+    if (!bytes) return;
+    shell.term.scrollToBottom(); // typing brings a scrolled-back view back, as in any terminal
+    shell.pty.terminal.write(bytes);
+  }
+
+  paste(bytes: Uint8Array): void {
+    const shell = this.shell;
+    if (!shell) return;
+    shell.term.scrollToBottom();
+    const text = new TextDecoder().decode(bytes);
+    shell.pty.terminal.write(shell.term.modes.bracketedPasteMode ? `\x1b[200~${text}\x1b[201~` : text);
+  }
+
+  /** Tells the app when the shell changed directory, so the agent can follow it. */
+  checkCwd(): void {
+    const shell = this.shell;
+    if (!shell) return;
+    let now: string;
+    try {
+      now = fs.readlinkSync(`/proc/${shell.pty.proc.pid}/cwd`);
+    } catch {
+      return;
+    }
+    if (now === shell.cwd) return;
+    shell.cwd = now;
+    this.events.onCwd(now);
+  }
+
+  /** Hangs up the shell's whole group (on quitting). */
+  stop(): void {
+    const shell = this.shell;
+    if (!shell) return;
+    signalGroup(shell.pty.proc.pid, "SIGHUP");
+    this.dispose();
+  }
+
+  private dispose(): void {
+    const shell = this.shell;
+    if (!shell) return;
+    this.shell = undefined;
+    clearInterval(shell.cwdTimer);
+    shell.pty.terminal.close();
+    this.box.remove(shell.view);
+    shell.view.destroy();
+    shell.term.dispose();
+  }
+}
+
+/** The figures the footer shows, kept up to date from the agent's events. */
+interface FooterFigures {
+  sandboxOn: boolean;
+  step: number;
+  maxSteps: number;
+  context: number;
+  budget: number;
+  tokens: number;
+  rate: number;
+  state: "pending" | "running" | "idle";
+  autoApprove: boolean;
+  model: string;
+  session: string;
+}
+
+/** The footer's fields after the sandbox label, most telling first: a narrow terminal cuts the end of the line. */
+function footerParts(f: FooterFigures): string[] {
+  return [
+    `step ${f.step}/${f.maxSteps}`,
+    `ctx ${compactCount(f.context)}/${compactCount(f.budget)}`,
+    `${compactCount(f.tokens)} tok`,
+    `${f.rate} tok/s`,
+    f.state === "pending" ? "⚠ pending" : f.state,
+    `auto-approve ${f.autoApprove ? "ON" : "off"}`,
+    f.model,
+    f.session,
+  ];
+}
+
+/**
+ * Ctrl+R over the prompt history, drawn on one line above the prompt:
+ * typing narrows the search, Ctrl+R steps to an older match, Enter takes the
+ * match, Escape or Ctrl+G puts the prompt back as it was.
+ */
+class SearchLine {
+  readonly node: TextNode;
+  private readonly search: ReverseSearch;
+  private saved: string | undefined;
+
+  constructor(
+    ot: OpenTui,
+    r: CliRenderer,
+    history: () => readonly string[],
+    /** Puts a value into the prompt when the search ends. */
+    private readonly done: (value: string) => void,
+  ) {
+    this.node = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#ffd75f", content: "", visible: false });
+    this.search = new ReverseSearch(history);
+  }
+
+  get active(): boolean {
+    return this.saved !== undefined;
+  }
+
+  start(current: string): void {
+    this.saved = current;
+    this.search.setQuery("");
+    this.draw();
+  }
+
+  /** A key while searching; "quit" when the person pressed Ctrl+C. */
+  key(key: KeyEvent, id: string): "quit" | undefined {
+    key.preventDefault();
+    if (id === "C-c") return "quit";
+    if (id === "C-r") this.search.next();
+    else if (id === "return") return void this.end(this.search.text ?? this.saved ?? "");
+    else if (id === "escape" || id === "C-g") return void this.cancel();
+    else if (id === "backspace") this.search.setQuery(this.search.query.slice(0, -1));
+    else if (!key.ctrl && !key.meta && key.sequence && !key.sequence.startsWith("\x1b") && key.sequence >= " ")
+      this.search.setQuery(this.search.query + key.sequence);
+    this.draw();
+    return undefined;
+  }
+
+  /** Ends the search leaving the prompt as it was (a dialog opened, the tab changed). */
+  cancel(): void {
+    if (this.saved !== undefined) this.end(this.saved);
+  }
+
+  private end(value: string): void {
+    this.saved = undefined;
+    this.node.visible = false;
+    this.done(value);
+  }
+
+  private draw(): void {
+    const match = this.search.text;
+    const failed = this.search.query && match === undefined ? "failing " : "";
+    this.node.content = `(${failed}reverse-i-search)\`${this.search.query}': ${match ?? ""}   [Ctrl+R older · Enter accept · Esc cancel]`;
+    this.node.visible = true;
+  }
+}
+
+/** How long the warning that commands run for real stays up, unless an approval is pending. */
+const BANNER_HIDE_MS = 20_000;
+
+/**
+ * The footer line and the banner above the prompt: the banner warns that
+ * commands run for real (for a while after start), or names the command that
+ * waits for approval.
+ */
+class StatusBar {
+  readonly footer: TextNode;
+  readonly banner: TextNode;
+  private footerText = "";
+  private readonly startedAt = Date.now();
+
+  constructor(
+    private readonly ot: OpenTui,
+    r: CliRenderer,
+  ) {
+    this.banner = new ot.TextRenderable(r, { height: 1, width: "100%", bg: "#5f0000", fg: "#ffffaf", content: "" });
+    this.footer = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#b0b0b0", bg: "#202020", content: "" });
+  }
+
+  draw(figures: FooterFigures, pendingCommand: string | undefined): void {
+    const parts = footerParts(figures);
+    const sandboxLabel = `Sandbox: ${figures.sandboxOn ? "on" : "off"}`;
+    const text = `${sandboxLabel}│${parts.join("│")}`;
+    if (text !== this.footerText) {
+      this.footerText = text;
+      const { ot } = this;
+      this.footer.content = new ot.StyledText([
+        {
+          __isChunk: true,
+          text: ` ${sandboxLabel}`,
+          fg: ot.parseColor(figures.sandboxOn ? COLORS.ok : COLORS.error),
+        } as TextChunk,
+        { __isChunk: true, text: `│${parts.join("│")}` } as TextChunk,
+      ]);
+    }
+    let banner = "";
+    if (pendingCommand !== undefined)
+      banner = ` ⚠ Approval needed: ${visibleControls(pendingCommand.split("\n")[0] ?? "")}  —  Y/Enter or /approve · N/Esc or /reject · /suggest <text>`;
+    else if (!figures.autoApprove && Date.now() - this.startedAt < BANNER_HIDE_MS)
+      banner =
+        " ⚠ Commands the agent proposes run for real on this machine once you approve them. /aa turns on auto-approve.";
+    if (this.banner.content.toString() !== banner) this.banner.content = banner;
+    this.banner.visible = banner !== "";
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI parts: how events look, and the prompt
+// Owns: drawing the agent's events into the two panes, and the prompt line
+// with its history (Up/Down, Ctrl+R) shared by every aic of the person.
+// ════════════════════════════════════════════════════════════════════════════
+
+/**
+ * How the agent's events look: the model's text streamed into the agent pane
+ * (its reasoning as [THINKING]), commands and their live output in the
+ * console pane, and describeEvent's lines wherever they belong.
+ */
+class AgentView {
+  readonly agentPane: LogPane;
+  readonly consolePane: LogPane;
+  private readonly consoleStream: ConsoleStream;
+  private readonly marker = new MarkerFilter();
+  private thinking = false;
+
+  constructor(
+    ot: OpenTui,
+    r: CliRenderer,
+    private readonly showThinking: boolean,
+  ) {
+    this.agentPane = new LogPane(ot, r, {
+      width: "50%",
+      flexShrink: 0,
+      height: "100%",
+      border: true,
+      title: " Agent Output ",
+    });
+    this.consolePane = new LogPane(ot, r, { flexGrow: 1, width: "100%" });
+    this.consoleStream = new ConsoleStream(this.consolePane, (flush) => r.requestAnimationFrame(flush));
+  }
+
+  show(e: AgentEvent): void {
+    const agent = this.agentPane;
+    switch (e.type) {
+      case "reasoning_delta":
+        if (!this.showThinking) return;
+        if (!this.thinking) {
+          agent.line("[THINKING]", COLORS.thinking);
+          this.thinking = true;
+        }
+        return agent.append(visibleControls(e.text), COLORS.thinking);
+      case "thinking_complete":
+        if (this.showThinking) agent.line("[THINKING COMPLETE]", COLORS.thinking);
+        this.thinking = false;
+        return;
+      case "assistant_delta":
+        if (this.thinking) {
+          this.thinking = false;
+          agent.append("\n");
+        }
+        return agent.append(visibleControls(this.marker.push(e.text)));
+      case "assistant":
+        agent.append(visibleControls(this.marker.flush()));
+        if (!agent.atLineStart) agent.append("\n");
+        this.thinking = false;
+        return;
+      case "discarded":
+        this.thinking = false;
+        break;
+      case "command_output":
+        return this.consoleStream.write(e.data);
+      case "command_result":
+        this.consoleStream.end();
+        break;
+      case "summary_delta":
+        return this.consolePane.append(visibleControls(e.text), COLORS.summary);
+    }
+    for (const line of describeEvent(e))
+      (line.pane === "agent" ? agent : this.consolePane).line(line.text, TUI_TONES[line.tone]);
+  }
+
+  clear(): void {
+    this.agentPane.clear();
+    this.consolePane.clear();
+  }
+}
+
+/** What stands in for the layout while the terminal is too small to show it: nothing may be typed blind. */
+function tooSmallOverlay(ot: OpenTui, r: CliRenderer): BoxNode {
+  const overlay = new ot.BoxRenderable(r, {
+    position: "absolute",
+    left: 0,
+    top: 0,
+    width: "100%",
+    height: "100%",
+    zIndex: 100,
+    backgroundColor: "#000000",
+    justifyContent: "center",
+    alignItems: "center",
+    visible: false,
   });
-  await checkPromptRoom(config, systemPrompt);
-  return { sandbox, systemPrompt };
+  overlay.add(
+    new ot.TextRenderable(r, {
+      content: `The terminal is too small for aic (needs at least ${TUI_MIN_WIDTH}×${TUI_MIN_HEIGHT}). Enlarge it, or press Ctrl+C to quit.`,
+      wrapMode: "word",
+    }),
+  );
+  return overlay;
 }
+
+/**
+ * The prompt line and its history: Up/Down (or Ctrl+P/Ctrl+N) walk the
+ * history keeping the line in progress, Ctrl+R searches it, and what is
+ * submitted joins the history file.
+ */
+class PromptBar {
+  readonly input: InputNode;
+  readonly history: PromptHistory;
+  readonly search: SearchLine;
+  private readonly cursor: HistoryCursor;
+
+  constructor(ot: OpenTui, r: CliRenderer, historyFile: string, onSubmit: (value: string) => void) {
+    this.history = new PromptHistory(historyFile);
+    this.cursor = new HistoryCursor(() => this.history.entries);
+    this.search = new SearchLine(
+      ot,
+      r,
+      () => this.history.entries,
+      (value) => {
+        this.value = value;
+        this.cursor.reset();
+      },
+    );
+    this.input = new ot.InputRenderable(r, {
+      width: "100%",
+      maxLength: 100_000,
+      placeholder: "Type a task, or /help for commands…",
+      backgroundColor: "#1c1c1c",
+      focusedBackgroundColor: "#262626",
+    });
+    this.input.on(ot.InputRenderableEvents.ENTER, (value: string) => onSubmit(value));
+  }
+
+  get value(): string {
+    return this.input.value;
+  }
+
+  set value(text: string) {
+    this.input.value = text;
+  }
+
+  /** Empties the line for the next prompt. */
+  clear(): void {
+    this.value = "";
+    this.cursor.reset();
+  }
+
+  /** Adds a submitted prompt to the history file; `onError` hears why it could not be saved. */
+  remember(text: string, onError: (message: string) => void): void {
+    this.history.add(text).catch((error) => onError((error as Error).message));
+    this.cursor.reset(); // again: the history just grew by this prompt
+  }
+
+  older(): void {
+    const entry = this.cursor.older(this.value);
+    if (entry !== undefined) this.value = entry;
+  }
+
+  newer(): void {
+    const entry = this.cursor.newer();
+    if (entry !== undefined) this.value = entry;
+  }
+
+  focus(on: boolean): void {
+    if (on) this.input.focus();
+    else this.input.blur();
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI app
+// Owns: the split-pane @opentui/core interface: one more sink for the agent's
+// events and the approval function it awaits. Loaded only without --nogui, so
+// the headless path never pays for OpenTUI. Nothing here blocks: the model
+// stream, the PTYs and the keyboard all share one event loop.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** How long the TUI waits for a stopped run to wind down, and for the terminal to take its restore bytes, when quitting. */
+const QUIT_RUN_WAIT_MS = 3000;
+const QUIT_TERMINAL_WAIT_MS = 1000;
+/** Loading the tokenizer costs a few hundred ms of CPU: paid just after the first screen, not mid-stream. */
+const WARM_UP_DELAY_MS = 50;
+/** How often the footer's tok/s is redrawn while tokens stream. */
+const RATE_REFRESH_MS = 500;
+
+/**
+ * The split-pane interface: agent output on the left, the commands' console
+ * and the person's own shell on the right, a prompt and a status footer
+ * below. It is one more EventSink for the agent and the approval function the
+ * agent awaits; it moves the agent only through the agent's methods, and its
+ * figures come from the agent's events.
+ */
+class Tui implements EventSink {
+  readonly agent: Agent;
+  readonly session: SessionStore | undefined;
+  readonly prompt: PromptBar;
+  private readonly run: Run;
+  private readonly systemPrompt: string;
+  private readonly r: CliRenderer;
+  private readonly view: AgentView;
+  private readonly root: BoxNode;
+  private readonly tabConsole: TextNode;
+  private readonly tabShell: TextNode;
+  private readonly shellTab: ShellTab;
+  private readonly status: StatusBar;
+  private readonly dialog: ApprovalDialog;
+  private readonly tooSmall: BoxNode;
+  private tab: "console" | "shell" = "console";
+  private pending: { command: string; resolve(a: Approval): void } | undefined;
+  private running: Promise<RunOutcome> | undefined;
+  private readonly rate = new TokenRate();
+  /** Runs only while tokens stream and until tok/s has decayed to 0: nothing ticks at rest. */
+  private rateTimer: ReturnType<typeof setInterval> | undefined;
+  private readonly figures: Omit<FooterFigures, "rate" | "state" | "autoApprove">;
+  private exiting = false;
+
+  constructor(private readonly o: TuiOptions) {
+    const { config, renderer: r, ot } = o;
+    this.r = r;
+    const prepared = o.prepared ?? prepareParts(config);
+    this.systemPrompt = prepared.systemPrompt;
+    this.prompt = new PromptBar(
+      ot,
+      r,
+      o.historyFile ?? path.join(os.homedir(), ".aic_history"),
+      (value) => void this.submit(value),
+    );
+    this.figures = {
+      sandboxOn: prepared.sandbox.enabled,
+      step: 0,
+      maxSteps: config.maxSteps,
+      context: 0,
+      budget: promptBudget(config),
+      tokens: 0,
+      model: config.model,
+      session: "no session",
+    };
+
+    // Layout: [agent | console/shell] over banner, search line, prompt, footer.
+    this.root = new ot.BoxRenderable(r, { flexDirection: "column", width: "100%", height: "100%" });
+    const top = new ot.BoxRenderable(r, { flexDirection: "row", flexGrow: 1, width: "100%" });
+    this.view = new AgentView(ot, r, !config.noThinking);
+    const right = new ot.BoxRenderable(r, { flexDirection: "column", flexGrow: 1, height: "100%", border: true });
+    const tabs = new ot.BoxRenderable(r, { flexDirection: "row", height: 1, gap: 1 });
+    this.tabConsole = new ot.TextRenderable(r, { content: " Console Output " });
+    this.tabShell = new ot.TextRenderable(r, { content: " Shell " });
+    this.tabConsole.onMouseDown = () => this.setTab("console");
+    this.tabShell.onMouseDown = () => this.setTab("shell");
+    tabs.add(this.tabConsole);
+    tabs.add(this.tabShell);
+    this.shellTab = new ShellTab(ot, r, o.Terminal, {
+      onCwd: (dir) => this.agent.moveTo(dir),
+      onError: (message) => this.agentPane.line(message, COLORS.error),
+      onExit: () => {
+        if (this.exiting) return;
+        this.agentPane.line("[shell] the shell exited; Tab to it again for a new one", COLORS.info);
+        if (this.tab === "shell") this.setTab("console");
+      },
+    });
+    right.add(tabs);
+    right.add(this.consolePane.box);
+    right.add(this.shellTab.box);
+    top.add(this.agentPane.box);
+    top.add(right);
+    this.status = new StatusBar(ot, r);
+    for (const child of [top, this.status.banner, this.prompt.search.node, this.prompt.input, this.status.footer])
+      this.root.add(child);
+    r.root.add(this.root);
+
+    this.dialog = new ApprovalDialog(ot, r, (answer) => this.answerApproval(answer));
+    this.tooSmall = tooSmallOverlay(ot, r);
+    r.root.add(this.tooSmall);
+    r.on("resize", () => this.checkSize());
+    this.checkSize();
+
+    r.keyInput.on("keypress", (key: KeyEvent) => this.onKey(key));
+    r.keyInput.on("paste", (event: { bytes: Uint8Array; preventDefault(): void }) => {
+      if (this.tooSmall.visible) return event.preventDefault();
+      if (this.tab !== "shell" || !this.shellTab.running) return;
+      event.preventDefault();
+      this.shellTab.paste(event.bytes);
+    });
+
+    this.run = createRun(
+      config,
+      prepared,
+      {
+        sink: this,
+        approve: (request) => this.requestApproval(request),
+        canAnswerInput: () => false,
+        beforeCommand: () => this.shellTab.checkCwd(),
+      },
+      config.request ?? "",
+    );
+    this.agent = this.run.agent;
+    this.session = this.run.session;
+    if (this.session) this.figures.session = `${path.basename(this.session.path)}#${this.session.sessionId}`;
+    this.figures.tokens = this.run.restored?.usage?.billable_tokens ?? 0;
+    this.setTab("console");
+    this.refreshStatus();
+    if (config.request) void this.submit(config.request);
+    setTimeout(() => {
+      if (this.exiting) return;
+      this.agent.warmUp();
+      require("proper-lockfile");
+      require("write-file-atomic");
+    }, WARM_UP_DELAY_MS);
+  }
+
+  get history(): PromptHistory {
+    return this.prompt.history;
+  }
+
+  private get agentPane(): LogPane {
+    return this.view.agentPane;
+  }
+
+  private get consolePane(): LogPane {
+    return this.view.consolePane;
+  }
+
+  // ── approval ─────────────────────────────────────────────────────────────
+
+  private requestApproval({ command }: { id: string; command: string }): Promise<Approval> {
+    return new Promise((resolve) => {
+      this.prompt.search.cancel();
+      this.pending = { command, resolve };
+      if (this.tab === "console") this.dialog.show(command);
+      this.refreshStatus();
+    });
+  }
+
+  answerApproval(answer: Approval): void {
+    const pending = this.pending;
+    if (!pending) return this.agentPane.line("No command is waiting for approval.", COLORS.warning);
+    this.pending = undefined;
+    this.dialog.hide();
+    pending.resolve(answer);
+    this.refreshStatus();
+  }
+
+  suggestInstead(text: string): void {
+    if (!text.trim()) return this.agentPane.line("Usage: /suggest <what the agent should do instead>", COLORS.warning);
+    if (this.pending) return this.answerApproval({ kind: "suggest", text: text.trim() });
+    if (this.agent.running) {
+      this.agent.suggest(text.trim());
+      return this.agentPane.line(`[queued suggestion] ${text.trim()}`, COLORS.info);
+    }
+    this.agentPane.line("No command is waiting for approval.", COLORS.warning);
+  }
+
+  toggleAutoApprove(): void {
+    const on = !this.agent.autoApproving;
+    this.agent.setAutoApprove(on);
+    this.agentPane.line(
+      `Auto-approve is now ${on ? "ON: commands run without asking" : "OFF: each command waits for your approval"}.`,
+      on ? COLORS.warning : COLORS.ok,
+    );
+    this.refreshStatus();
+  }
+
+  // ── prompt, history, slash commands ──────────────────────────────────────
+
+  async submit(raw: string): Promise<void> {
+    const text = raw.trim();
+    this.prompt.clear();
+    if (!text) return;
+    if (text.startsWith("/")) return this.runSlash(text);
+    this.prompt.remember(text, (why) => this.agentPane.line(`cannot save the prompt history: ${why}`, COLORS.warning));
+    if (this.agent.running) {
+      this.agent.suggest(text);
+      this.agentPane.line(`[queued suggestion] ${text}`, COLORS.info);
+      return;
+    }
+    this.startRun(text);
+  }
+
+  private startRun(request: string): void {
+    this.agentPane.line(`> ${request}`, COLORS.command);
+    this.figures.step = 0;
+    this.running = this.agent.run(request);
+    this.running.finally(() => {
+      this.running = undefined;
+      this.refreshStatus();
+    });
+  }
+
+  private async runSlash(text: string): Promise<void> {
+    const [word = "", ...rest] = text.split(/\s+/);
+    const command = SLASH_COMMANDS.find((c) => c.names.includes(word.toLowerCase()));
+    if (!command) {
+      this.agentPane.line("Commands:", COLORS.info);
+      for (const c of SLASH_COMMANDS)
+        this.agentPane.line(
+          `  ${[c.names.join(", "), c.args].filter(Boolean).join(" ").padEnd(24)} ${c.help}`,
+          COLORS.info,
+        );
+      return;
+    }
+    await command.run(this, text.slice(word.length).trim() || rest.join(" "));
+  }
+
+  stopAgent(): void {
+    if (!this.agent.running) return this.agentPane.line("The agent is not running.", COLORS.info);
+    this.agent.stop();
+    this.agentPane.line("Stopping the agent…", COLORS.warning);
+  }
+
+  async clearConversation(): Promise<void> {
+    if (this.running) {
+      this.agent.stop();
+      await this.running;
+    }
+    this.agent.clear();
+    this.figures.step = 0;
+    this.figures.tokens = 0;
+    this.view.clear();
+    this.agentPane.line(`[SESSION] cleared; new session ${this.session?.sessionId ?? "(not saved)"}`, COLORS.info);
+    if (this.session) this.figures.session = `${path.basename(this.session.path)}#${this.session.sessionId}`;
+    this.refreshStatus();
+  }
+
+  showSession(): void {
+    if (!this.session) return this.agentPane.line("[SESSION] off (--no-session): nothing is saved.", COLORS.info);
+    this.agentPane.line(
+      this.session
+        .describe()
+        .map((l) => `[SESSION] ${l}`)
+        .join("\n"),
+      COLORS.info,
+    );
+  }
+
+  reloadSession(): void {
+    if (this.agent.running)
+      return this.agentPane.line("/reload works only while the agent is stopped (/stop first).", COLORS.warning);
+    if (!this.session) return this.agentPane.line("[SESSION] off (--no-session): nothing to reload.", COLORS.info);
+    const loaded = this.session.load(this.systemPrompt);
+    for (const line of loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
+    this.agent.restore(loaded.messages ? loaded : { ...loaded, messages: [], stepCount: 0, usage: emptyUsage() });
+    this.figures.step = 0;
+    this.figures.tokens = loaded.usage?.billable_tokens ?? 0;
+    this.refreshStatus();
+  }
+
+  // ── keys ─────────────────────────────────────────────────────────────────
+
+  private onKey(key: KeyEvent): void {
+    const id = `${key.ctrl ? "C-" : ""}${key.meta ? "M-" : ""}${key.shift ? "S-" : ""}${key.name}`;
+    // Nothing is visible on a too-small terminal: nothing may be typed, sent or approved blind.
+    if (this.tooSmall.visible) {
+      key.preventDefault();
+      if (id === "C-c") void this.quit(EXIT.sigint, "interrupted");
+      return;
+    }
+    if (this.prompt.search.active) {
+      if (this.prompt.search.key(key, id) === "quit") void this.quit(EXIT.sigint, "interrupted");
+      return;
+    }
+    if (id === "tab") {
+      key.preventDefault();
+      return this.setTab(this.tab === "console" ? "shell" : "console");
+    }
+    if (this.tab === "shell" && this.shellTab.running) {
+      key.preventDefault();
+      return this.shellTab.key(key, id);
+    }
+    if (this.dialog.visible && this.onApprovalKey(key, id)) return;
+    const action = TUI_KEYS[id];
+    if (!action) return;
+    key.preventDefault();
+    action(this);
+  }
+
+  /**
+   * Keys while a command waits for approval; true when the key was used.
+   * Y/Enter approve and N/Escape reject while the prompt is empty. Text
+   * being typed keeps going to the prompt (a `y` typed as the dialog popped
+   * up must not approve a command nobody read); Escape then clears it, as it
+   * cancels a slash command (/suggest …) being typed. Paging still scrolls.
+   */
+  private onApprovalKey(key: KeyEvent, id: string): boolean {
+    if (id === "C-c" || TUI_PAGING.has(id)) return false; // quitting and paging work as always
+    if (this.prompt.value !== "") {
+      if (id !== "escape") return false;
+      key.preventDefault();
+      this.prompt.value = "";
+      return true;
+    }
+    if (key.sequence === "/") return false;
+    key.preventDefault();
+    if (["y", "S-y", "return"].includes(id)) this.answerApproval({ kind: "approve" });
+    else if (["n", "S-n", "escape"].includes(id)) this.answerApproval({ kind: "reject" });
+    return true;
+  }
+
+  historyOlder(): void {
+    this.prompt.older();
+  }
+
+  historyNewer(): void {
+    this.prompt.newer();
+  }
+
+  page(pane: "agent" | "console", direction: -1 | 1): void {
+    (pane === "agent" ? this.agentPane : this.consolePane).page(direction);
+  }
+
+  startSearch(): void {
+    this.prompt.search.start(this.prompt.value);
+  }
+
+  // ── panes and tabs ───────────────────────────────────────────────────────
+
+  setTab(tab: "console" | "shell"): void {
+    this.prompt.search.cancel();
+    if (tab === "shell" && !this.shellTab.start()) tab = "console";
+    this.tab = tab;
+    this.consolePane.box.visible = tab === "console";
+    this.shellTab.box.visible = tab === "shell";
+    const label = (node: TextNode, on: boolean) => {
+      node.fg = on ? "#000000" : COLORS.dim;
+      node.bg = on ? COLORS.tabOn : "transparent";
+    };
+    label(this.tabConsole, tab === "console");
+    label(this.tabShell, tab === "shell");
+    // The dialog would cover the shell; the banner keeps showing what waits for approval.
+    if (tab === "console" && this.pending) this.dialog.show(this.pending.command);
+    else this.dialog.hide();
+    this.shellTab.showCursor(tab === "shell");
+    this.prompt.focus(tab !== "shell");
+    this.refreshStatus();
+  }
+
+  private checkSize(): void {
+    const small = this.r.width < TUI_MIN_WIDTH || this.r.height < TUI_MIN_HEIGHT;
+    this.tooSmall.visible = small;
+    this.root.visible = !small;
+  }
+
+  // ── status ───────────────────────────────────────────────────────────────
+
+  private refreshStatus(): void {
+    const state = this.pending ? "pending" : this.agent?.running ? "running" : "idle";
+    const autoApprove = this.agent?.autoApproving ?? this.o.config.autoApprove;
+    this.status.draw({ ...this.figures, rate: this.rate.rate(), state, autoApprove }, this.pending?.command);
+  }
+
+  /** One more streamed token: the footer's tok/s follows it, and decays to 0 once the stream is idle. */
+  private countToken(): void {
+    this.rate.add(1);
+    this.rateTimer ??= setInterval(() => {
+      this.refreshStatus();
+      if (this.rate.rate() === 0) {
+        clearInterval(this.rateTimer);
+        this.rateTimer = undefined;
+      }
+    }, RATE_REFRESH_MS);
+  }
+
+  // ── events from the agent ────────────────────────────────────────────────
+
+  emit(e: AgentEvent): void {
+    switch (e.type) {
+      case "step":
+        this.figures.step = e.step;
+        return this.refreshStatus();
+      case "usage":
+        this.figures.tokens = e.total.billable_tokens;
+        this.figures.context = e.context_estimate;
+        return this.refreshStatus();
+      case "context":
+        this.figures.context = e.estimate;
+        this.figures.budget = e.budget;
+        return this.refreshStatus();
+      case "reasoning_delta":
+      case "assistant_delta":
+        this.countToken();
+        break;
+      case "end":
+        // A stopped run no longer waits for an answer: the dialog must not swallow the next key.
+        if (this.pending) {
+          this.pending = undefined;
+          this.dialog.hide();
+        }
+        break;
+    }
+    this.view.show(e);
+    if (e.type === "end") this.refreshStatus();
+  }
+
+  // ── leaving ──────────────────────────────────────────────────────────────
+
+  /**
+   * Stops the agent, saves the session, ends the shell, restores the
+   * terminal, and exits with `code`; `message` goes to stderr once the
+   * terminal is back to normal (a crash report, say).
+   */
+  async quit(code: number, reason: string, message?: string): Promise<void> {
+    if (this.exiting) return;
+    this.exiting = true;
+    clearInterval(this.rateTimer);
+    this.agent.stop(code);
+    if (this.pending) this.answerApproval({ kind: "reject" });
+    if (this.running) await Promise.race([this.running, Bun.sleep(QUIT_RUN_WAIT_MS)]);
+    this.run.close(reason);
+    this.shellTab.stop();
+    try {
+      this.r.destroy();
+      // A hung-up terminal cannot take the restore bytes: `closed` then rejects, and exiting must not depend on it.
+      await Promise.race([this.r.closed.catch(() => undefined), Bun.sleep(QUIT_TERMINAL_WAIT_MS)]);
+    } catch {
+      /* the terminal is gone; nothing left to restore */
+    } finally {
+      if (message) writeOut(2, message);
+      this.o.onExit(code);
+    }
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI keys, slash commands and start-up
+// Owns: the tables of what the person can type (keys handled by the TUI
+// itself, slash commands), and starting the TUI on a real terminal.
+// ════════════════════════════════════════════════════════════════════════════
+
+interface SlashCommand {
+  names: string[];
+  args?: string;
+  help: string;
+  run(tui: Tui, argument: string): void | Promise<void>;
+}
+
+const SLASH_COMMANDS: readonly SlashCommand[] = [
+  {
+    names: ["/autoapprove", "/aa"],
+    help: "toggle auto-approve (takes effect for the next command)",
+    run: (t) => t.toggleAutoApprove(),
+  },
+  {
+    names: ["/approve"],
+    help: "run the command waiting for approval",
+    run: (t) => t.answerApproval({ kind: "approve" }),
+  },
+  {
+    names: ["/reject"],
+    help: "skip the command waiting for approval",
+    run: (t) => t.answerApproval({ kind: "reject" }),
+  },
+  {
+    names: ["/suggest"],
+    args: "<text>",
+    help: "skip it and tell the agent what to do instead",
+    run: (t, text) => t.suggestInstead(text),
+  },
+  {
+    names: ["/clear", "/new"],
+    help: "forget the conversation and start a new session",
+    run: (t) => t.clearConversation(),
+  },
+  { names: ["/session"], help: "show the session file and what is saved in it", run: (t) => t.showSession() },
+  { names: ["/reload"], help: "re-read the session file (agent stopped)", run: (t) => t.reloadSession() },
+  { names: ["/stop"], help: "stop the agent", run: (t) => t.stopAgent() },
+  { names: ["/quit", "/exit"], help: "stop the agent and quit", run: (t) => t.quit(EXIT.ok, "process_exit") },
+];
+
+interface TuiOptions {
+  config: Config;
+  renderer: CliRenderer;
+  ot: OpenTui;
+  Terminal: XTermClass;
+  /** Called once, when the TUI has shut down and wants the process to end with `code`. */
+  onExit(code: number): void;
+  /** The sandbox and system prompt; made here when not given (tests). */
+  prepared?: PreparedRun;
+  historyFile?: string;
+}
+
+/** Colours of each tone of describeEvent in the panes. */
+const TUI_TONES: Record<Tone, string> = {
+  dim: COLORS.info,
+  info: COLORS.info,
+  warning: COLORS.warning,
+  error: COLORS.error,
+  command: COLORS.command,
+  ok: COLORS.ok,
+  bad: COLORS.bad,
+  summary: COLORS.summary,
+};
+const TUI_PAGING = new Set(["pageup", "pagedown", "S-pageup", "S-pagedown"]);
+
+/** Keys handled by the TUI itself when the prompt has focus (everything else goes to the prompt). */
+const TUI_KEYS: Record<string, (tui: Tui) => void> = {
+  up: (t) => t.historyOlder(),
+  "C-p": (t) => t.historyOlder(),
+  down: (t) => t.historyNewer(),
+  "C-n": (t) => t.historyNewer(),
+  "C-r": (t) => t.startSearch(),
+  pageup: (t) => t.page("agent", -1),
+  pagedown: (t) => t.page("agent", 1),
+  "S-pageup": (t) => t.page("console", -1),
+  "S-pagedown": (t) => t.page("console", 1),
+  "C-c": (t) => void t.quit(EXIT.sigint, "interrupted"),
+  escape: (t) => void t.quit(EXIT.ok, "interrupted"),
+};
+
+async function runTui(config: Config, prepared: PreparedRun): Promise<number> {
+  if (!process.stdin.isTTY || !process.stdout.isTTY) {
+    writeOut(
+      2,
+      "aic: error: the terminal UI needs a terminal on stdin and stdout; use --nogui for scripts and pipes\n",
+    );
+    return EXIT.usage;
+  }
+  if (config.request === "-") {
+    writeOut(2, "aic: error: reading the request from stdin (-) needs --nogui\n");
+    return EXIT.usage;
+  }
+  const [ot, Terminal] = await Promise.all([import("@opentui/core"), loadXterm()]);
+  let renderer: CliRenderer;
+  try {
+    renderer = await ot.createCliRenderer({
+      exitOnCtrlC: false,
+      exitSignals: [],
+      autoFocus: false,
+      openConsoleOnError: false,
+      useMouse: true,
+      maxFps: 60,
+    });
+  } catch (error) {
+    writeOut(
+      2,
+      `aic: error: cannot start the terminal UI (${(error as Error).message}); check that $TMPDIR is writable, or use --nogui\n`,
+    );
+    return EXIT.failure;
+  }
+  return new Promise<number>((resolve) => {
+    const tui = new Tui({ config, renderer, ot, Terminal, onExit: resolve, prepared });
+    onExitEvents(
+      (code, reason) => void tui.quit(code, reason),
+      (error) => void tui.quit(EXIT.failure, "process_exit", crashReport(error)),
+    );
+  });
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Main
+// Owns: choosing the mode from the parsed command line and turning the outcome
+// into an exit code.
+// ════════════════════════════════════════════════════════════════════════════
 
 async function main(argv: string[]): Promise<number> {
   if (argv[0] === SANDBOX_EXEC) {
@@ -5374,4 +6792,5 @@ export {
   systemContent,
   validateOutgoing,
 };
+
 export type { AgentEvent, Config, EventSink, Message, Sandbox, TuiOptions };

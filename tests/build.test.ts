@@ -1,5 +1,6 @@
 /**
- * Tests of the built executable (SPEC §11 build, §1 command line, the `aic search` subcommand):
+ * Tests of the built executable (README: "Install and build", "Usage", and the `aic search`
+ * subcommand):
  * dist/aic is one file that runs with no node_modules anywhere — tiktoken's WASM and
  * @xterm/headless embedded — from any directory, prints its version and help, and fails a web
  * search cleanly when there is no network.
@@ -9,10 +10,24 @@
  * outside the namespace, and is reached over loopback.
  */
 import { describe, expect, test } from "bun:test";
-import { copyFileSync, existsSync, readFileSync, statSync } from "node:fs";
+import { copyFileSync, existsSync, readFileSync } from "node:fs";
 import { join } from "node:path";
-import { countPromptTokens, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
-import { AIC, ROOT, bash, cleanEnv, headless, perTestFixtures, runAic, scratch, type AicRun } from "./helpers.ts";
+import { countPromptTokens, type FakeServer, type Turn } from "./fake-openai.ts";
+import {
+  AIC,
+  ROOT,
+  bash,
+  documentedOptions,
+  has,
+  headless,
+  messagesOf,
+  perTestFixtures,
+  runAic,
+  runCommand,
+  scratch,
+  toolAnswer,
+  type AicRun,
+} from "./helpers.ts";
 
 const NODE_MODULES = join(ROOT, "node_modules");
 
@@ -20,39 +35,28 @@ const fixtures = perTestFixtures();
 // inflation 1: the server reports exactly the tiktoken count, so aic's calibrated estimate must equal it.
 const serve = (turns: Turn[]): FakeServer => fixtures.serve(turns, { inflation: 1 });
 
-const messagesOf = (req: RecordedRequest | undefined): any[] => req?.body?.messages ?? [];
-const toolAnswer = (srv: FakeServer, id: string): string =>
-  messagesOf(srv.requests.at(-1)).find((m) => m.role === "tool" && m.tool_call_id === id)?.content ?? "";
-
 /**
  * Runs `argv` in `cwd` inside a private mount namespace where ROOT/node_modules is an empty
  * tmpfs. The shell checks the directory really is empty before exec'ing, and exits 97 if not.
  */
-async function runWithoutNodeModules(argv: string[], cwd: string): Promise<AicRun> {
-  const started = performance.now();
+function runWithoutNodeModules(argv: string[], cwd: string): Promise<AicRun> {
   const script = 'mount -t tmpfs none "$1" && [ -z "$(ls -A "$1")" ] || exit 97; cd "$2" && shift 2 && exec "$@"';
-  const proc = Bun.spawn(["unshare", "--mount", "sh", "-c", script, "sh", NODE_MODULES, cwd, ...argv], {
-    env: cleanEnv(),
-    stdin: "ignore",
-    stdout: "pipe",
-    stderr: "pipe",
-  });
-  const guard = setTimeout(() => proc.kill("SIGKILL"), 100_000);
-  const [stdout, stderr, code] = await Promise.all([new Response(proc.stdout).text(), new Response(proc.stderr).text(), proc.exited]);
-  clearTimeout(guard);
-  return { code, stdout, stderr, ms: performance.now() - started };
+  return runCommand(["unshare", "--mount", "sh", "-c", script, "sh", NODE_MODULES, cwd, ...argv]);
 }
 
 /** Two steps: a command whose colour codes and carriage return only a terminal emulator renders, then done. */
-const colourTask = (): Turn[] => [bash(String.raw`printf '\033[1;31mRED\033[0m-text\rX\n'`, "call_colour"), { content: "TASKCOMPLETE" }];
+const colourTask = (): Turn[] => [
+  bash(String.raw`printf '\033[1;31mRED\033[0m-text\rX\n'`, "call_colour"),
+  { content: "TASKCOMPLETE" },
+];
 /** What a person sees on the terminal for that command: X overwrites the R. */
 const COLOUR_RENDERED = "XED-text";
 
-describe("standalone executable (SPEC §11)", () => {
+// Hiding node_modules needs a private mount namespace: root and unshare. Without them these tests
+// are skipped (the embedded-files test below still checks the binary on any machine).
+describe.skipIf(!has.root || !has.unshare)("standalone executable", () => {
   // Precondition of the tests below: a private mount namespace can hide node_modules from aic.
   test("unshare --mount hides node_modules (needs root)", async () => {
-    expect(Bun.which("unshare")).not.toBeNull();
-    expect(process.getuid?.()).toBe(0);
     const probe = await runWithoutNodeModules(["ls", "-A", NODE_MODULES], "/tmp");
     expect(probe.code).toBe(0);
     expect(probe.stdout).toBe("");
@@ -73,19 +77,22 @@ describe("standalone executable (SPEC §11)", () => {
   test("a headless task with node_modules hidden counts tokens with tiktoken and renders output with xterm", async () => {
     const srv = serve(colourTask());
     const cwd = scratch();
-    const run = await runWithoutNodeModules([AIC, ...headless(srv.url, "test-model", "--auto-approve", "--debug"), "colour"], cwd);
+    const run = await runWithoutNodeModules(
+      [AIC, ...headless(srv.url, "test-model", "--auto-approve", "--debug"), "colour"],
+      cwd,
+    );
 
     expect(run.stderr).not.toContain("internal error");
     expect(run.code).toBe(0);
     expect(srv.requests).toHaveLength(2);
 
-    const answer = toolAnswer(srv, "call_colour");
+    const answer = toolAnswer(srv.requests.at(-1), "call_colour");
     expect(answer).toStartWith("Command executed with exit code 0.");
     expect(answer).toContain(COLOUR_RENDERED);
     expect(answer).not.toContain("\x1b");
     expect(answer).not.toContain("\r");
 
-    // §5: the debug dump before the second call holds aic's calibrated tiktoken estimate, which with
+    // The debug dump before the second call holds aic's calibrated tiktoken estimate, which with
     // inflation 1 equals the server's own o200k_base count of the same messages.
     const dump = readFileSync(join(cwd, "commander-debug.txt"), "utf8");
     const estimate = Number(/^estimated_tokens: (\d+)$/m.exec(dump)?.[1]);
@@ -104,23 +111,32 @@ describe("standalone executable (SPEC §11)", () => {
     expect(version.code).toBe(0);
     expect(version.stdout).toStartWith("aic ");
 
-    const run = await runWithoutNodeModules([copy, ...headless(srv.url, "test-model", "--auto-approve", "--no-session"), "echo"], "/");
+    const run = await runWithoutNodeModules(
+      [copy, ...headless(srv.url, "test-model", "--auto-approve", "--no-session"), "echo"],
+      "/",
+    );
     expect(run.stderr).not.toContain("internal error");
     expect(run.code).toBe(0);
-    const answer = toolAnswer(srv, "call_echo");
+    const answer = toolAnswer(srv.requests.at(-1), "call_echo");
     expect(answer).toStartWith("Command executed with exit code 0.");
     expect(answer).toContain("standalone-42");
     expect(answer).toMatch(/^\/$/m);
   });
-
-  test("binary size (reported, not asserted)", () => {
-    const bytes = statSync(AIC).size;
-    console.log(`dist/aic: ${bytes} bytes (${(bytes / 1024 / 1024).toFixed(1)} MiB)`);
-    expect(bytes).toBeGreaterThan(0);
-  });
 });
 
-describe("--version and --help (SPEC §1)", () => {
+// What makes it standalone, checked on any machine: the files aic loads at run time are inside the
+// executable, byte for byte. (The binary's size is a figure, not a fact to assert: the cold-start
+// benchmark reports it, `bun run tests/bench/run.ts cold-start`.)
+test("dist/aic holds tiktoken's WASM and its o200k_base table byte for byte", () => {
+  const binary = readFileSync(AIC);
+  for (const file of ["tiktoken/lite/tiktoken_bg.wasm", "tiktoken/encoders/o200k_base.json"]) {
+    const bytes = readFileSync(join(NODE_MODULES, file));
+    expect(bytes.length).toBeGreaterThan(100_000);
+    expect({ file, embedded: binary.indexOf(bytes) >= 0 }).toEqual({ file, embedded: true });
+  }
+});
+
+describe("--version and --help", () => {
   test("--version prints aic <semver> and exits 0", async () => {
     const run = await runAic(["--version"]);
     expect(run.code).toBe(0);
@@ -128,17 +144,14 @@ describe("--version and --help (SPEC §1)", () => {
     expect(run.stdout.trim()).toBe(`aic ${JSON.parse(readFileSync(join(ROOT, "package.json"), "utf8")).version}`);
   });
 
-  // Every option of the §1 table is listed, and each numeric default sits on its own flag's line.
+  // Every option of the README's options table is listed, and each numeric default sits on its own flag's line.
   test("--help lists every flag and the documented defaults", async () => {
     const run = await runAic(["--help"]);
     expect(run.code).toBe(0);
     const help = run.stdout;
-    const flags = [
-      "--api-base", "--model", "--api-key", "--auto-approve", "--no-thinking", "--timeout", "--max-prompt-len",
-      "--max-output-bytes", "--max-steps", "--debug", "--nogui", "--session", "--no-session", "--disable-sandbox",
-      "--compress-alg", "--compress-target", "--fast", "--reasoning-effort", "--json", "--version", "--help",
-    ];
-    for (const flag of flags) expect(help).toMatch(new RegExp(`(^|\\s)${flag}(\\s|=|$)`, "m"));
+    const flags = documentedOptions();
+    expect(flags.length).toBeGreaterThanOrEqual(21);
+    for (const flag of flags) expect(help).toMatch(new RegExp(`(^|\\s)${flag}(\\s|=|,|$)`, "m"));
 
     const lineOf = (flag: string) => help.split("\n").find((l) => new RegExp(`^\\s*${flag}(\\s|=)`).test(l)) ?? "";
     const defaults: Record<string, string> = {
@@ -155,16 +168,16 @@ describe("--version and --help (SPEC §1)", () => {
 });
 
 describe("aic search without network", () => {
-  // No route to DuckDuckGo here: one clear error line, exit 1, no hang.
+  // No route to DuckDuckGo here: one clear error line, exit 1, no hang (a hang would meet the 60 s
+  // guard's SIGKILL, exit 137, instead of aic's own 1).
   test("fails with one 'aic search: error:' line on stderr and exit 1", async () => {
     const run = await runAic(["search", "x"], { killAfterMs: 60_000 });
     expect(run.stderr.trimEnd().split("\n")).toEqual([expect.stringMatching(/^aic search: error: \S/)]);
     expect(run.stdout).toBe("");
     expect(run.code).toBe(1);
-    expect(run.ms).toBeLessThan(40_000);
   }, 70_000);
 
-  // §1: a missing query is a usage error.
+  // A missing query is a usage error.
   test("no query exits 2", async () => {
     const run = await runAic(["search"]);
     expect(run.code).toBe(2);
@@ -173,8 +186,15 @@ describe("aic search without network", () => {
 });
 
 // The program and its tests type-check under `strict` (tsconfig.json), with no unused locals.
+// TypeScript's compiler runs under the Bun that runs the tests, so the check needs no Node.js.
 test("aic.ts and the tests type-check", () => {
-  const tsc = Bun.spawnSync([join(ROOT, "node_modules", ".bin", "tsc"), "--noEmit", "-p", ROOT], { stdout: "pipe", stderr: "pipe" });
+  const tsc = Bun.spawnSync(
+    [process.execPath, join(NODE_MODULES, "typescript", "lib", "tsc.js"), "--noEmit", "-p", ROOT],
+    {
+      stdout: "pipe",
+      stderr: "pipe",
+    },
+  );
   expect(tsc.stdout.toString() + tsc.stderr.toString()).toBe("");
   expect(tsc.exitCode).toBe(0);
 }, 120_000);

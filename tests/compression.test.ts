@@ -1,18 +1,33 @@
 /**
- * End-to-end tests of the context budget and compression (SPEC §5, and §3 on context-too-long
- * errors): the compiled dist/aic runs long scripted tasks against the fake OpenAI server, whose
+ * End-to-end tests of the context budget and compression (README: "Context budget and
+ * compression", and the context-overflow class of "The model endpoint and its failures"): the compiled dist/aic runs long scripted tasks against the fake OpenAI server, whose
  * prompt_tokens are its own tiktoken count × 1.3, so aic must recalibrate to stay in budget.
  */
 import { afterAll, describe, expect, test } from "bun:test";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { countPromptTokens, startFakeServer, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
-import { bash, headless, jsonLines, runAic, scratch, sequenceProblems, type AicRun } from "./helpers.ts";
+import {
+  bash,
+  headless,
+  jsonLines,
+  messagesOf,
+  requestSequenceProblems,
+  runAic,
+  scratch,
+  type AicRun,
+} from "./helpers.ts";
 
 const INFLATION = 1.3; // the fake server's default
 const BUDGET = 12_000; // --max-prompt-len 20000 with a non-gpt model
 const STEPS = 80;
 const TASK = "print the numbered rows of each of the 80 batches, one batch per command";
+
+/** A JSON run of the task with a 20,000-token prompt budget and the given compression algorithm. */
+const overflowRun = (url: string, alg: string) => [
+  ...headless(url, "qwen-test", "--auto-approve", "--json", "--max-prompt-len", "20000", "--compress-alg", alg),
+  TASK,
+];
 const HEADING = "\n\n[Prior conversation summary]\n";
 
 type Alg = "truncate" | "context-compressor-llm";
@@ -31,7 +46,6 @@ const command = (n: number) => `echo batch ${n}; seq ${n * 10000 + 1} ${n * 1000
  */
 const denseCommand = (n: number) => `echo batch ${n}; seq ${n * 7919} 7 ${n * 7919 + 7500} | gzip -9n | base64 -w 100`;
 
-const messagesOf = (req: RecordedRequest): any[] => req.body?.messages ?? [];
 /** A normal agent request offers the tool; the summariser's does not. */
 const isSummariser = (req: RecordedRequest) => req.body?.tools === undefined;
 const serverCount = (req: RecordedRequest) => Math.ceil(countPromptTokens(messagesOf(req)) * INFLATION);
@@ -72,7 +86,10 @@ interface LongRun {
 async function longRun(alg: Alg): Promise<LongRun> {
   const srv = scriptedServer(STEPS);
   const run = await runAic(
-    [...headless(srv.url, "qwen-test", "--auto-approve", "--json", "--max-prompt-len", "20000", "--compress-alg", alg), TASK],
+    [
+      ...headless(srv.url, "qwen-test", "--auto-approve", "--json", "--max-prompt-len", "20000", "--compress-alg", alg),
+      TASK,
+    ],
     { killAfterMs: 280_000 },
   );
   const events = jsonLines(run.stdout);
@@ -96,19 +113,21 @@ const longRunOf = (alg: Alg) => {
 function sharedPrefix(previous: any[], current: any[]): { messages: number; bytes: number } {
   let n = 0;
   let shared = 0;
-  while (n < previous.length && n < current.length && JSON.stringify(previous[n]) === JSON.stringify(current[n])) shared += bytes(current[n++]);
+  while (n < previous.length && n < current.length && JSON.stringify(previous[n]) === JSON.stringify(current[n]))
+    shared += bytes(current[n++]);
   return { messages: n, bytes: shared };
 }
 
 /** Mean over the normal requests after the first of the fraction of their bytes shared as a prefix with the one before. */
 function meanPrefixShare(normal: RecordedRequest[]): number {
   let sum = 0;
-  for (let i = 1; i < normal.length; i++) sum += sharedPrefix(messagesOf(normal[i - 1]!), messagesOf(normal[i]!)).bytes / bytes(messagesOf(normal[i]!));
+  for (let i = 1; i < normal.length; i++)
+    sum += sharedPrefix(messagesOf(normal[i - 1]!), messagesOf(normal[i]!)).bytes / bytes(messagesOf(normal[i]!));
   return sum / (normal.length - 1);
 }
 
 describe.each(ALGS)("an 80-step task with ~3 KB per command under a 12,000-token budget (--compress-alg %s)", (alg) => {
-  // §5: the run completes, compressing several times, one model request per step.
+  // The run completes, compressing several times, one model request per step.
   test("finishes with exit 0 after compressing more than once", async () => {
     const { run, requests, events, compressedSteps } = await longRunOf(alg);
     expect(run.stderr).not.toContain("internal error");
@@ -127,23 +146,27 @@ describe.each(ALGS)("an 80-step task with ~3 KB per command under a 12,000-token
     expect(events.filter((e) => e.type === "command_result").at(-1)?.output).toContain(`batch ${STEPS}`);
   }, 300_000);
 
-  // §5 + recalibration: the server counts 30% more than tiktoken, and still no request exceeds the budget,
+  // Recalibration: the server counts 30% more than tiktoken, and still no request exceeds the budget,
   // including the first one after each compression and the summariser's own requests.
   test("no request is over the budget by the server's own count", async () => {
     const { requests } = await longRunOf(alg);
     expect(requests.length).toBeGreaterThan(STEPS);
-    const over = requests.flatMap((r, i) => (serverCount(r) > BUDGET ? [`request ${i}${isSummariser(r) ? " (summariser)" : ""}: ${serverCount(r)} tokens`] : []));
+    const over = requests.flatMap((r, i) =>
+      serverCount(r) > BUDGET
+        ? [`request ${i}${isSummariser(r) ? " (summariser)" : ""}: ${serverCount(r)} tokens`]
+        : [],
+    );
     expect(over).toEqual([]);
   }, 300_000);
 
-  // §3/§5: every request is a valid OpenAI message sequence anchored on the system prompt and the task.
+  // Every request is a valid OpenAI message sequence anchored on the system prompt and the task.
   test("every request is a valid message sequence with the first user message verbatim at index 1", async () => {
     const { requests } = await longRunOf(alg);
     const normal = requests.filter((r) => !isSummariser(r));
     const base = String(messagesOf(normal[0]!)[0].content);
     normal.forEach((req, i) => {
       const messages = messagesOf(req);
-      expect({ request: i, problems: sequenceProblems(messages) }).toEqual({ request: i, problems: [] });
+      expect({ request: i, problems: requestSequenceProblems(messages) }).toEqual({ request: i, problems: [] });
       expect(messages[1]).toEqual({ role: "user", content: TASK });
       // The system prompt stays byte-identical at the front; only a summary may follow it.
       expect(String(messages[0].content).startsWith(base)).toBe(true);
@@ -152,7 +175,7 @@ describe.each(ALGS)("an 80-step task with ~3 KB per command under a 12,000-token
   }, 300_000);
 
   if (alg === "truncate") {
-    // §5: truncate never calls the summariser and never touches the system message.
+    // Truncate never calls the summariser and never touches the system message.
     test("truncate sends no summariser request and keeps the system message unchanged", async () => {
       const { requests } = await longRunOf(alg);
       expect(requests.filter(isSummariser)).toEqual([]);
@@ -160,7 +183,7 @@ describe.each(ALGS)("an 80-step task with ~3 KB per command under a 12,000-token
       expect(systems.size).toBe(1);
     }, 300_000);
   } else {
-    // §5: one summariser call per compression, without tools; its text is anchored in the next
+    // One summariser call per compression, without tools; its text is anchored in the next
     // request's system message after [Prior conversation summary]; the previous summary is passed on.
     test("summariser requests carry no tools and their summary leads the next request's system message", async () => {
       const { requests, compressedSteps } = await longRunOf(alg);
@@ -186,7 +209,7 @@ describe.each(ALGS)("an 80-step task with ~3 KB per command under a 12,000-token
     }, 300_000);
   }
 
-  // §5 (prompt caching): between compressions each request extends the previous one unchanged.
+  // Prompt caching: between compressions each request extends the previous one unchanged.
   test("between compressions each request begins with the previous request's messages", async () => {
     const { requests, compressedSteps } = await longRunOf(alg);
     const normal = requests.filter((r) => !isSummariser(r));
@@ -195,14 +218,15 @@ describe.each(ALGS)("an 80-step task with ~3 KB per command under a 12,000-token
       const step = i + 1; // one normal request per step, no retries in this run
       const previous = messagesOf(normal[i - 1]!);
       const shared = sharedPrefix(previous, messagesOf(normal[i]!));
-      if (!compressedSteps.has(step) && shared.messages !== previous.length) broken.push(`step ${step}: ${shared.messages}/${previous.length} messages kept`);
+      if (!compressedSteps.has(step) && shared.messages !== previous.length)
+        broken.push(`step ${step}: ${shared.messages}/${previous.length} messages kept`);
     }
     expect(broken).toEqual([]);
   }, 300_000);
 });
 
-describe("prefix stability across the whole run (SPEC §5)", () => {
-  // §5: compression should not destroy prompt-cache reuse: on average more than half of each
+describe("prefix stability across the whole run", () => {
+  // Compression should not destroy prompt-cache reuse: on average more than half of each
   // request's bytes are an unchanged prefix of the request before it. The figures go in the README.
   test("more than half of each request's bytes repeat the previous request, for both algorithms", async () => {
     const shares: Record<string, number> = {};
@@ -210,18 +234,23 @@ describe("prefix stability across the whole run (SPEC §5)", () => {
       const { requests } = await longRunOf(alg);
       shares[alg] = meanPrefixShare(requests.filter((r) => !isSummariser(r)));
     }
-    console.log(`prefix stability (mean share of each request's message bytes that repeat the previous request): ${ALGS.map((a) => `${a} ${(shares[a]! * 100).toFixed(1)}%`).join(", ")}`);
+    console.log(
+      `prefix stability (mean share of each request's message bytes that repeat the previous request): ${ALGS.map((a) => `${a} ${(shares[a]! * 100).toFixed(1)}%`).join(", ")}`,
+    );
     for (const alg of ALGS) expect({ alg, share: shares[alg]! > 0.5 }).toEqual({ alg, share: true });
   }, 300_000);
 });
 
-describe("--debug (SPEC §5)", () => {
-  // §5: before each model call, commander-debug.txt holds the time, the message count, the
+describe("--debug", () => {
+  // Before each model call, commander-debug.txt holds the time, the message count, the
   // estimated tokens, the budget, and each message's role, tool_call_id, tool_calls and length.
   test("writes commander-debug.txt describing the request about to be sent", async () => {
     const srv = scriptedServer(3);
     const cwd = scratch();
-    const run = await runAic([...headless(srv.url, "qwen-test", "--auto-approve", "--debug", "--max-prompt-len", "20000"), TASK], { cwd });
+    const run = await runAic(
+      [...headless(srv.url, "qwen-test", "--auto-approve", "--debug", "--max-prompt-len", "20000"), TASK],
+      { cwd },
+    );
     expect(run.code).toBe(0);
     const dump = readFileSync(join(cwd, "commander-debug.txt"), "utf8");
     const last = srv.requests.at(-1)!;
@@ -240,7 +269,10 @@ describe("--debug (SPEC §5)", () => {
     let at = 0;
     for (const m of messages) {
       const hit = new RegExp(`role\\W+${m.role}\\b`).exec(dump.slice(at));
-      expect({ message: starts.length, role: hit ? m.role : "not found" }).toEqual({ message: starts.length, role: m.role });
+      expect({ message: starts.length, role: hit ? m.role : "not found" }).toEqual({
+        message: starts.length,
+        role: m.role,
+      });
       starts.push((at += hit!.index + hit![0].length));
     }
     messages.forEach((m, i) => {
@@ -252,55 +284,75 @@ describe("--debug (SPEC §5)", () => {
   });
 });
 
-describe("context too long (SPEC §3, §5)", () => {
+describe("context too long", () => {
   const TOO_LONG = {
     type: "http_error" as const,
     status: 400,
-    body: { error: { message: "This model's maximum context length is 8192 tokens. However, your messages resulted in 9100 tokens.", type: "invalid_request_error", code: "context_length_exceeded" } },
+    body: {
+      error: {
+        message: "This model's maximum context length is 8192 tokens. However, your messages resulted in 9100 tokens.",
+        type: "invalid_request_error",
+        code: "context_length_exceeded",
+      },
+    },
   };
 
-  // §3: a 400 saying the context is too long makes aic compress harder and retry with a smaller request.
-  test.each(ALGS)("a context-too-long 400 mid-run is answered by compressing and retrying smaller (--compress-alg %s)", async (alg) => {
-    let rejected = false;
-    // The 4th normal request (history well under aic's own budget) is refused once.
-    const srv = scriptedServer(6, (n) => (n === 4 && !rejected ? ((rejected = true), TOO_LONG) : undefined));
-    const run = await runAic([...headless(srv.url, "qwen-test", "--auto-approve", "--json", "--max-prompt-len", "20000", "--compress-alg", alg), TASK]);
-    expect(run.code).toBe(0);
+  // A 400 saying the context is too long makes aic compress harder and retry with a smaller request.
+  test.each(ALGS)(
+    "a context-too-long 400 mid-run is answered by compressing and retrying smaller (--compress-alg %s)",
+    async (alg) => {
+      let rejected = false;
+      // The 4th normal request (history well under aic's own budget) is refused once.
+      const srv = scriptedServer(6, (n) => (n === 4 && !rejected ? ((rejected = true), TOO_LONG) : undefined));
+      const run = await runAic(overflowRun(srv.url, alg));
+      expect(run.code).toBe(0);
 
-    const normal = srv.requests.filter((r) => !isSummariser(r));
-    expect(normal).toHaveLength(6 + 1 + 1); // six commands, TASKCOMPLETE, and the refused request
-    const refused = normal[3]!;
-    const retried = normal[4]!;
-    expect(serverCount(retried)).toBeLessThan(serverCount(refused));
-    expect(messagesOf(retried)[1]).toEqual({ role: "user", content: TASK });
-    expect(sequenceProblems(messagesOf(retried))).toEqual([]);
-    // The retry is the same step (no new command ran in between), and the step was not lost.
-    expect(messagesOf(retried).filter((m) => m.role === "tool").length).toBeLessThanOrEqual(messagesOf(refused).filter((m) => m.role === "tool").length);
-    const events = jsonLines(run.stdout);
-    expect(events.filter((e) => e.type === "compression").length).toBeGreaterThanOrEqual(1);
-    expect(events.filter((e) => e.type === "command")).toHaveLength(6);
-  }, 120_000);
+      const normal = srv.requests.filter((r) => !isSummariser(r));
+      expect(normal).toHaveLength(6 + 1 + 1); // six commands, TASKCOMPLETE, and the refused request
+      const refused = normal[3]!;
+      const retried = normal[4]!;
+      expect(serverCount(retried)).toBeLessThan(serverCount(refused));
+      expect(messagesOf(retried)[1]).toEqual({ role: "user", content: TASK });
+      expect(requestSequenceProblems(messagesOf(retried))).toEqual([]);
+      // The retry is the same step (no new command ran in between), and the step was not lost.
+      expect(messagesOf(retried).filter((m) => m.role === "tool").length).toBeLessThanOrEqual(
+        messagesOf(refused).filter((m) => m.role === "tool").length,
+      );
+      const events = jsonLines(run.stdout);
+      expect(events.filter((e) => e.type === "compression").length).toBeGreaterThanOrEqual(1);
+      expect(events.filter((e) => e.type === "command")).toHaveLength(6);
+    },
+    120_000,
+  );
 
-  // §3: at most 3 compress-and-retry rounds; a server that keeps refusing ends the run with exit 1
+  // At most 3 compress-and-retry rounds; a server that keeps refusing ends the run with exit 1
   // and one clear error, each retry no bigger than the one before. (413 with a plain-text body.)
-  test.each(ALGS)("a server that keeps saying the prompt is too long gets 3 smaller retries, then exit 1 (--compress-alg %s)", async (alg) => {
-    const refuse: Turn = { type: "http_error", status: 413, body: "Request too large: the prompt is too long for this model." };
-    const srv = scriptedServer(6, (n) => (n >= 3 ? refuse : undefined));
-    const run = await runAic([...headless(srv.url, "qwen-test", "--auto-approve", "--json", "--max-prompt-len", "20000", "--compress-alg", alg), TASK]);
-    expect(run.code).toBe(1);
-    const normal = srv.requests.filter((r) => !isSummariser(r));
-    expect(normal).toHaveLength(2 + 1 + 3); // two answered, the first refusal, three retries
-    const sizes = normal.slice(2).map(serverCount);
-    sizes.slice(1).forEach((size, i) => expect(size).toBeLessThanOrEqual(sizes[i]!));
-    expect(sizes.at(-1)!).toBeLessThan(sizes[0]!);
-    const errors = jsonLines(run.stdout).filter((e) => e.type === "error");
-    expect(errors).toHaveLength(1);
-    expect(errors[0].message).toMatch(/too long/i);
-  }, 120_000);
+  test.each(ALGS)(
+    "a server that keeps saying the prompt is too long gets 3 smaller retries, then exit 1 (--compress-alg %s)",
+    async (alg) => {
+      const refuse: Turn = {
+        type: "http_error",
+        status: 413,
+        body: "Request too large: the prompt is too long for this model.",
+      };
+      const srv = scriptedServer(6, (n) => (n >= 3 ? refuse : undefined));
+      const run = await runAic(overflowRun(srv.url, alg));
+      expect(run.code).toBe(1);
+      const normal = srv.requests.filter((r) => !isSummariser(r));
+      expect(normal).toHaveLength(2 + 1 + 3); // two answered, the first refusal, three retries
+      const sizes = normal.slice(2).map(serverCount);
+      sizes.slice(1).forEach((size, i) => expect(size).toBeLessThanOrEqual(sizes[i]!));
+      expect(sizes.at(-1)!).toBeLessThan(sizes[0]!);
+      const errors = jsonLines(run.stdout).filter((e) => e.type === "error");
+      expect(errors).toHaveLength(1);
+      expect(errors[0].message).toMatch(/too long/i);
+    },
+    120_000,
+  );
 });
 
-describe("the summariser's own request (SPEC §3, §5)", () => {
-  // §5: the summariser call is a request to the same model, so it must fit the same budget, also
+describe("the summariser's own request", () => {
+  // The summariser call is a request to the same model, so it must fit the same budget, also
   // when the evicted output is token-dense (base64, minified code, hashes).
   test("fits the budget when the evicted commands printed token-dense output", async () => {
     const srv = scriptedServer(20, undefined, denseCommand);
@@ -312,8 +364,8 @@ describe("the summariser's own request (SPEC §3, §5)", () => {
   });
 });
 
-describe("under the budget (SPEC §5)", () => {
-  // §5: compression only runs when the history is over budget: a short task is sent as an
+describe("under the budget", () => {
+  // Compression only runs when the history is over budget: a short task is sent as an
   // ever-growing, unchanged history, with no summariser call.
   test("a short task is never compressed and each request extends the previous one", async () => {
     const srv = scriptedServer(5);

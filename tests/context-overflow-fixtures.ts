@@ -55,7 +55,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "This model's maximum context length is 4097 tokens. However, your messages resulted in 4294 tokens. Please reduce the length of the messages.",
+        message:
+          "This model's maximum context length is 4097 tokens. However, your messages resulted in 4294 tokens. Please reduce the length of the messages.",
         type: "invalid_request_error",
         param: "messages",
         code: "context_length_exceeded",
@@ -69,7 +70,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "This model's maximum context length is 4097 tokens. However, you requested 4120 tokens (3120 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.",
+        message:
+          "This model's maximum context length is 4097 tokens. However, you requested 4120 tokens (3120 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.",
         type: "invalid_request_error",
         param: "messages",
         code: "context_length_exceeded",
@@ -93,7 +95,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "This model's maximum context length is 8192 tokens. However, your messages resulted in 10383 tokens. Please reduce the length of the messages.",
+        message:
+          "This model's maximum context length is 8192 tokens. However, your messages resulted in 10383 tokens. Please reduce the length of the messages.",
         type: "invalid_request_error",
         param: "messages",
         code: "context_length_exceeded",
@@ -110,7 +113,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       object: "error",
-      message: "This model's maximum context length is 16384 tokens. However, you requested 19591 tokens (9591 in the messages, 10000 in the completion). Please reduce the length of the messages or completion. None",
+      message:
+        "This model's maximum context length is 16384 tokens. However, you requested 19591 tokens (9591 in the messages, 10000 in the completion). Please reduce the length of the messages or completion. None",
       type: "BadRequestError",
       param: null,
       code: 400,
@@ -124,7 +128,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "'max_tokens' or 'max_completion_tokens' is too large: 8192. This model's maximum context length is 65536 tokens and your request has 57879 input tokens (8192 > 65536 - 57879). None",
+        message:
+          "'max_tokens' or 'max_completion_tokens' is too large: 8192. This model's maximum context length is 65536 tokens and your request has 57879 input tokens (8192 > 65536 - 57879). None",
         type: "BadRequestError",
         param: null,
         code: 400,
@@ -139,7 +144,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "You passed 202753 input tokens and requested 0 output tokens. However, the model's context length is only 202752 tokens, resulting in a maximum input length of 202752 tokens.",
+        message:
+          "You passed 202753 input tokens and requested 0 output tokens. However, the model's context length is only 202752 tokens, resulting in a maximum input length of 202752 tokens.",
         type: "BadRequestError",
         param: "input_tokens",
         code: 400,
@@ -174,7 +180,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     body: {
       error: {
         code: 400,
-        message: "the request exceeds the available context size. try increasing the context size or enable context shift",
+        message:
+          "the request exceeds the available context size. try increasing the context size or enable context shift",
         type: "exceed_context_size_error",
         n_prompt_tokens: 14429,
         n_ctx: 8192,
@@ -185,7 +192,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     // Borderline: 5xx, but the text says exactly what is wrong; see the note at the top.
     server: "llama.cpp",
     short: "500 Context size has been exceeded",
-    source: "reported in https://github.com/ggml-org/llama.cpp/issues/19774 (server_error from the decode path of tools/server/server-context.cpp)",
+    source:
+      "reported in https://github.com/ggml-org/llama.cpp/issues/19774 (server_error from the decode path of tools/server/server-context.cpp)",
     status: 500,
     body: { error: { code: 500, message: "Context size has been exceeded.", type: "server_error" } },
   },
@@ -199,7 +207,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "This model's maximum context length is 4096 tokens. However, you requested 12108 tokens (4108 in the messages, 8000 in the completion). Please reduce the length of the messages or completion.",
+        message:
+          "This model's maximum context length is 4096 tokens. However, you requested 12108 tokens (4108 in the messages, 8000 in the completion). Please reduce the length of the messages or completion.",
         type: "invalid_request_error",
         param: "messages",
         code: "context_length_exceeded",
@@ -216,7 +225,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "the prompt is longer than the context length currently available to the model; shorten the prompt, adjust the context length in settings, or use a model with a longer context length",
+        message:
+          "the prompt is longer than the context length currently available to the model; shorten the prompt, adjust the context length in settings, or use a model with a longer context length",
         type: "invalid_request_error",
         param: null,
         code: null,
@@ -228,7 +238,10 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     short: "flat error string",
     source: "reported in https://github.com/dyad-sh/dyad/issues/3498 (cloud models; server code not public)",
     status: 400,
-    body: { error: "prompt too long; exceeded max context length by 540451 tokens (ref: 00ad71bb-fea0-4639-9dc9-3ad800192057)" },
+    body: {
+      error:
+        "prompt too long; exceeded max context length by 540451 tokens (ref: 00ad71bb-fea0-4639-9dc9-3ad800192057)",
+    },
   },
 
   // ── LM Studio (closed source) ───────────────────────────────────────────────────────────────
@@ -238,7 +251,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     source: "reported in https://github.com/Gitlawb/openclaude/issues/353 (API Error: 400 with this body)",
     status: 400,
     body: {
-      error: "The number of tokens to keep from the initial prompt is greater than the context length (n_keep: 13055>= n_ctx: 4096). Try to load the model with a larger context length, or provide a shorter input.",
+      error:
+        "The number of tokens to keep from the initial prompt is greater than the context length (n_keep: 13055>= n_ctx: 4096). Try to load the model with a larger context length, or provide a shorter input.",
     },
   },
   {
@@ -248,7 +262,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
       "reported in https://github.com/dyad-sh/dyad/issues/925 (body) and https://github.com/lmstudio-ai/lmstudio-bug-tracker/issues/237 (HTTP 400 with this wording)",
     status: 400,
     body: {
-      error: "Trying to keep the first 14538 tokens when context the overflows. However, the model is loaded with context length of only 2048 tokens, which is not enough. Try to load the model with a larger context length, or provide a shorter input",
+      error:
+        "Trying to keep the first 14538 tokens when context the overflows. However, the model is loaded with context length of only 2048 tokens, which is not enough. Try to load the model with a larger context length, or provide a shorter input",
     },
   },
   {
@@ -260,8 +275,12 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     inStream: true,
     eventFrame: true,
     body: {
-      error: { message: "Input does not fit in context length. The input has 31430 tokens, but the context length only supports 30000 tokens." },
-      message: "Input does not fit in context length. The input has 31430 tokens, but the context length only supports 30000 tokens.",
+      error: {
+        message:
+          "Input does not fit in context length. The input has 31430 tokens, but the context length only supports 30000 tokens.",
+      },
+      message:
+        "Input does not fit in context length. The input has 31430 tokens, but the context length only supports 30000 tokens.",
     },
   },
 
@@ -275,7 +294,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     inStream: true,
     body: {
       error: {
-        message: "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 32768. Given: 24900 `inputs` tokens and 8000 `max_new_tokens`",
+        message:
+          "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 32768. Given: 24900 `inputs` tokens and 8000 `max_new_tokens`",
         http_status_code: 422,
       },
     },
@@ -286,7 +306,10 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     source:
       "huggingface/text-generation-inference router/src/server.rs impl From<InferError> for (StatusCode, Json<ErrorResponse>) (ValidationError → 422, {error, error_type:'validation'}), router/src/validation.rs ValidationError::InputLength (numbers illustrative)",
     status: 422,
-    body: { error: "Input validation error: `inputs` must have less than 4095 tokens. Given: 5310", error_type: "validation" },
+    body: {
+      error: "Input validation error: `inputs` must have less than 4095 tokens. Given: 5310",
+      error_type: "validation",
+    },
   },
 
   // ── Together ────────────────────────────────────────────────────────────────────────────────
@@ -297,7 +320,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4097. Given: 80125 `inputs` tokens and 4096 `max_new_tokens`",
+        message:
+          "Input validation error: `inputs` tokens + `max_new_tokens` must be <= 4097. Given: 80125 `inputs` tokens and 4096 `max_new_tokens`",
         type: "invalid_request_error",
         param: "max_tokens",
         code: null,
@@ -328,7 +352,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       object: "error",
-      message: "Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a total of 33210 tokens: 25210 tokens from the input messages and 8000 tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+      message:
+        "Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a total of 33210 tokens: 25210 tokens from the input messages and 8000 tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
       type: "BadRequestError",
       param: null,
       code: 400,
@@ -368,12 +393,13 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
   {
     server: "LiteLLM proxy",
     short: "input length and max_tokens exceed context limit",
-    source: "reported in https://github.com/BrokkAi/brokk-app/issues/540 (proxy body, not mapped to ContextWindowExceededError)",
+    source:
+      "reported in https://github.com/BrokkAi/brokk-app/issues/540 (proxy body, not mapped to ContextWindowExceededError)",
     status: 400,
     body: {
       error: {
         message:
-          "litellm.BadRequestError: AnthropicException - b'{\"type\":\"error\",\"error\":{\"type\":\"invalid_request_error\",\"message\":\"input length and `max_tokens` exceed context limit: 179413 + 32768 > 200000, decrease input length or `max_tokens` and try again\"}}'. Received Model Group=anthropic/claude-sonnet-4-20250514\nAvailable Model Group Fallbacks=None",
+          'litellm.BadRequestError: AnthropicException - b\'{"type":"error","error":{"type":"invalid_request_error","message":"input length and `max_tokens` exceed context limit: 179413 + 32768 > 200000, decrease input length or `max_tokens` and try again"}}\'. Received Model Group=anthropic/claude-sonnet-4-20250514\nAvailable Model Group Fallbacks=None',
         type: null,
         param: null,
         code: "400",
@@ -407,7 +433,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: 'This endpoint\'s maximum context length is 32768 tokens. However, you requested about 42832 tokens (42832 of text input). Please reduce the length of either one, or use the "middle-out" transform to compress your prompt automatically.',
+        message:
+          'This endpoint\'s maximum context length is 32768 tokens. However, you requested about 42832 tokens (42832 of text input). Please reduce the length of either one, or use the "middle-out" transform to compress your prompt automatically.',
         code: 400,
         metadata: { provider_name: null },
       },
@@ -422,7 +449,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     inStream: true,
     body: {
       error: {
-        message: 'This endpoint\'s maximum context length is 131072 tokens. However, you requested about 141607 tokens (10535 of text input, 131072 in the output). Please reduce the length of either one, or use the "middle-out" transform to compress your prompt automatically.',
+        message:
+          'This endpoint\'s maximum context length is 131072 tokens. However, you requested about 141607 tokens (10535 of text input, 131072 in the output). Please reduce the length of either one, or use the "middle-out" transform to compress your prompt automatically.',
         code: 400,
         metadata: { provider_name: "Chutes" },
       },
@@ -449,7 +477,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
   {
     server: "Groq",
     short: "context_length_exceeded, no numbers",
-    source: "reported in https://github.com/letta-ai/letta/issues/1963 and https://github.com/thepersonalaicompany/amurex-backend/issues/51",
+    source:
+      "reported in https://github.com/letta-ai/letta/issues/1963 and https://github.com/thepersonalaicompany/amurex-backend/issues/51",
     status: 400,
     body: {
       error: {
@@ -465,11 +494,13 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
   {
     server: "DeepSeek",
     short: "code invalid_request_error",
-    source: "reported in https://github.com/netease-youdao/LobsterAI/issues/60 (also https://github.com/evalstate/fast-agent/issues/621)",
+    source:
+      "reported in https://github.com/netease-youdao/LobsterAI/issues/60 (also https://github.com/evalstate/fast-agent/issues/621)",
     status: 400,
     body: {
       error: {
-        message: "This model's maximum context length is 131072 tokens. However, you requested 141403 tokens (133211 in the messages, 8192 in the completion). Please reduce the length of the messages or completion.",
+        message:
+          "This model's maximum context length is 131072 tokens. However, you requested 141403 tokens (133211 in the messages, 8192 in the completion). Please reduce the length of the messages or completion.",
         type: "invalid_request_error",
         param: null,
         code: "invalid_request_error",
@@ -493,13 +524,15 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
   {
     server: "Anthropic",
     short: "input length and max_tokens exceed context limit",
-    source: "reported in https://github.com/continuedev/continue/issues/6080 (also https://github.com/docker/docker-agent/issues/569)",
+    source:
+      "reported in https://github.com/continuedev/continue/issues/6080 (also https://github.com/docker/docker-agent/issues/569)",
     status: 400,
     body: {
       type: "error",
       error: {
         type: "invalid_request_error",
-        message: "input length and `max_tokens` exceed context limit: 199759 + 8192 > 200000, decrease input length or `max_tokens` and try again",
+        message:
+          "input length and `max_tokens` exceed context limit: 199759 + 8192 > 200000, decrease input length or `max_tokens` and try again",
       },
     },
   },
@@ -540,7 +573,11 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     source:
       "message reported in https://github.com/cline/cline/issues/5140 (400, also https://github.com/anomalyco/opencode/issues/1551); the issues quote only the message, so only the message is given",
     status: 400,
-    body: { error: { message: "Please reduce the length of the messages or completion. Current length is 42328 while limit is 40000" } },
+    body: {
+      error: {
+        message: "Please reduce the length of the messages or completion. Current length is 42328 while limit is 40000",
+      },
+    },
   },
   {
     server: "FastChat",
@@ -549,7 +586,8 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       object: "error",
-      message: "This model's maximum context length is 2048 tokens. However, you requested 3583 tokens (583 in the messages, 3000 in the completion). Please reduce the length of the messages or completion.",
+      message:
+        "This model's maximum context length is 2048 tokens. However, you requested 3583 tokens (583 in the messages, 3000 in the completion). Please reduce the length of the messages or completion.",
       code: 40303,
     },
   },
@@ -559,14 +597,21 @@ export const CONTEXT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     source:
       "message reported in https://github.com/multica-ai/multica/issues/4130 (API Error: 400); the issue quotes only the message, so only the message is given",
     status: 400,
-    body: { error: { message: "Invalid request: Your request exceeded model token limit: 262144 (requested: 275363)" } },
+    body: {
+      error: { message: "Invalid request: Your request exceeded model token limit: 262144 (requested: 275363)" },
+    },
   },
   {
     server: "unnamed GLM-5.1 host",
     short: "flat {code: 20015, message, data}",
-    source: "reported in https://github.com/leookun/cursor-byok/issues/129 (openai adapter status=400; the host is not named in the issue)",
+    source:
+      "reported in https://github.com/leookun/cursor-byok/issues/129 (openai adapter status=400; the host is not named in the issue)",
     status: 400,
-    body: { code: 20015, message: "number of input tokens (204703) has exceeded max_prompt_tokens (202752) limit.", data: null },
+    body: {
+      code: 20015,
+      message: "number of input tokens (204703) has exceeded max_prompt_tokens (202752) limit.",
+      data: null,
+    },
   },
 ];
 
@@ -594,11 +639,13 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
   {
     server: "OpenAI",
     short: "max_tokens above the model's output cap",
-    source: "reported in https://github.com/ChatGPTNextWeb/NextChat/issues/3195 (also https://github.com/algorithmicsuperintelligence/optillm/issues/4)",
+    source:
+      "reported in https://github.com/ChatGPTNextWeb/NextChat/issues/3195 (also https://github.com/algorithmicsuperintelligence/optillm/issues/4)",
     status: 400,
     body: {
       error: {
-        message: "max_tokens is too large: 8192. This model supports at most 4096 completion tokens, whereas you provided 8192.",
+        message:
+          "max_tokens is too large: 8192. This model supports at most 4096 completion tokens, whereas you provided 8192.",
         type: "invalid_request_error",
         param: "max_tokens",
         code: null,
@@ -611,7 +658,12 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     source:
       "message reported in github.com/webgptorg/promptbook prompts/done/old-done/2025-10-0000-auto-fix-temperature.md ('400 Unsupported value: …'); only the message is quoted, so only the message is given",
     status: 400,
-    body: { error: { message: "Unsupported value: 'temperature' does not support 0.7 with this model. Only the default (1) value is supported." } },
+    body: {
+      error: {
+        message:
+          "Unsupported value: 'temperature' does not support 0.7 with this model. Only the default (1) value is supported.",
+      },
+    },
   },
   {
     server: "vLLM",
@@ -631,11 +683,13 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
   {
     server: "vLLM",
     short: "max_tokens greater than max_model_len",
-    source: "reported in https://github.com/vllm-project/vllm/pull/40324 (body before the spacing fix; wording from vllm/renderers/params.py TokenizeParams.__post_init__)",
+    source:
+      "reported in https://github.com/vllm-project/vllm/pull/40324 (body before the spacing fix; wording from vllm/renderers/params.py TokenizeParams.__post_init__)",
     status: 400,
     body: {
       error: {
-        message: "max_tokens=38000cannot be greater than max_model_len=max_total_tokens=32768. Please request fewer output tokens. (parameter=max_tokens, value=38000)",
+        message:
+          "max_tokens=38000cannot be greater than max_model_len=max_total_tokens=32768. Please request fewer output tokens. (parameter=max_tokens, value=38000)",
         type: "BadRequestError",
         param: "max_tokens",
         code: 400,
@@ -646,11 +700,13 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     // Borderline: overflow wording, but 8000 output tokens alone exceed the 4096 window.
     server: "vLLM",
     short: "'max_tokens' is too large: output alone exceeds the window",
-    source: "reported in github.com/andrewcho-dev/opsconductor-ng vLLM_transition/TOKEN_LIMIT_FIX.md (vLLM HTTP error: 400 body; max_tokens=8000 is what aic sends)",
+    source:
+      "reported in github.com/andrewcho-dev/opsconductor-ng vLLM_transition/TOKEN_LIMIT_FIX.md (vLLM HTTP error: 400 body; max_tokens=8000 is what aic sends)",
     status: 400,
     body: {
       error: {
-        message: "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778). None",
+        message:
+          "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778). None",
         type: "BadRequestError",
         param: null,
         code: 400,
@@ -665,7 +721,8 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "This model's maximum context length is 131072 tokens. However, you requested 131072 output tokens and your prompt contains 14233 characters (more than 0 characters, which is the upper bound for 0 input tokens). Please reduce the length of the input prompt or the number of requested output tokens. (parameter=input_text, value=14233)",
+        message:
+          "This model's maximum context length is 131072 tokens. However, you requested 131072 output tokens and your prompt contains 14233 characters (more than 0 characters, which is the upper bound for 0 input tokens). Please reduce the length of the input prompt or the number of requested output tokens. (parameter=input_text, value=14233)",
         type: "BadRequestError",
         param: "input_text",
         code: 400,
@@ -681,7 +738,8 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 400,
     body: {
       error: {
-        message: "`max_completion_tokens` must be less than or equal to `16384`, the maximum value for `max_completion_tokens` is less than the `context_window` for this model",
+        message:
+          "`max_completion_tokens` must be less than or equal to `16384`, the maximum value for `max_completion_tokens` is less than the `context_window` for this model",
         type: "invalid_request_error",
         param: "max_completion_tokens",
       },
@@ -695,7 +753,8 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 413,
     body: {
       error: {
-        message: "Request too large for model `llama-3.3-70b-versatile` in organization `org_01jp8byqwpfx9sp1m0dbhb6a1e` service tier `on_demand` on tokens per minute (TPM): Limit 6000, Requested 14810, please reduce your message size and try again. Visit https://console.groq.com/docs/rate-limits for more information.",
+        message:
+          "Request too large for model `llama-3.3-70b-versatile` in organization `org_01jp8byqwpfx9sp1m0dbhb6a1e` service tier `on_demand` on tokens per minute (TPM): Limit 6000, Requested 14810, please reduce your message size and try again. Visit https://console.groq.com/docs/rate-limits for more information.",
         type: "tokens",
         code: "rate_limit_exceeded",
       },
@@ -738,7 +797,16 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     status: 422,
     body: {
       object: "error",
-      message: { detail: [{ type: "extra_forbidden", loc: ["body", "max_completion_tokens"], msg: "Extra inputs are not permitted", input: 32000 }] },
+      message: {
+        detail: [
+          {
+            type: "extra_forbidden",
+            loc: ["body", "max_completion_tokens"],
+            msg: "Extra inputs are not permitted",
+            input: 32000,
+          },
+        ],
+      },
       type: "invalid_request_error",
       param: null,
       code: null,
@@ -752,7 +820,12 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     body: {
       detail: [
         { type: "extra_forbidden", loc: ["body", "store"], msg: "Extra inputs are not permitted", input: false },
-        { type: "extra_forbidden", loc: ["body", "max_completion_tokens"], msg: "Extra inputs are not permitted", input: 8192 },
+        {
+          type: "extra_forbidden",
+          loc: ["body", "max_completion_tokens"],
+          msg: "Extra inputs are not permitted",
+          input: 8192,
+        },
       ],
     },
   },
@@ -774,30 +847,46 @@ export const NOT_OVERFLOW_FIXTURES: ErrorFixture[] = [
     short: "array-wrapped unsupported function calling",
     source: "reported in https://github.com/Simpleyyt/ai-manus/issues/101 (OpenAI-compat endpoint)",
     status: 400,
-    body: [{ error: { code: 400, message: "Function calling with a response mime type: 'application/json' is unsupported", status: "INVALID_ARGUMENT" } }],
+    body: [
+      {
+        error: {
+          code: 400,
+          message: "Function calling with a response mime type: 'application/json' is unsupported",
+          status: "INVALID_ARGUMENT",
+        },
+      },
+    ],
   },
   {
     server: "xAI",
     short: "single text element per message",
     source: "reported in https://github.com/nocmt/LLMSearchPlus/issues/2",
     status: 400,
-    body: { code: "Client specified an invalid argument", error: "The model expects a single `text` element per message." },
+    body: {
+      code: "Client specified an invalid argument",
+      error: "The model expects a single `text` element per message.",
+    },
   },
   {
     server: "Anthropic",
     short: "model string too long",
     source: "reported in https://github.com/anthropics/claude-code/issues/5676",
     status: 400,
-    body: { type: "error", error: { type: "invalid_request_error", message: "model: String should have at most 256 characters" } },
+    body: {
+      type: "error",
+      error: { type: "invalid_request_error", message: "model: String should have at most 256 characters" },
+    },
   },
   {
     server: "OpenRouter",
     short: "402 more credits or fewer max_tokens",
-    source: "reported in github.com/PawanYN/Dravin.ai assign/Assistant_api/OpenAI_documentation/temp.js (openai.APIStatusError: Error code: 402 body)",
+    source:
+      "reported in github.com/PawanYN/Dravin.ai assign/Assistant_api/OpenAI_documentation/temp.js (openai.APIStatusError: Error code: 402 body)",
     status: 402,
     body: {
       error: {
-        message: "This request requires more credits, or fewer max_tokens. You requested up to 16384 tokens, but can only afford 3661. To increase, visit https://openrouter.ai/settings/credits and upgrade to a paid account",
+        message:
+          "This request requires more credits, or fewer max_tokens. You requested up to 16384 tokens, but can only afford 3661. To increase, visit https://openrouter.ai/settings/credits and upgrade to a paid account",
         code: 402,
         metadata: { provider_name: null },
       },

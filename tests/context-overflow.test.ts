@@ -20,7 +20,8 @@ beforeAll(() => {
 function errorTurn(f: ErrorFixture): Turn {
   if (!f.inStream) return { type: "http_error", status: f.status, body: f.body };
   // The fake server wraps `error` as {"error": …} itself, so hand it what sits under that key.
-  const inner = typeof f.body === "object" && f.body !== null && "error" in f.body ? (f.body as { error: unknown }).error : f.body;
+  const inner =
+    typeof f.body === "object" && f.body !== null && "error" in f.body ? (f.body as { error: unknown }).error : f.body;
   return { type: "stream_error", partialContent: "", error: inner, eventFrame: f.eventFrame };
 }
 

@@ -3,12 +3,12 @@
  * agent's client sees (including how the SDK turns error frames into exceptions) is pinned down.
  */
 import { afterEach, beforeAll, describe, expect, test } from "bun:test";
-import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import OpenAI, { APIError, APIUserAbortError, RateLimitError } from "openai";
 import type { ChatCompletionChunk } from "openai/resources/chat/completions";
 import { countPromptTokens, startFakeServer, type FakeServer, type Turn } from "./fake-openai.ts";
+import { lineReader, scratch, waitFor } from "./helpers.ts";
 
 // Loading the o200k_base table takes ~0.3 s idle but several seconds on a loaded machine; do it
 // once up front with a generous limit so it cannot push an individual test past the default 5 s.
@@ -102,7 +102,12 @@ describe("reply turns", () => {
     const args0 = JSON.stringify({ command: "ls -la /tmp", timeout: 30 });
     const args1 = JSON.stringify({ command: "echo 'ünïcode ✓'" });
     const { client } = setup([
-      { content: "running", toolCalls: [{ arguments: args0 }, { id: "custom", name: "other_tool", arguments: args1 }], argPieces: 4, omitIndex: true },
+      {
+        content: "running",
+        toolCalls: [{ arguments: args0 }, { id: "custom", name: "other_tool", arguments: args1 }],
+        argPieces: 4,
+        omitIndex: true,
+      },
     ]);
     const { chunks, error } = await collect(client);
     expect(error).toBeUndefined();
@@ -117,17 +122,43 @@ describe("reply turns", () => {
       ["call_0_0", "function", "execute_bash"],
       ["custom", "function", "other_tool"],
     ]);
-    expect(callDeltas.slice(0, 4).map((d: any) => d.function.arguments).join("")).toBe(args0);
-    expect(callDeltas.slice(4).map((d: any) => d.function.arguments).join("")).toBe(args1);
+    expect(
+      callDeltas
+        .slice(0, 4)
+        .map((d: any) => d.function.arguments)
+        .join(""),
+    ).toBe(args0);
+    expect(
+      callDeltas
+        .slice(4)
+        .map((d: any) => d.function.arguments)
+        .join(""),
+    ).toBe(args1);
     expect(chunks.flatMap((c) => c.choices.map((ch) => ch.finish_reason)).filter(Boolean)).toEqual(["tool_calls"]);
   });
 
-  test("idOnFirstChunkOnly: false repeats id and name, index present by default", async () => {
-    const { client } = setup([{ toolCalls: [{ arguments: '{"command":"pwd"}' }], argPieces: 3, idOnFirstChunkOnly: false }]);
+  test("omitIds: no tool-call delta carries an id", async () => {
+    const { client } = setup([
+      { toolCalls: [{ id: "call_never_sent", arguments: '{"command":"pwd"}' }], argPieces: 3, omitIds: true },
+    ]);
     const { chunks } = await collect(client);
     const callDeltas = deltas(chunks).flatMap((d) => d.tool_calls ?? []);
     expect(callDeltas).toHaveLength(3);
-    expect(callDeltas.every((d: any) => d.index === 0 && d.id === "call_0_0" && d.function.name === "execute_bash")).toBe(true);
+    expect(callDeltas.some((d: any) => "id" in d)).toBe(false);
+    expect(callDeltas[0].function.name).toBe("execute_bash");
+    expect(callDeltas.map((d: any) => d.function.arguments).join("")).toBe('{"command":"pwd"}');
+  });
+
+  test("idOnFirstChunkOnly: false repeats id and name, index present by default", async () => {
+    const { client } = setup([
+      { toolCalls: [{ arguments: '{"command":"pwd"}' }], argPieces: 3, idOnFirstChunkOnly: false },
+    ]);
+    const { chunks } = await collect(client);
+    const callDeltas = deltas(chunks).flatMap((d) => d.tool_calls ?? []);
+    expect(callDeltas).toHaveLength(3);
+    expect(
+      callDeltas.every((d: any) => d.index === 0 && d.id === "call_0_0" && d.function.name === "execute_bash"),
+    ).toBe(true);
   });
 
   test("delayMs spaces chunks out", async () => {
@@ -143,7 +174,11 @@ describe("reply turns", () => {
     const { client } = setup([{ content: "first" }]);
     await collect(client);
     const { chunks } = await collect(client);
-    expect(deltas(chunks).map((d) => d.content ?? "").join("")).toBe("TASKCOMPLETE");
+    expect(
+      deltas(chunks)
+        .map((d) => d.content ?? "")
+        .join(""),
+    ).toBe("TASKCOMPLETE");
   });
 });
 
@@ -181,11 +216,19 @@ describe("failure turns", () => {
   // SDK never retries it because the request already succeeded with 200.
   test("stream_error as a data frame: partial content, then APIError without status", async () => {
     const { server } = setup([
-      { type: "stream_error", partialContent: "partial ans", error: { message: "Overloaded", type: "server_error", code: "overloaded" } },
+      {
+        type: "stream_error",
+        partialContent: "partial ans",
+        error: { message: "Overloaded", type: "server_error", code: "overloaded" },
+      },
     ]);
     const retrying = new OpenAI({ baseURL: server.url, apiKey: "x", maxRetries: 3 });
     const { chunks, error } = await collect(retrying);
-    expect(deltas(chunks).map((d) => d.content ?? "").join("")).toBe("partial ans");
+    expect(
+      deltas(chunks)
+        .map((d) => d.content ?? "")
+        .join(""),
+    ).toBe("partial ans");
     expect(error).toBeInstanceOf(APIError);
     expect(error).not.toBeInstanceOf(RateLimitError);
     const apiError = error as APIError;
@@ -198,9 +241,15 @@ describe("failure turns", () => {
   });
 
   test("stream_error as an `event: error` frame throws the same way", async () => {
-    const { client } = setup([{ type: "stream_error", partialContent: "x", error: { message: "boom", code: 529 }, eventFrame: true }]);
+    const { client } = setup([
+      { type: "stream_error", partialContent: "x", error: { message: "boom", code: 529 }, eventFrame: true },
+    ]);
     const { chunks, error } = await collect(client);
-    expect(deltas(chunks).map((d) => d.content ?? "").join("")).toBe("x");
+    expect(
+      deltas(chunks)
+        .map((d) => d.content ?? "")
+        .join(""),
+    ).toBe("x");
     expect(error).toBeInstanceOf(APIError);
     expect((error as APIError).status).toBeUndefined();
     expect((error as APIError).message).toBe("boom");
@@ -235,26 +284,38 @@ describe("failure turns", () => {
     const { client } = setup([{ type: "truncated_stream", partialContent: "cut off" }]);
     const { chunks, error } = await collect(client);
     expect(error).toBeUndefined();
-    expect(deltas(chunks).map((d) => d.content ?? "").join("")).toBe("cut off");
+    expect(
+      deltas(chunks)
+        .map((d) => d.content ?? "")
+        .join(""),
+    ).toBe("cut off");
     expect(chunks.some((c) => c.choices.some((ch) => ch.finish_reason))).toBe(false);
   });
 
   test("hang never answers until the client aborts", async () => {
-    const { client, server } = setup([{ type: "hang" }]);
+    const { client, server } = setup([{ type: "hang" }, { content: "answered meanwhile" }]);
     const controller = new AbortController();
-    const started = Date.now();
-    const promise = client.chat.completions.create(
-      { model: "fake-model", messages: userMessages, stream: true },
-      { signal: controller.signal },
-    );
-    setTimeout(() => controller.abort(), 150);
-    const error = await promise.then(
-      () => undefined,
-      (e: unknown) => e,
-    );
+    let settled = false;
+    const promise = client.chat.completions
+      .create({ model: "fake-model", messages: userMessages, stream: true }, { signal: controller.signal })
+      .then(
+        () => undefined,
+        (e: unknown) => e,
+      )
+      .finally(() => (settled = true));
+    await waitFor("the hanging request to reach the server", () => server.requests.length === 1);
+    // A whole second exchange completes while the first still has no answer.
+    const other = await collect(client);
+    expect(
+      deltas(other.chunks)
+        .map((d) => d.content ?? "")
+        .join(""),
+    ).toBe("answered meanwhile");
+    expect(settled).toBe(false);
+    controller.abort();
+    const error = await promise;
     expect(error).toBeInstanceOf(APIUserAbortError);
-    expect(Date.now() - started).toBeGreaterThanOrEqual(140);
-    expect(server.requests).toHaveLength(1);
+    expect(server.requests).toHaveLength(2);
   });
 });
 
@@ -266,18 +327,38 @@ describe("recording and routing", () => {
       return { content: `turn ${index} saw ${req.body.messages.length} messages` };
     }, 2);
     const before = Date.now();
-    const tools = [{ type: "function" as const, function: { name: "execute_bash", parameters: { type: "object", properties: {} } } }];
+    const tools = [
+      { type: "function" as const, function: { name: "execute_bash", parameters: { type: "object", properties: {} } } },
+    ];
     const first = await collect(client, { tools });
     const history = [
       ...userMessages,
-      { role: "assistant" as const, content: null, tool_calls: [{ id: "call_0_0", type: "function" as const, function: { name: "execute_bash", arguments: '{"command":"ls"}' } }] },
+      {
+        role: "assistant" as const,
+        content: null,
+        tool_calls: [
+          {
+            id: "call_0_0",
+            type: "function" as const,
+            function: { name: "execute_bash", arguments: '{"command":"ls"}' },
+          },
+        ],
+      },
       { role: "tool" as const, tool_call_id: "call_0_0", content: "a.txt\nb.txt" },
     ];
     const second = await collect(client, { messages: history });
 
     expect(seen).toEqual([0, 1]);
-    expect(deltas(first.chunks).map((d) => d.content ?? "").join("")).toBe("turn 0 saw 1 messages");
-    expect(deltas(second.chunks).map((d) => d.content ?? "").join("")).toBe("turn 1 saw 3 messages");
+    expect(
+      deltas(first.chunks)
+        .map((d) => d.content ?? "")
+        .join(""),
+    ).toBe("turn 0 saw 1 messages");
+    expect(
+      deltas(second.chunks)
+        .map((d) => d.content ?? "")
+        .join(""),
+    ).toBe("turn 1 saw 3 messages");
 
     expect(server.requests).toHaveLength(2);
     const [r0, r1] = server.requests;
@@ -301,7 +382,11 @@ describe("recording and routing", () => {
     const parts = countPromptTokens([{ role: "user", content: [{ type: "text", text: "hello world" }] }]);
     expect(parts).toBe(text);
     const withCall = countPromptTokens([
-      { role: "assistant", content: null, tool_calls: [{ function: { name: "execute_bash", arguments: '{"command":"ls"}' } }] },
+      {
+        role: "assistant",
+        content: null,
+        tool_calls: [{ function: { name: "execute_bash", arguments: '{"command":"ls"}' } }],
+      },
     ]);
     expect(withCall).toBeGreaterThan(4 + 3);
   });
@@ -318,33 +403,38 @@ describe("recording and routing", () => {
     expect(server.requests).toHaveLength(0); // only chat completions are recorded
   });
 
-  test("CLI mode serves a script file and dumps requests next to it", async () => {
-    const dir = mkdtempSync(join(tmpdir(), "fake-openai-"));
-    const script = join(dir, "turns.json");
-    writeFileSync(script, JSON.stringify([{ content: "from the script" }]));
-    const proc = Bun.spawn(["bun", join(import.meta.dir, "fake-openai.ts"), "--script", script], { stdout: "pipe", stderr: "inherit" });
-    try {
-      const reader = proc.stdout.getReader();
-      let out = "";
-      while (!out.includes("\n")) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        out += new TextDecoder().decode(value);
+  test(
+    "CLI mode serves a script file and dumps requests next to it",
+    async () => {
+      const dir = scratch("fake-openai-");
+      const script = join(dir, "turns.json");
+      writeFileSync(script, JSON.stringify([{ content: "from the script" }]));
+      const proc = Bun.spawn(["bun", join(import.meta.dir, "fake-openai.ts"), "--script", script], {
+        stdout: "pipe",
+        stderr: "inherit",
+      });
+      try {
+        const lines = lineReader(proc.stdout);
+        const url = ((await lines.next()) ?? "").trim();
+        lines.release();
+        expect(url).toMatch(/^http:\/\/127\.0\.0\.1:\d+\/v1$/);
+
+        const client = new OpenAI({ baseURL: url, apiKey: "x", maxRetries: 0 });
+        const { chunks } = await collect(client);
+        expect(
+          deltas(chunks)
+            .map((d) => d.content ?? "")
+            .join(""),
+        ).toBe("from the script");
+
+        const recorded = JSON.parse(readFileSync(`${script}.requests.json`, "utf8"));
+        expect(recorded).toHaveLength(1);
+        expect(recorded[0].body.messages).toEqual(userMessages);
+      } finally {
+        proc.kill();
+        await proc.exited;
       }
-      reader.releaseLock();
-      const url = out.trim();
-      expect(url).toMatch(/^http:\/\/127\.0\.0\.1:\d+\/v1$/);
-
-      const client = new OpenAI({ baseURL: url, apiKey: "x", maxRetries: 0 });
-      const { chunks } = await collect(client);
-      expect(deltas(chunks).map((d) => d.content ?? "").join("")).toBe("from the script");
-
-      const recorded = JSON.parse(readFileSync(`${script}.requests.json`, "utf8"));
-      expect(recorded).toHaveLength(1);
-      expect(recorded[0].body.messages).toEqual(userMessages);
-    } finally {
-      proc.kill();
-      await proc.exited;
-    }
-  }, SLOW_TEST_MS);
+    },
+    SLOW_TEST_MS,
+  );
 });

@@ -25,6 +25,8 @@ export type ReplyTurn = {
   argPieces?: number;
   /** Leave `index` out of tool-call deltas (some providers do). */
   omitIndex?: boolean;
+  /** Leave `id` out of every tool-call delta: a call that arrives without any id. */
+  omitIds?: boolean;
   /** Default true: id/type/name only on the first delta of each call; false repeats them on every delta. */
   idOnFirstChunkOnly?: boolean;
   /** Split content into this many chunks (default 1). */
@@ -239,7 +241,8 @@ export function renderReplyFrames(turn: ReplyTurn, ctx: ReplyContext): string[] 
 
   if (turn.reasoning) {
     const field = turn.reasoningField ?? "reasoning_content";
-    for (const piece of splitPieces(turn.reasoning, turn.reasoningPieces)) frames.push(sseData(chunk({ [field]: piece })));
+    for (const piece of splitPieces(turn.reasoning, turn.reasoningPieces))
+      frames.push(sseData(chunk({ [field]: piece })));
   }
   if (turn.content) {
     for (const piece of splitPieces(turn.content, turn.contentPieces)) frames.push(sseData(chunk({ content: piece })));
@@ -253,7 +256,7 @@ export function renderReplyFrames(turn: ReplyTurn, ctx: ReplyContext): string[] 
       const delta: Record<string, unknown> = {};
       if (!turn.omitIndex) delta.index = i;
       if (withIdentity) {
-        delta.id = call.id;
+        if (!turn.omitIds) delta.id = call.id;
         delta.type = "function";
       }
       delta.function = withIdentity ? { name: call.name, arguments: piece } : { arguments: piece };
@@ -280,7 +283,11 @@ function renderReplyJson(turn: ReplyTurn, ctx: ReplyContext) {
   const message: Record<string, unknown> = { role: "assistant", content: turn.content ?? null, refusal: null };
   if (turn.reasoning) message[turn.reasoningField ?? "reasoning_content"] = turn.reasoning;
   if (calls.length > 0) {
-    message.tool_calls = calls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
+    message.tool_calls = calls.map((c) => ({
+      id: c.id,
+      type: "function",
+      function: { name: c.name, arguments: c.arguments },
+    }));
   }
   return {
     id: base.id,
@@ -288,7 +295,12 @@ function renderReplyJson(turn: ReplyTurn, ctx: ReplyContext) {
     created: base.created,
     model: base.model,
     choices: [
-      { index: 0, message, logprobs: null, finish_reason: turn.finishReason ?? (calls.length > 0 ? "tool_calls" : "stop") },
+      {
+        index: 0,
+        message,
+        logprobs: null,
+        finish_reason: turn.finishReason ?? (calls.length > 0 ? "tool_calls" : "stop"),
+      },
     ],
     usage: usageFor(turn, ctx),
   };
@@ -333,7 +345,10 @@ export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
       case "http_error": {
         const headers = turn.headers ?? {};
         if (typeof turn.body === "string") {
-          return new Response(turn.body, { status: turn.status, headers: { "content-type": "text/plain", ...headers } });
+          return new Response(turn.body, {
+            status: turn.status,
+            headers: { "content-type": "text/plain", ...headers },
+          });
         }
         return jsonResponse(turn.status, turn.body, headers);
       }
@@ -393,7 +408,12 @@ export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
       if (req.method === "GET" && path === "/v1/models") {
         return jsonResponse(200, {
           object: "list",
-          data: ["fake-model", "fake-model-mini"].map((id) => ({ id, object: "model", created: 0, owned_by: "fake-openai" })),
+          data: ["fake-model", "fake-model-mini"].map((id) => ({
+            id,
+            object: "model",
+            created: 0,
+            owned_by: "fake-openai",
+          })),
         });
       }
       return jsonResponse(404, {

@@ -8,22 +8,17 @@
  * rules alone.
  */
 import { describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, mkdtempSync, readFileSync, realpathSync, symlinkSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, symlinkSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import type { FakeServer } from "./fake-openai.ts";
-import { bash, headless, kernelLandlockAbi, perTestFixtures, runAic } from "./helpers.ts";
+import { bash, has, headless, perTestFixtures, runAic, sandboxLine, toolResults } from "./helpers.ts";
 
 const fixtures = perTestFixtures();
-const landlock = kernelLandlockAbi() > 0;
-const hasNpm = Bun.which("npm") !== null;
-
-/** A fresh directory under /var/tmp, removed after the test. */
-const varTmp = (prefix: string) => fixtures.disposable(realpathSync(mkdtempSync(`/var/tmp/${prefix}`)));
 
 /** A home directory with secrets in the usual places, and ordinary files beside them. */
 function fakeHome(): string {
-  const home = varTmp("aic-home-");
-  for (const dir of [".ssh", ".aws", ".config/gcloud", ".docker", ".config/app"]) mkdirSync(join(home, dir), { recursive: true });
+  const home = fixtures.varTmp("aic-home-");
+  for (const dir of [".ssh", ".aws", ".config/gcloud", ".docker", ".config/app"])
+    mkdirSync(join(home, dir), { recursive: true });
   writeFileSync(join(home, ".ssh", "id_test"), "SSH-PRIVATE-KEY\n");
   writeFileSync(join(home, ".aws", "credentials"), "AWS-SECRET\n");
   writeFileSync(join(home, ".config", "gcloud", "token"), "GCLOUD-TOKEN\n");
@@ -35,23 +30,33 @@ function fakeHome(): string {
   return home;
 }
 
-const results = (srv: FakeServer): string[] => srv.requests.at(-1)!.body.messages.filter((m: any) => m.role === "tool").map((m: any) => String(m.content));
-const sandboxLine = (stderr: string) => stderr.split("\n").find((l) => l.startsWith("Sandbox:")) ?? "";
-
-describe.skipIf(!landlock)("the sandbox with a fake $HOME (Landlock)", () => {
-  test.skipIf(!hasNpm)("npm install of a local package works, and its cache lands in ~/.npm", async () => {
+// What the sandbox allows and refuses needs a kernel with Landlock: skipped without it.
+describe.skipIf(!has.landlock)("the sandbox with a fake $HOME (Landlock)", () => {
+  // Needs npm; skipped without it.
+  test.skipIf(!has.npm)("npm install of a local package works, and its cache lands in ~/.npm", async () => {
     const home = fakeHome();
-    const project = varTmp("aic-proj-");
-    const pkg = varTmp("aic-pkg-");
+    const project = fixtures.varTmp("aic-proj-");
+    const pkg = fixtures.varTmp("aic-pkg-");
     writeFileSync(join(pkg, "package.json"), JSON.stringify({ name: "tiny-pkg", version: "1.0.0", main: "index.js" }));
     writeFileSync(join(pkg, "index.js"), "module.exports = 42;\n");
-    const pack = Bun.spawnSync(["npm", "pack", "--silent", "--pack-destination", project], { cwd: pkg, env: { ...process.env, HOME: varTmp("aic-packhome-") } });
+    const pack = Bun.spawnSync(["npm", "pack", "--silent", "--pack-destination", project], {
+      cwd: pkg,
+      env: { ...process.env, HOME: fixtures.varTmp("aic-packhome-") },
+    });
     expect(pack.exitCode).toBe(0);
-    const srv = fixtures.serve([bash("npm init -y > /dev/null && npm install --no-audit --no-fund ./tiny-pkg-1.0.0.tgz && node -e 'console.log(require(\"tiny-pkg\"))'"), { content: "TASKCOMPLETE" }]);
-    const run = await runAic([...headless(srv.url), "--auto-approve", "install it"], { cwd: project, env: { HOME: home } });
+    const srv = fixtures.serve([
+      bash(
+        "npm init -y > /dev/null && npm install --no-audit --no-fund ./tiny-pkg-1.0.0.tgz && node -e 'console.log(require(\"tiny-pkg\"))'",
+      ),
+      { content: "TASKCOMPLETE" },
+    ]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "install it"], {
+      cwd: project,
+      env: { HOME: home },
+    });
     expect(run.code).toBe(0);
-    expect(results(srv)[0]).toContain("exit code 0");
-    expect(results(srv)[0]).toMatch(/^42$/m);
+    expect(toolResults(srv)[0]).toContain("exit code 0");
+    expect(toolResults(srv)[0]).toMatch(/^42$/m);
     expect(existsSync(join(project, "node_modules", "tiny-pkg", "index.js"))).toBe(true);
     expect(existsSync(join(home, ".npm", "_cacache"))).toBe(true);
   });
@@ -66,15 +71,25 @@ describe.skipIf(!landlock)("the sandbox with a fake $HOME (Landlock)", () => {
       bash("ls ~/.ssh"),
       { content: "TASKCOMPLETE" },
     ]);
-    const run = await runAic([...headless(srv.url), "--auto-approve", "probe"], { cwd: varTmp("aic-proj-"), env: { HOME: home } });
+    const run = await runAic([...headless(srv.url), "--auto-approve", "probe"], {
+      cwd: fixtures.varTmp("aic-proj-"),
+      env: { HOME: home },
+    });
     expect(run.code).toBe(0);
-    const [touchHome, touchCache, secrets, ordinary, listing] = results(srv) as [string, string, string, string, string];
+    const [touchHome, touchCache, secrets, ordinary, listing] = toolResults(srv) as [
+      string,
+      string,
+      string,
+      string,
+      string,
+    ];
     expect(touchHome).toContain("Permission denied");
     expect(existsSync(join(home, "elsewhere"))).toBe(false);
     expect(touchCache).toContain("cache-writable");
     expect(existsSync(join(home, ".cache", "made-by-command"))).toBe(true);
     expect(secrets.match(/Permission denied/g)).toHaveLength(5);
-    for (const secret of ["SSH-PRIVATE-KEY", "AWS-SECRET", "GCLOUD-TOKEN", "DOCKER-AUTH", "NETRC-PASSWORD"]) expect(secrets).not.toContain(secret);
+    for (const secret of ["SSH-PRIVATE-KEY", "AWS-SECRET", "GCLOUD-TOKEN", "DOCKER-AUTH", "NETRC-PASSWORD"])
+      expect(secrets).not.toContain(secret);
     for (const ok of ["bashrc-ok", "docker-daemon-ok", "app-settings-ok"]) expect(ordinary).toContain(ok);
     // Names stay visible (listing is not reading); contents do not.
     expect(listing).toContain("id_test");
@@ -83,17 +98,35 @@ describe.skipIf(!landlock)("the sandbox with a fake $HOME (Landlock)", () => {
   test("the caches are created when missing", async () => {
     const home = fakeHome();
     const srv = fixtures.serve([{ content: "TASKCOMPLETE" }]);
-    expect((await runAic([...headless(srv.url), "go"], { cwd: varTmp("aic-proj-"), env: { HOME: home } })).code).toBe(0);
-    for (const cache of [".npm", ".cache", ".bun/install/cache", ".cargo/registry", "go/pkg/mod", ".m2/repository", ".gradle/caches"]) expect(existsSync(join(home, cache))).toBe(true);
+    expect(
+      (await runAic([...headless(srv.url), "go"], { cwd: fixtures.varTmp("aic-proj-"), env: { HOME: home } })).code,
+    ).toBe(0);
+    for (const cache of [
+      ".npm",
+      ".cache",
+      ".bun/install/cache",
+      ".cargo/registry",
+      "go/pkg/mod",
+      ".m2/repository",
+      ".gradle/caches",
+    ])
+      expect(existsSync(join(home, cache))).toBe(true);
   });
 
   test("a link planted in $HOME that points into a secret store does not make it readable", async () => {
     const home = fakeHome();
     symlinkSync(join(home, ".ssh"), join(home, "innocent"));
     const srv = fixtures.serve([bash("cat ~/innocent/id_test; echo rc=$?"), { content: "TASKCOMPLETE" }]);
-    expect((await runAic([...headless(srv.url), "--auto-approve", "probe"], { cwd: varTmp("aic-proj-"), env: { HOME: home } })).code).toBe(0);
-    expect(results(srv)[0]).toContain("Permission denied");
-    expect(results(srv)[0]).not.toContain("SSH-PRIVATE-KEY");
+    expect(
+      (
+        await runAic([...headless(srv.url), "--auto-approve", "probe"], {
+          cwd: fixtures.varTmp("aic-proj-"),
+          env: { HOME: home },
+        })
+      ).code,
+    ).toBe(0);
+    expect(toolResults(srv)[0]).toContain("Permission denied");
+    expect(toolResults(srv)[0]).not.toContain("SSH-PRIVATE-KEY");
   });
 
   // Writable means rewritable: a secret store inside the start directory cannot be kept unreadable (files
@@ -103,41 +136,58 @@ describe.skipIf(!landlock)("the sandbox with a fake $HOME (Landlock)", () => {
     const srv = fixtures.serve([bash("echo made > note.txt && cat note.txt"), { content: "TASKCOMPLETE" }]);
     const run = await runAic([...headless(srv.url), "--auto-approve", "probe"], { cwd: home, env: { HOME: home } });
     expect(run.code).toBe(0);
-    expect(results(srv)[0]).toContain("made");
-    expect(sandboxLine(run.stderr)).toMatch(/~\/\.ssh.* stay readable and writable, since aic started in a directory that holds them/);
+    expect(toolResults(srv)[0]).toContain("made");
+    expect(sandboxLine(run.stderr)).toMatch(
+      /~\/\.ssh.* stay readable and writable, since aic started in a directory that holds them/,
+    );
   });
 
   test("--allow-read-secrets lets commands read the secret stores", async () => {
     const home = fakeHome();
     const srv = fixtures.serve([bash("cat ~/.ssh/id_test ~/.aws/credentials"), { content: "TASKCOMPLETE" }]);
-    const run = await runAic([...headless(srv.url), "--auto-approve", "--allow-read-secrets", "probe"], { cwd: varTmp("aic-proj-"), env: { HOME: home } });
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--allow-read-secrets", "probe"], {
+      cwd: fixtures.varTmp("aic-proj-"),
+      env: { HOME: home },
+    });
     expect(run.code).toBe(0);
-    expect(results(srv)[0]).toContain("SSH-PRIVATE-KEY");
-    expect(results(srv)[0]).toContain("AWS-SECRET");
+    expect(toolResults(srv)[0]).toContain("SSH-PRIVATE-KEY");
+    expect(toolResults(srv)[0]).toContain("AWS-SECRET");
     expect(sandboxLine(run.stderr)).toContain("--allow-read-secrets");
   });
 
   test("--allow-write and AIC_ALLOW_WRITE add writable paths", async () => {
     const home = fakeHome();
-    const [one, two, three] = [varTmp("aic-extra-"), varTmp("aic-extra-"), varTmp("aic-extra-")];
-    const srv = fixtures.serve([bash(`touch ${one}/a ${two}/b ${three}/c && echo wrote-all`), { content: "TASKCOMPLETE" }]);
-    const run = await runAic([...headless(srv.url), "--auto-approve", "--allow-write", one, "write"], { cwd: varTmp("aic-proj-"), env: { HOME: home, AIC_ALLOW_WRITE: `${two}:${three}` } });
+    const [one, two, three] = [
+      fixtures.varTmp("aic-extra-"),
+      fixtures.varTmp("aic-extra-"),
+      fixtures.varTmp("aic-extra-"),
+    ];
+    const srv = fixtures.serve([
+      bash(`touch ${one}/a ${two}/b ${three}/c && echo wrote-all`),
+      { content: "TASKCOMPLETE" },
+    ]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--allow-write", one, "write"], {
+      cwd: fixtures.varTmp("aic-proj-"),
+      env: { HOME: home, AIC_ALLOW_WRITE: `${two}:${three}` },
+    });
     expect(run.code).toBe(0);
-    expect(results(srv)[0]).toContain("wrote-all");
+    expect(toolResults(srv)[0]).toContain("wrote-all");
     for (const file of [join(one, "a"), join(two, "b"), join(three, "c")]) expect(existsSync(file)).toBe(true);
     expect(sandboxLine(run.stderr)).toContain(one);
   });
 
   test("the start line and the system prompt name the writable set and the unreadable secrets", async () => {
     const home = fakeHome();
-    const project = varTmp("aic-proj-");
+    const project = fixtures.varTmp("aic-proj-");
     const srv = fixtures.serve([{ content: "TASKCOMPLETE" }]);
     const run = await runAic([...headless(srv.url), "go"], { cwd: project, env: { HOME: home } });
     expect(run.code).toBe(0);
     const line = sandboxLine(run.stderr);
-    for (const text of [project, "/tmp", "~/.npm", "~/.cache", "~/.ssh", "~/.aws", "unreadable"]) expect(line).toContain(text);
+    for (const text of [project, "/tmp", "~/.npm", "~/.cache", "~/.ssh", "~/.aws", "unreadable"])
+      expect(line).toContain(text);
     const prompt = String(srv.requests[0]!.body.messages[0].content);
-    for (const text of [project, join(home, ".npm"), join(home, ".ssh"), "cannot be read"]) expect(prompt).toContain(text);
+    for (const text of [project, join(home, ".npm"), join(home, ".ssh"), "cannot be read"])
+      expect(prompt).toContain(text);
   });
 });
 

@@ -7,18 +7,34 @@
  * person's file.
  */
 import { describe, expect, test } from "bun:test";
-import { chmodSync, existsSync, lstatSync, mkdirSync, readFileSync, readdirSync, realpathSync, rmSync, statSync, symlinkSync, writeFileSync } from "node:fs";
+import {
+  chmodSync,
+  existsSync,
+  lstatSync,
+  mkdirSync,
+  readFileSync,
+  readdirSync,
+  realpathSync,
+  rmSync,
+  statSync,
+  symlinkSync,
+  writeFileSync,
+} from "node:fs";
 import { join } from "node:path";
-import { AIC, bash, cleanEnv, headless, kernelLandlockAbi, perTestFixtures, runAic, scratch } from "./helpers.ts";
+import {
+  AIC,
+  bash,
+  has,
+  headless,
+  perTestFixtures,
+  runAic,
+  runCommand,
+  scratch,
+  toolResults,
+  unique,
+} from "./helpers.ts";
 
 const fixtures = perTestFixtures();
-const isRoot = process.getuid?.() === 0;
-const hasSetpriv = Bun.which("setpriv") !== null;
-const hasStrace = Bun.which("strace") !== null;
-const landlock = kernelLandlockAbi() > 0;
-
-const toolResults = (srv: { requests: { body: any }[] }): string[] => srv.requests.at(-1)!.body.messages.filter((m: any) => m.role === "tool").map((m: any) => String(m.content));
-const unique = () => `${process.pid}-${Date.now()}-${Math.random().toString(36).slice(2, 8)}`;
 
 /** The files in `dir` whose text contains `marker`. */
 function filesContaining(dir: string, marker: string): string[] {
@@ -34,16 +50,17 @@ function filesContaining(dir: string, marker: string): string[] {
   return found;
 }
 
-/** Runs dist/aic as the unprivileged user `nobody` in `cwd` (which the test makes writable for it). */
-async function runAsNobody(args: string[], cwd: string, env: Record<string, string> = {}) {
-  const proc = Bun.spawn(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--", AIC, ...args], { cwd, env: cleanEnv({ HOME: cwd, ...env }), stdout: "pipe", stderr: "pipe" });
-  const guard = setTimeout(() => proc.kill("SIGKILL"), 60_000);
-  const [stdout, stderr, code] = [await new Response(proc.stdout).text(), await new Response(proc.stderr).text(), await proc.exited];
-  clearTimeout(guard);
-  return { stdout, stderr, code };
+/** Runs dist/aic as the unprivileged user `nobody` in `cwd` (which the test makes writable for it). Needs root and setpriv. */
+function runAsNobody(args: string[], cwd: string, env: Record<string, string> = {}) {
+  return runCommand(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--", AIC, ...args], {
+    cwd,
+    env: { HOME: cwd, ...env },
+    killAfterMs: 60_000,
+  });
 }
 
-describe.skipIf(!landlock)("escapes through aic's own files (sandbox on)", () => {
+// These attacks are stopped by the sandbox, which needs a kernel with Landlock: skipped without it.
+describe.skipIf(!has.landlock)("escapes through aic's own files (sandbox on)", () => {
   // 1. The output directory is renamed and replaced by a link to /var/tmp between two cut outputs.
   test("a swapped output directory never makes aic write outside the sandbox", async () => {
     const cwd = scratch();
@@ -58,7 +75,10 @@ describe.skipIf(!landlock)("escapes through aic's own files (sandbox on)", () =>
       { content: "TASKCOMPLETE" },
     ]);
     // With a session file the outputs live as long as the session, so the file can be checked after the run.
-    const run = await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "attack"], { cwd, env: { TMPDIR: tmp } });
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "attack"], {
+      cwd,
+      env: { TMPDIR: tmp },
+    });
     try {
       expect(run.code).toBe(0);
       const results = toolResults(srv);
@@ -81,7 +101,11 @@ describe.skipIf(!landlock)("escapes through aic's own files (sandbox on)", () =>
     const cwd = join(parent, "proj");
     mkdirSync(cwd);
     const target = `/var/tmp/aic-rename-${unique()}`;
-    const srv = fixtures.serve([bash("cd .. && mv proj proj.moved && ln -s / proj && echo swapped"), bash(`echo escaped > ${target}; echo rc=$?`), { content: "TASKCOMPLETE" }]);
+    const srv = fixtures.serve([
+      bash("cd .. && mv proj proj.moved && ln -s / proj && echo swapped"),
+      bash(`echo escaped > ${target}; echo rc=$?`),
+      { content: "TASKCOMPLETE" },
+    ]);
     try {
       const run = await runAic([...headless(srv.url), "--auto-approve", "attack"], { cwd });
       expect(run.code).toBe(0);
@@ -98,7 +122,9 @@ describe.skipIf(!landlock)("escapes through aic's own files (sandbox on)", () =>
     const cwd = scratch();
     const target = `/var/tmp/aic-bunfig-${unique()}`;
     const srv = fixtures.serve([
-      bash(`printf 'preload = ["./x.js"]\\n' > bunfig.toml; echo 'require("fs").writeFileSync("${target}", "x")' > x.js; echo planted`),
+      bash(
+        `printf 'preload = ["./x.js"]\\n' > bunfig.toml; echo 'require("fs").writeFileSync("${target}", "x")' > x.js; echo planted`,
+      ),
       bash("echo second command"),
       { content: "TASKCOMPLETE" },
     ]);
@@ -114,7 +140,10 @@ describe.skipIf(!landlock)("escapes through aic's own files (sandbox on)", () =>
 
   test("a .env planted by a command does not change the next run's settings", async () => {
     const cwd = scratch();
-    const first = fixtures.serve([bash("echo 'AIC_API_KEY=sk-planted-by-command' > .env; echo planted"), { content: "TASKCOMPLETE" }]);
+    const first = fixtures.serve([
+      bash("echo 'AIC_API_KEY=sk-planted-by-command' > .env; echo planted"),
+      { content: "TASKCOMPLETE" },
+    ]);
     expect((await runAic([...headless(first.url), "--auto-approve", "plant"], { cwd })).code).toBe(0);
     const second = fixtures.serve([{ content: "TASKCOMPLETE" }]);
     expect((await runAic([...headless(second.url), "again"], { cwd })).code).toBe(0);
@@ -125,7 +154,10 @@ describe.skipIf(!landlock)("escapes through aic's own files (sandbox on)", () =>
   test("a planted .aicsession.lock link is refused; the next run uses another file", async () => {
     const cwd = scratch();
     const victim = `/var/tmp/aic-lock-${unique()}`;
-    const first = fixtures.serve([bash(`rm -f .aicsession.lock && ln -s ${victim} .aicsession.lock && echo planted`), { content: "TASKCOMPLETE" }]);
+    const first = fixtures.serve([
+      bash(`rm -f .aicsession.lock && ln -s ${victim} .aicsession.lock && echo planted`),
+      { content: "TASKCOMPLETE" },
+    ]);
     const one = await runAic([...headless(first.url), "--auto-approve", "--session", ".aicsession", "plant"], { cwd });
     expect(one.code).toBe(0);
     expect(lstatSync(join(cwd, ".aicsession.lock")).isSymbolicLink()).toBe(true);
@@ -145,12 +177,19 @@ describe.skipIf(!landlock)("escapes through aic's own files (sandbox on)", () =>
 describe("the API key in aic's /proc entries", () => {
   // 2. A command looks for the key in aic's environ and cmdline: it finds asterisks.
   // The grep pattern does not match its own text, so only a real leak is counted.
-  const attack = () => `for p in $(pgrep -f -- '--api-base'); do tr '\\0' '\\n' < /proc/$p/environ 2>&1; tr '\\0' ' ' < /proc/$p/cmdline; echo; done | grep -c 'sk-leak-from-[ae]'; echo scanned`;
+  const attack = () =>
+    `for p in $(pgrep -f -- '--api-base'); do tr '\\0' '\\n' < /proc/$p/environ 2>&1; tr '\\0' ' ' < /proc/$p/cmdline; echo; done | grep -c 'sk-leak-from-[ae]'; echo scanned`;
 
   test("as root: neither environ nor cmdline shows the key", async () => {
     const cwd = scratch();
     const srv = fixtures.serve([bash(attack()), { content: "TASKCOMPLETE" }]);
-    const run = await runAic([...headless(srv.url), "--auto-approve", "--api-key", "sk-leak-from-argv", "--session", "s.json", "look"], { cwd, env: { OPENAI_API_KEY: "sk-leak-from-env" } });
+    const run = await runAic(
+      [...headless(srv.url), "--auto-approve", "--api-key", "sk-leak-from-argv", "--session", "s.json", "look"],
+      {
+        cwd,
+        env: { OPENAI_API_KEY: "sk-leak-from-env" },
+      },
+    );
     expect(run.code).toBe(0);
     const result = toolResults(srv)[0]!;
     expect(result).toContain("scanned");
@@ -159,16 +198,26 @@ describe("the API key in aic's /proc entries", () => {
     expect(readFileSync(join(cwd, "s.json"), "utf8")).not.toMatch(/sk-leak-from-(argv|env)/);
   });
 
-  test.skipIf(!isRoot || !hasSetpriv)("as an unprivileged user: neither environ nor cmdline shows the key", async () => {
-    const cwd = scratch();
-    chmodSync(cwd, 0o777);
-    const srv = fixtures.serve([bash(attack()), { content: "TASKCOMPLETE" }]);
-    const run = await runAsNobody([...headless(srv.url), "--auto-approve", "--api-key", "sk-leak-from-argv", "look"], cwd, { AIC_API_KEY: "sk-leak-from-env" });
-    expect(run.code).toBe(0);
-    const result = toolResults(srv)[0]!;
-    expect(result).toContain("scanned");
-    expect(result).not.toContain("sk-leak");
-  });
+  // Needs root and setpriv to run aic as `nobody`; skipped without them.
+  test.skipIf(!has.root || !has.setpriv)(
+    "as an unprivileged user: neither environ nor cmdline shows the key",
+    async () => {
+      const cwd = scratch();
+      chmodSync(cwd, 0o777);
+      const srv = fixtures.serve([bash(attack()), { content: "TASKCOMPLETE" }]);
+      const run = await runAsNobody(
+        [...headless(srv.url), "--auto-approve", "--api-key", "sk-leak-from-argv", "look"],
+        cwd,
+        {
+          AIC_API_KEY: "sk-leak-from-env",
+        },
+      );
+      expect(run.code).toBe(0);
+      const result = toolResults(srv)[0]!;
+      expect(result).toContain("scanned");
+      expect(result).not.toContain("sk-leak");
+    },
+  );
 });
 
 describe("planted files never hang aic or get read", () => {
@@ -177,7 +226,11 @@ describe("planted files never hang aic or get read", () => {
     ["a link to /dev/zero", (d) => symlinkSync("/dev/zero", join(d, ".aicsession")), /symbolic link/],
     ["a FIFO", (d) => Bun.spawnSync(["mkfifo", join(d, ".aicsession")]), /FIFO/],
     ["a directory", (d) => mkdirSync(join(d, ".aicsession")), /directory/],
-    ["a 300 MB file", (d) => Bun.spawnSync(["truncate", "-s", "300M", join(d, ".aicsession")]), /more than the \d+ bytes/],
+    [
+      "a 300 MB file",
+      (d) => Bun.spawnSync(["truncate", "-s", "300M", join(d, ".aicsession")]),
+      /more than the \d+ bytes/,
+    ],
   ];
   for (const [what, plant, reason] of cases) {
     test(`a session file that is ${what} is left untouched and the next file is used`, async () => {
@@ -185,7 +238,10 @@ describe("planted files never hang aic or get read", () => {
       plant(cwd);
       const before = lstatSync(join(cwd, ".aicsession"));
       const srv = fixtures.serve([{ content: "TASKCOMPLETE" }]);
-      const run = await runAic([...headless(srv.url), "--session", ".aicsession", "hello"], { cwd, killAfterMs: 60_000 });
+      const run = await runAic([...headless(srv.url), "--session", ".aicsession", "hello"], {
+        cwd,
+        killAfterMs: 60_000,
+      });
       expect(run.code).toBe(0);
       expect(run.stderr).toMatch(reason);
       expect(run.stderr).toContain("instance 2");
@@ -227,20 +283,24 @@ describe("planted files never hang aic or get read", () => {
 
 describe("what aic must not lose or hide", () => {
   // 5. A session file this user cannot read is never replaced: the next instance number is used, and why is said.
-  test.skipIf(!isRoot || !hasSetpriv)("an unreadable session file is left as it is (unprivileged user)", async () => {
-    const cwd = scratch();
-    chmodSync(cwd, 0o777);
-    const file = join(cwd, ".aicsession");
-    writeFileSync(file, '{"messages": [{"role": "user", "content": "root only"}]}');
-    chmodSync(file, 0o000);
-    const srv = fixtures.serve([{ content: "TASKCOMPLETE" }]);
-    const run = await runAsNobody([...headless(srv.url), "--session", ".aicsession", "hello"], cwd);
-    expect(run.code).toBe(0);
-    expect(run.stderr).toContain("permission denied");
-    expect(run.stderr).toContain(".aicsession2");
-    expect(readFileSync(file, "utf8")).toBe('{"messages": [{"role": "user", "content": "root only"}]}');
-    expect(statSync(file).mode & 0o777).toBe(0);
-  });
+  // Needs root and setpriv to run aic as `nobody` (root reads any file); skipped without them.
+  test.skipIf(!has.root || !has.setpriv)(
+    "an unreadable session file is left as it is (unprivileged user)",
+    async () => {
+      const cwd = scratch();
+      chmodSync(cwd, 0o777);
+      const file = join(cwd, ".aicsession");
+      writeFileSync(file, '{"messages": [{"role": "user", "content": "root only"}]}');
+      chmodSync(file, 0o000);
+      const srv = fixtures.serve([{ content: "TASKCOMPLETE" }]);
+      const run = await runAsNobody([...headless(srv.url), "--session", ".aicsession", "hello"], cwd);
+      expect(run.code).toBe(0);
+      expect(run.stderr).toContain("permission denied");
+      expect(run.stderr).toContain(".aicsession2");
+      expect(readFileSync(file, "utf8")).toBe('{"messages": [{"role": "user", "content": "root only"}]}');
+      expect(statSync(file).mode & 0o777).toBe(0);
+    },
+  );
 
   // 6. Every repair is reported, and the hand-edited original is kept beside the file before it is rewritten.
   test("a repaired session keeps its original as .orig.<time> and reports every change", async () => {
@@ -287,7 +347,16 @@ describe("what aic must not lose or hide", () => {
     const cwd = scratch();
     const evil = "\x1b]52;c;cGF5bG9hZA==\x07\x1b]0;pwned\x07\x1b[2J";
     const srv = fixtures.serve([
-      { content: `Working on it ${evil} now`, toolCalls: [{ arguments: JSON.stringify({ command: `printf '\\033]52;c;eA==\\007\\033[31mred\\033[0m done\\n' # ${evil}` }) }] },
+      {
+        content: `Working on it ${evil} now`,
+        toolCalls: [
+          {
+            arguments: JSON.stringify({
+              command: `printf '\\033]52;c;eA==\\007\\033[31mred\\033[0m done\\n' # ${evil}`,
+            }),
+          },
+        ],
+      },
       { content: `${evil} TASKCOMPLETE` },
     ]);
     const run = await runAic([...headless(srv.url), "--auto-approve", "go"], { cwd });
@@ -311,7 +380,16 @@ describe("what aic must not lose or hide", () => {
   // 8. Hostile content of the right JSON type, and a session from a newer aic.
   test("content that is a number or a list of numbers is repaired into text and reported", async () => {
     const cwd = scratch();
-    writeFileSync(join(cwd, ".aicsession"), JSON.stringify({ messages: [{ role: "system", content: "s" }, { role: "user", content: 123 }, { role: "assistant", content: [1, 2] }] }));
+    writeFileSync(
+      join(cwd, ".aicsession"),
+      JSON.stringify({
+        messages: [
+          { role: "system", content: "s" },
+          { role: "user", content: 123 },
+          { role: "assistant", content: [1, 2] },
+        ],
+      }),
+    );
     const srv = fixtures.serve([{ content: "TASKCOMPLETE" }]);
     const run = await runAic([...headless(srv.url), "--session", ".aicsession", "next"], { cwd });
     expect(run.code).toBe(0);
@@ -342,20 +420,40 @@ describe("what aic must not lose or hide", () => {
  * its threads, and a child until it executes something other than aic (the
  * sandbox launcher is aic itself), are aic's; everything a command runs is not.
  */
-describe.skipIf(!hasStrace)("strace of a full run", () => {
+// Needs strace; skipped without it.
+describe.skipIf(!has.strace)("strace of a full run", () => {
   test("aic opens nothing in the cwd or /tmp without O_NOFOLLOW", async () => {
     const cwd = scratch();
     writeFileSync(join(cwd, "AGENTS.md"), "Be careful.\n");
-    const srv = fixtures.serve([bash("seq 1 20000; echo > made-by-command.txt"), bash("cat made-by-command.txt; ls"), { content: "TASKCOMPLETE" }]);
+    const srv = fixtures.serve([
+      bash("seq 1 20000; echo > made-by-command.txt"),
+      bash("cat made-by-command.txt; ls"),
+      { content: "TASKCOMPLETE" },
+    ]);
     const trace = join(scratch(), "trace.txt");
-    const syscalls = "openat,open,creat,rename,renameat,renameat2,link,linkat,symlink,symlinkat,mkdir,mkdirat,execve,clone,clone3,vfork,fork";
-    const proc = Bun.spawn(["strace", "-f", "-qq", "-s", "512", "-e", `trace=${syscalls}`, "-o", trace, AIC, ...headless(srv.url), "--auto-approve", "--session", ".aicsession", "--debug", "trace me"], {
-      cwd,
-      env: cleanEnv(),
-      stdout: "pipe",
-      stderr: "pipe",
-    });
-    const [stderr, code] = [await new Response(proc.stderr).text(), await proc.exited];
+    const syscalls =
+      "openat,open,creat,rename,renameat,renameat2,link,linkat,symlink,symlinkat,mkdir,mkdirat,execve,clone,clone3,vfork,fork";
+    const { stderr, code } = await runCommand(
+      [
+        "strace",
+        "-f",
+        "-qq",
+        "-s",
+        "512",
+        "-e",
+        `trace=${syscalls}`,
+        "-o",
+        trace,
+        AIC,
+        ...headless(srv.url),
+        "--auto-approve",
+        "--session",
+        ".aicsession",
+        "--debug",
+        "trace me",
+      ],
+      { cwd },
+    );
     expect(stderr).not.toContain("internal error");
     expect(code).toBe(0);
     const violations = unsafeOpens(readFileSync(trace, "utf8"), cwd, ["/tmp", realpathSync("/tmp")]);

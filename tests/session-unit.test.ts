@@ -1,5 +1,5 @@
 /**
- * In-process tests of the session store (SPEC §7): `repairMessages`, `SessionStore` (claim,
+ * In-process tests of the session store (README: "Session files"): `repairMessages`, `SessionStore` (claim,
  * load, save, release) and `Agent.clear()`, imported from aic.ts and run on real files and real
  * kernel locks in scratch directories. Then a seeded fuzz of a session file: whatever a crash or
  * a person leaves in it, loading never throws, and either yields a history the API accepts or
@@ -8,9 +8,20 @@
 import { afterEach, describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, readFileSync, readdirSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { Agent, HeldDirectory, OutputStore, SessionStore, parseArgs, sandboxOff, repairMessages, type AgentEvent, type EventSink, type Sandbox } from "../aic.ts";
+import {
+  Agent,
+  HeldDirectory,
+  OutputStore,
+  SessionStore,
+  parseArgs,
+  sandboxOff,
+  repairMessages,
+  type AgentEvent,
+  type EventSink,
+  type Sandbox,
+} from "../aic.ts";
 import { startFakeServer, type FakeServer } from "./fake-openai.ts";
-import { headless, runAic, scratch } from "./helpers.ts";
+import { headless, loadedHistoryProblems, runAic, scratch, toolCall } from "./helpers.ts";
 
 const SYSTEM = "You are a test system prompt.";
 const META = { model: "unit-model", apiBase: "http://127.0.0.1:9/v1" };
@@ -36,73 +47,69 @@ afterEach(() => {
   for (const s of stores.splice(0)) s.release();
 });
 
-const call = (id: string, command = "true") => ({ id, type: "function", function: { name: "execute_bash", arguments: JSON.stringify({ command }) } });
-const state = (messages: any[], stepCount = 0) => ({ messages, stepCount, usage: { input_tokens: 0, output_tokens: 0, cached_tokens: 0, billable_tokens: 0 } });
-
-/**
- * Why a loaded history would be refused by the API or lose track of a command, or [] if fine:
- * system first; each tool message answers a call of the assistant message before it; every such
- * call is answered; and `tool_calls`, where
- * present, is a list of calls with string ids (anything else cannot be answered, and aic itself
- * cannot count or send it).
- */
-function sequenceProblems(messages: unknown): string[] {
-  if (!Array.isArray(messages)) return ["messages is not a list"];
-  const problems: string[] = [];
-  messages.forEach((m, i) => {
-    if (typeof m !== "object" || m === null || Array.isArray(m) || typeof (m as any).role !== "string") problems.push(`[${i}] is not a message`);
-  });
-  if (problems.length) return problems;
-  if (messages[0]?.role !== "system") problems.push("the first message is not the system prompt");
-  messages.forEach((m: any, i) => {
-    if (m.tool_calls === undefined || m.tool_calls === null) return;
-    if (!Array.isArray(m.tool_calls) || !m.tool_calls.every((c: any) => typeof c === "object" && c !== null && typeof c.id === "string"))
-      problems.push(`[${i}] tool_calls is not a list of calls with ids: ${JSON.stringify(m.tool_calls)}`);
-  });
-  let open = new Set<unknown>();
-  messages.forEach((m: any, i) => {
-    if (m.role === "tool") {
-      if (!open.has(m.tool_call_id)) problems.push(`[${i}] tool message answers no call of the preceding assistant message`);
-      open.delete(m.tool_call_id);
-      return;
-    }
-    if (open.size) problems.push(`call(s) ${[...open].join(", ")} before [${i}] have no answer`);
-    open = new Set(m.role === "assistant" && Array.isArray(m.tool_calls) ? m.tool_calls.map((c: any) => c?.id).filter((id: unknown) => typeof id === "string") : []);
-  });
-  if (open.size) problems.push(`call(s) ${[...open].join(", ")} at the end have no answer`);
-  // A trailing assistant message without tool calls is the model's last answer and is kept: the next request appends the new task after it.
-  return problems;
-}
+const state = (messages: any[], stepCount = 0) => ({
+  messages,
+  stepCount,
+  usage: { input_tokens: 0, output_tokens: 0, cached_tokens: 0, billable_tokens: 0 },
+});
 
 // ---------------------------------------------------------------------------------------------
 
-describe("repairMessages (SPEC §7 loading)", () => {
+describe("repairMessages (loading a hand-edited file)", () => {
   // Each of the repairs, alone, with its own report line.
   test("adds a missing system prompt", () => {
     const { messages, reports } = repairMessages([{ role: "user", content: "hi" }], SYSTEM);
-    expect(messages).toEqual([{ role: "system", content: SYSTEM }, { role: "user", content: "hi" }]);
+    expect(messages).toEqual([
+      { role: "system", content: SYSTEM },
+      { role: "user", content: "hi" },
+    ]);
     expect(reports).toHaveLength(1);
   });
 
   test("drops tool messages that answer no preceding call", () => {
-    const raw: any[] = [{ role: "system", content: "s" }, { role: "user", content: "u" }, { role: "tool", tool_call_id: "nobody", content: "x" }, { role: "assistant", content: null, tool_calls: [call("a")] }, { role: "tool", tool_call_id: "a", content: "ok" }, { role: "tool", tool_call_id: "a", content: "twice" }];
+    const raw: any[] = [
+      { role: "system", content: "s" },
+      { role: "user", content: "u" },
+      { role: "tool", tool_call_id: "nobody", content: "x" },
+      { role: "assistant", content: null, tool_calls: [toolCall("a")] },
+      { role: "tool", tool_call_id: "a", content: "ok" },
+      { role: "tool", tool_call_id: "a", content: "twice" },
+    ];
     const { messages, reports } = repairMessages(raw, SYSTEM);
     expect(messages).toEqual([raw[0], raw[1], raw[3], raw[4]]);
     expect(reports).toHaveLength(1);
   });
 
   test("closes each unanswered call with a [SESSION RECOVERED] tool message right after its call", () => {
-    const raw: any[] = [{ role: "system", content: "s" }, { role: "user", content: "u" }, { role: "assistant", content: null, tool_calls: [call("a"), call("b"), call("c")] }, { role: "tool", tool_call_id: "b", content: "done" }, { role: "user", content: "later" }];
+    const raw: any[] = [
+      { role: "system", content: "s" },
+      { role: "user", content: "u" },
+      { role: "assistant", content: null, tool_calls: [toolCall("a"), toolCall("b"), toolCall("c")] },
+      { role: "tool", tool_call_id: "b", content: "done" },
+      { role: "user", content: "later" },
+    ];
     const { messages, reports } = repairMessages(raw, SYSTEM);
-    expect(messages.map((m) => [m.role, m.tool_call_id])).toEqual([["system", undefined], ["user", undefined], ["assistant", undefined], ["tool", "b"], ["tool", "a"], ["tool", "c"], ["user", undefined]]);
+    expect(messages.map((m) => [m.role, m.tool_call_id])).toEqual([
+      ["system", undefined],
+      ["user", undefined],
+      ["assistant", undefined],
+      ["tool", "b"],
+      ["tool", "a"],
+      ["tool", "c"],
+      ["user", undefined],
+    ]);
     for (const m of messages.slice(4, 6)) expect(m.content as string).toStartWith("[SESSION RECOVERED]");
     expect(reports).toHaveLength(1);
-    expect(sequenceProblems(messages)).toEqual([]);
+    expect(loadedHistoryProblems(messages)).toEqual([]);
   });
 
   // The model's last answer survives a resume, so the resumed model remembers its own conclusion.
   test("keeps a trailing assistant message without tool calls, and reports nothing", () => {
-    const raw: any[] = [{ role: "system", content: "s" }, { role: "user", content: "u" }, { role: "assistant", content: "Done: all 12 tests pass. TASKCOMPLETE" }];
+    const raw: any[] = [
+      { role: "system", content: "s" },
+      { role: "user", content: "u" },
+      { role: "assistant", content: "Done: all 12 tests pass. TASKCOMPLETE" },
+    ];
     const { messages, reports } = repairMessages(structuredClone(raw), SYSTEM);
     expect(messages).toEqual(raw);
     expect(reports).toEqual([]);
@@ -110,33 +117,55 @@ describe("repairMessages (SPEC §7 loading)", () => {
 
   // Content of the right JSON type but not one the API takes (a number, a list of numbers) becomes text.
   test("turns content that is neither text nor content parts into text", () => {
-    const raw: any[] = [{ role: "system", content: "s" }, { role: "user", content: 123 }, { role: "assistant", content: [1, 2] }, { role: "user", content: [{ type: "text", text: "parts stay" }] }];
+    const raw: any[] = [
+      { role: "system", content: "s" },
+      { role: "user", content: 123 },
+      { role: "assistant", content: [1, 2] },
+      { role: "user", content: [{ type: "text", text: "parts stay" }] },
+    ];
     const { messages, reports } = repairMessages(raw, SYSTEM);
     expect(messages.map((m) => m.content)).toEqual(["s", "123", "[1,2]", [{ type: "text", text: "parts stay" }]]);
     expect(reports).toHaveLength(1);
   });
 
   test("drops messages with an unknown role and names the role", () => {
-    const raw: any[] = [{ role: "system", content: "s" }, { role: "usr", content: "typo" }, { role: "user", content: "u" }];
+    const raw: any[] = [
+      { role: "system", content: "s" },
+      { role: "usr", content: "typo" },
+      { role: "user", content: "u" },
+    ];
     const { messages, reports } = repairMessages(raw, SYSTEM);
     expect(messages).toEqual([raw[0], raw[2]]);
     expect(reports).toEqual(['dropped 1 message(s) with an unknown role ("usr")']);
   });
 
   test("drops entries that are not messages", () => {
-    const raw: any[] = [{ role: "system", content: "s" }, null, 42, "text", [], { content: "no role" }, { role: "user", content: "u" }];
+    const raw: any[] = [
+      { role: "system", content: "s" },
+      null,
+      42,
+      "text",
+      [],
+      { content: "no role" },
+      { role: "user", content: "u" },
+    ];
     const { messages, reports } = repairMessages(raw, SYSTEM);
     expect(messages).toEqual([raw[0], raw[6]]);
     expect(reports).toHaveLength(1);
   });
 
   test("a sound history is left exactly as it was, with nothing reported", () => {
-    const raw: any[] = [{ role: "system", content: "s" }, { role: "user", content: "u" }, { role: "assistant", content: null, tool_calls: [call("a")] }, { role: "tool", tool_call_id: "a", content: "ok" }];
+    const raw: any[] = [
+      { role: "system", content: "s" },
+      { role: "user", content: "u" },
+      { role: "assistant", content: null, tool_calls: [toolCall("a")] },
+      { role: "tool", tool_call_id: "a", content: "ok" },
+    ];
     expect(repairMessages(structuredClone(raw), SYSTEM)).toEqual({ messages: raw, reports: [] });
   });
 });
 
-describe("SessionStore (SPEC §7)", () => {
+describe("SessionStore", () => {
   // flock is per open file: a second claim, even in this process, gets <session>2; release frees it.
   test("claims number the file while it is held and reuse it once released", () => {
     const dir = scratch();
@@ -156,12 +185,22 @@ describe("SessionStore (SPEC §7)", () => {
   test("save writes a 0600 document and keeps unknown keys", () => {
     const dir = scratch();
     const path = join(dir, "s.json");
-    writeFileSync(path, JSON.stringify({ custom: { keep: [1, 2] }, messages: [{ role: "system", content: "s" }] }), { mode: 0o644 });
+    writeFileSync(path, JSON.stringify({ custom: { keep: [1, 2] }, messages: [{ role: "system", content: "s" }] }), {
+      mode: 0o644,
+    });
     const store = claim(path);
     store.load(SYSTEM);
     expect(store.save("tool_result", state([{ role: "system", content: SYSTEM }], 3))).toBe(true);
     const doc = JSON.parse(readFileSync(path, "utf8"));
-    expect(doc).toMatchObject({ aic_session_version: 1, reason: "tool_result", model: META.model, api_base: META.apiBase, instance_number: 1, step_count: 3, custom: { keep: [1, 2] } });
+    expect(doc).toMatchObject({
+      aic_session_version: 1,
+      reason: "tool_result",
+      model: META.model,
+      api_base: META.apiBase,
+      instance_number: 1,
+      step_count: 3,
+      custom: { keep: [1, 2] },
+    });
     expect(statSync(path).mode & 0o777).toBe(0o600);
   });
 
@@ -194,7 +233,7 @@ describe("SessionStore (SPEC §7)", () => {
   });
 });
 
-describe("Agent.clear() (SPEC §7 /clear)", () => {
+describe("Agent.clear() (/clear)", () => {
   // /clear writes an empty session (reason `cleared`), so the next start restores nothing.
   test("clear() saves an empty history with reason cleared and nothing comes back", () => {
     const dir = scratch();
@@ -205,15 +244,33 @@ describe("Agent.clear() (SPEC §7 /clear)", () => {
         aic_session_version: 1,
         step_count: 4,
         usage: { input_tokens: 10, output_tokens: 2, cached_tokens: 1, billable_tokens: 11 },
-        messages: [{ role: "system", content: "s" }, { role: "user", content: "old task" }, { role: "assistant", content: null, tool_calls: [call("a")] }, { role: "tool", tool_call_id: "a", content: "ok" }],
+        messages: [
+          { role: "system", content: "s" },
+          { role: "user", content: "old task" },
+          { role: "assistant", content: null, tool_calls: [toolCall("a")] },
+          { role: "tool", tool_call_id: "a", content: "ok" },
+        ],
       }),
     );
-    const parsed = parseArgs(["--nogui", "--api-base", META.apiBase, "--model", META.model, "--session", path, "task"], {});
+    const parsed = parseArgs(
+      ["--nogui", "--api-base", META.apiBase, "--model", META.model, "--session", path, "task"],
+      {},
+    );
     if (parsed.kind !== "run") throw new Error(`parseArgs gave ${parsed.kind}`);
     const sink = recorder();
     const store = claim(path, sink);
     const sandbox: Sandbox = sandboxOff("unit test");
-    const agent = new Agent({ config: parsed.config, sink, approve: async () => ({ kind: "approve" }), sandbox, systemPrompt: SYSTEM, session: store, outputs: new OutputStore(false, "unit"), workDir: HeldDirectory.open(dir), canAnswerInput: () => false });
+    const agent = new Agent({
+      config: parsed.config,
+      sink,
+      approve: async () => ({ kind: "approve" }),
+      sandbox,
+      systemPrompt: SYSTEM,
+      session: store,
+      outputs: new OutputStore(false, "unit"),
+      workDir: HeldDirectory.open(dir),
+      canAnswerInput: () => false,
+    });
     agent.restore(store.load(SYSTEM));
     expect(agent.messages).toHaveLength(4);
 
@@ -265,22 +322,73 @@ function seedDocument(): any {
     usage: { input_tokens: 5123, output_tokens: 311, cached_tokens: 2048, billable_tokens: 3386 },
     note: "added by hand",
     messages: [
-      { role: "system", content: "You are an autonomous engineer.\n\n[Prior conversation summary]\nThe user wants the tests fixed." },
+      {
+        role: "system",
+        content: "You are an autonomous engineer.\n\n[Prior conversation summary]\nThe user wants the tests fixed.",
+      },
       { role: "user", content: "Fix the failing test in src/parse.ts — «quotes» and emoji 🚀 included" },
-      { role: "assistant", content: "1. Run the tests\n2. Read the failure", tool_calls: [call("call_1", "npm test 2>&1 | tail -20")] },
-      { role: "tool", tool_call_id: "call_1", content: "Command executed with exit code 1.\nOutput:\n✗ parse › handles «quotes»\n  expected 'ü' got 'u'\n1 failed, 41 passed" },
-      { role: "assistant", content: null, tool_calls: [call("call_2", "sed -n '1,40p' src/parse.ts"), call("call_3", "grep -n normalize src/*.ts")] },
-      { role: "tool", tool_call_id: "call_2", content: "Command executed with exit code 0.\nOutput:\nexport function parse(s: string) {\n  return s.normalize('NFD');\n}" },
-      { role: "tool", tool_call_id: "call_3", content: "Command executed with exit code 0.\nOutput:\nsrc/parse.ts:2:  return s.normalize('NFD');" },
+      {
+        role: "assistant",
+        content: "1. Run the tests\n2. Read the failure",
+        tool_calls: [toolCall("call_1", "npm test 2>&1 | tail -20")],
+      },
+      {
+        role: "tool",
+        tool_call_id: "call_1",
+        content:
+          "Command executed with exit code 1.\nOutput:\n✗ parse › handles «quotes»\n  expected 'ü' got 'u'\n1 failed, 41 passed",
+      },
+      {
+        role: "assistant",
+        content: null,
+        tool_calls: [
+          toolCall("call_2", "sed -n '1,40p' src/parse.ts"),
+          toolCall("call_3", "grep -n normalize src/*.ts"),
+        ],
+      },
+      {
+        role: "tool",
+        tool_call_id: "call_2",
+        content:
+          "Command executed with exit code 0.\nOutput:\nexport function parse(s: string) {\n  return s.normalize('NFD');\n}",
+      },
+      {
+        role: "tool",
+        tool_call_id: "call_3",
+        content: "Command executed with exit code 0.\nOutput:\nsrc/parse.ts:2:  return s.normalize('NFD');",
+      },
       { role: "user", content: "[Suggestion from user] keep the public API unchanged" },
-      { role: "assistant", content: null, tool_calls: [call("call_4", "sed -i 's/NFD/NFC/' src/parse.ts && npm test")] },
+      {
+        role: "assistant",
+        content: null,
+        tool_calls: [toolCall("call_4", "sed -i 's/NFD/NFC/' src/parse.ts && npm test")],
+      },
       { role: "tool", tool_call_id: "call_4", content: "Command executed with exit code 0.\nOutput:\n42 passed" },
     ],
   };
 }
 
 const ROLES = ["system", "user", "assistant", "tool", "bogus", ""];
-const GARBAGE = ['"', "{", "}", "[", "]", ",", ":", "\\", "\u0000", "null", "💥", "\ud800", "\n", "true,", '"role":', "]]}}", "\\u00", "NaN"];
+const GARBAGE = [
+  '"',
+  "{",
+  "}",
+  "[",
+  "]",
+  ",",
+  ":",
+  "\\",
+  "\u0000",
+  "null",
+  "💥",
+  "\ud800",
+  "\n",
+  "true,",
+  '"role":',
+  "]]}}",
+  "\\u00",
+  "NaN",
+];
 
 type Doc = any;
 /** Mutations of the parsed document; each returns the new document. */
@@ -288,8 +396,10 @@ const STRUCTURAL: Record<string, (doc: Doc, r: Rng) => Doc> = {
   "swap-roles": (doc, r) => {
     const ms = doc?.messages;
     if (!Array.isArray(ms) || ms.length < 2) return doc;
-    const i = r.int(ms.length), j = r.int(ms.length);
-    if (ms[i] && ms[j] && typeof ms[i] === "object" && typeof ms[j] === "object") [ms[i].role, ms[j].role] = [ms[j].role, ms[i].role];
+    const i = r.int(ms.length),
+      j = r.int(ms.length);
+    if (ms[i] && ms[j] && typeof ms[i] === "object" && typeof ms[j] === "object")
+      [ms[i].role, ms[j].role] = [ms[j].role, ms[i].role];
     return doc;
   },
   "set-role": (doc, r) => {
@@ -298,7 +408,8 @@ const STRUCTURAL: Record<string, (doc: Doc, r: Rng) => Doc> = {
     return doc;
   },
   "messages-not-a-list": (doc, r) => {
-    if (doc && typeof doc === "object" && !Array.isArray(doc)) doc.messages = r.pick([42, "messages", { 0: { role: "user" } }, null, true, -1.5]);
+    if (doc && typeof doc === "object" && !Array.isArray(doc))
+      doc.messages = r.pick([42, "messages", { 0: { role: "user" } }, null, true, -1.5]);
     return doc;
   },
   "drop-field": (doc, r) => {
@@ -308,7 +419,8 @@ const STRUCTURAL: Record<string, (doc: Doc, r: Rng) => Doc> = {
     else if (choice === 1 && m && Array.isArray(m.tool_calls) && m.tool_calls.length) {
       const c = r.pick(m.tool_calls) as any;
       if (c && typeof c === "object") delete c[r.pick(["id", "function", "type"])];
-    } else if (doc && typeof doc === "object" && !Array.isArray(doc)) delete doc[r.pick(Object.keys(doc).length ? Object.keys(doc) : ["messages"])];
+    } else if (doc && typeof doc === "object" && !Array.isArray(doc))
+      delete doc[r.pick(Object.keys(doc).length ? Object.keys(doc) : ["messages"])];
     return doc;
   },
   "content-wrong-type": (doc, r) => {
@@ -318,7 +430,8 @@ const STRUCTURAL: Record<string, (doc: Doc, r: Rng) => Doc> = {
   },
   "tool_calls-wrong-type": (doc, r) => {
     const m = randomMessage(doc, r);
-    if (m) m.tool_calls = r.pick(["abc", 5, {}, [null], [42], [{ id: 7 }], [{}], null, [[call("x")]], { length: 1 }]);
+    if (m)
+      m.tool_calls = r.pick(["abc", 5, {}, [null], [42], [{ id: 7 }], [{}], null, [[toolCall("x")]], { length: 1 }]);
     return doc;
   },
   "tool_call_id-wrong-type": (doc, r) => {
@@ -427,7 +540,7 @@ function fuzzCases(seed: number, count: number): FuzzCase[] {
 const FUZZ_SEED = 0x5e55_1017;
 const FUZZ_COUNT = 1500;
 
-describe("fuzzed session files (SPEC §7 loading)", () => {
+describe("fuzzed session files (loading)", () => {
   const cases = fuzzCases(FUZZ_SEED, FUZZ_COUNT);
   const outcome = new Map<number, "loaded" | "moved" | "untouched">();
   /** Whether the bytes are a JSON document whose aic_session_version is a number above 1. */
@@ -461,18 +574,21 @@ describe("fuzzed session files (SPEC §7 loading)", () => {
       const aside = readdirSync(dir).filter((n) => n.startsWith(`${name}.corrupt.`));
       if (loaded.messages) {
         outcome.set(c.index, "loaded");
-        const problems = sequenceProblems(loaded.messages);
+        const problems = loadedHistoryProblems(loaded.messages);
         if (problems.length) failures.push(`${name} [${c.kinds}]: ${problems.join("; ")}`);
         if (aside.length) failures.push(`${name} [${c.kinds}]: loaded and also moved aside`);
       } else if (isNewerFormat(c.bytes)) {
         // A file claiming a newer format is neither read nor moved nor rewritten.
         outcome.set(c.index, "untouched");
         if (aside.length) failures.push(`${name} [${c.kinds}]: a newer-format file was moved aside`);
-        if (!existsSync(path) || !readFileSync(path).equals(c.bytes)) failures.push(`${name} [${c.kinds}]: a newer-format file was changed`);
+        if (!existsSync(path) || !readFileSync(path).equals(c.bytes))
+          failures.push(`${name} [${c.kinds}]: a newer-format file was changed`);
       } else {
         outcome.set(c.index, "moved");
-        if (aside.length !== 1) failures.push(`${name} [${c.kinds}]: no messages, and ${aside.length} files moved aside`);
-        else if (!readFileSync(join(dir, aside[0]!)).equals(c.bytes)) failures.push(`${name} [${c.kinds}]: the moved-aside file differs from the original`);
+        if (aside.length !== 1)
+          failures.push(`${name} [${c.kinds}]: no messages, and ${aside.length} files moved aside`);
+        else if (!readFileSync(join(dir, aside[0]!)).equals(c.bytes))
+          failures.push(`${name} [${c.kinds}]: the moved-aside file differs from the original`);
         if (existsSync(path)) failures.push(`${name} [${c.kinds}]: not loaded, yet still in place`);
       }
     }
@@ -491,8 +607,19 @@ describe("fuzzed session files (SPEC §7 loading)", () => {
     expect(outcome.size).toBe(FUZZ_COUNT); // needs the test above
     const sample: FuzzCase[] = [];
     const add = (c: FuzzCase | undefined) => c && !sample.includes(c) && sample.push(c);
-    for (const kind of [...Object.keys(STRUCTURAL), ...Object.keys(TEXTUAL)]) add(cases.find((c) => c.kinds.includes(kind) && outcome.get(c.index) === "loaded") ?? cases.find((c) => c.kinds.includes(kind)));
-    for (const want of ["moved", "loaded"] as const) for (const c of cases) if (sample.length < 20 && outcome.get(c.index) === want && sample.filter((s) => outcome.get(s.index) === want).length < 10) add(c);
+    for (const kind of [...Object.keys(STRUCTURAL), ...Object.keys(TEXTUAL)])
+      add(
+        cases.find((c) => c.kinds.includes(kind) && outcome.get(c.index) === "loaded") ??
+          cases.find((c) => c.kinds.includes(kind)),
+      );
+    for (const want of ["moved", "loaded"] as const)
+      for (const c of cases)
+        if (
+          sample.length < 20 &&
+          outcome.get(c.index) === want &&
+          sample.filter((s) => outcome.get(s.index) === want).length < 10
+        )
+          add(c);
     expect(sample.length).toBeGreaterThanOrEqual(20);
 
     const failures: string[] = [];
@@ -501,24 +628,34 @@ describe("fuzzed session files (SPEC §7 loading)", () => {
       writeFileSync(join(cwd, "sess.json"), c.bytes);
       const srv: FakeServer = startFakeServer({ turns: [] });
       try {
-        const run = await runAic([...headless(srv.url, "test-model", "--auto-approve", "--session", "sess.json"), "carry on"], { cwd, killAfterMs: 60_000 });
+        const run = await runAic(
+          [...headless(srv.url, "test-model", "--auto-approve", "--session", "sess.json"), "carry on"],
+          {
+            cwd,
+            killAfterMs: 60_000,
+          },
+        );
         const label = `case-${c.index} [${c.kinds}] (${outcome.get(c.index)})`;
         const sent = srv.requests[0]?.body?.messages;
-        if (run.code !== 0) failures.push(`${label}: exit ${run.code}: ${run.stderr.trim().split("\n").slice(-3).join(" | ")}`);
+        if (run.code !== 0)
+          failures.push(`${label}: exit ${run.code}: ${run.stderr.trim().split("\n").slice(-3).join(" | ")}`);
         else if (/internal error|unexpected failure/i.test(run.stderr)) failures.push(`${label}: ${run.stderr}`);
         else {
-          const problems = sequenceProblems(sent);
+          const problems = loadedHistoryProblems(sent);
           if (problems.length) failures.push(`${label}: sent ${problems.join("; ")}`);
-          if (JSON.stringify(sent?.at(-1)) !== JSON.stringify({ role: "user", content: "carry on" })) failures.push(`${label}: the request is not last`);
+          if (JSON.stringify(sent?.at(-1)) !== JSON.stringify({ role: "user", content: "carry on" }))
+            failures.push(`${label}: the request is not last`);
         }
       } finally {
         srv.close();
       }
     };
     const queue = [...sample];
-    await Promise.all(Array.from({ length: 4 }, async () => {
-      for (let c = queue.shift(); c; c = queue.shift()) await runOne(c);
-    }));
+    await Promise.all(
+      Array.from({ length: 4 }, async () => {
+        for (let c = queue.shift(); c; c = queue.shift()) await runOne(c);
+      }),
+    );
     expect(failures).toEqual([]);
   }, 180_000);
 });

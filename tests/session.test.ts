@@ -1,21 +1,33 @@
 /**
- * End-to-end tests of session persistence (SPEC §7, with the exit codes of §9): the compiled
+ * End-to-end tests of session persistence (README: "Session files", with the signal exit codes of
+ * "Exit codes"): the compiled
  * dist/aic in `--nogui` with `--session PATH`, against the fake OpenAI server, with real
  * commands, real signals, real kernel locks and real files in scratch directories.
  *
  * Every test that can see the session file while aic runs reads it (the fake server reads it on
  * every model request; some commands copy it; some tests poll it) and records what it found in
  * `snapshots`; the last test checks that every one of those reads was a complete JSON document
- * and that, between them, they saw every checkpoint reason the SPEC names (`cleared` is covered
+ * and that, between them, they saw every checkpoint reason the README names (`cleared` is covered
  * by tests/session-unit.test.ts, since /clear only exists in the TUI).
  */
-import { afterAll, afterEach, describe, expect, test } from "bun:test";
+import { afterEach, describe, expect, test } from "bun:test";
 import { existsSync, readFileSync, readdirSync, statSync, writeFileSync } from "node:fs";
-import { constants } from "node:os";
 import { join } from "node:path";
-import type { Subprocess } from "bun";
-import { startFakeServer, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
-import { AIC, bash, cleanEnv, headless, runAic, scratch } from "./helpers.ts";
+import type { FakeServer, RecordedRequest, Turn } from "./fake-openai.ts";
+import {
+  bash,
+  groupAlive,
+  has,
+  headless,
+  killGroup,
+  loadedHistoryProblems,
+  messagesOf,
+  perTestFixtures,
+  runAic,
+  scratch,
+  startAic,
+  waitFor,
+} from "./helpers.ts";
 
 // ---------------------------------------------------------------------------------------------
 // Plumbing
@@ -48,94 +60,31 @@ function observe(file: string, source: string): any {
   }
 }
 
-const servers: FakeServer[] = [];
-const processes: Subprocess[] = [];
+const fixtures = perTestFixtures();
+/** Process groups of commands a test saw start: killed after it, whatever happened. */
 const groups: number[] = [];
 afterEach(() => {
-  for (const p of processes.splice(0)) if (p.exitCode === null && p.signalCode === null) p.kill("SIGKILL");
   for (const g of groups.splice(0)) killGroup(g);
-  for (const s of servers.splice(0)) s.close();
 });
 
 type Turns = Turn[] | ((req: RecordedRequest, index: number) => Turn);
 
 /** A fake server for one test that reads `sessionFile` whenever aic asks the model something. */
 function serve(sessionFile: string | undefined, turns: Turns = []): FakeServer {
-  const pick = (req: RecordedRequest, i: number): Turn => (typeof turns === "function" ? turns(req, i) : (turns[i] ?? { content: "TASKCOMPLETE" }));
-  const srv = startFakeServer({
-    turns: (req, i) => {
-      if (sessionFile) observe(sessionFile, `model request ${i}`);
-      return pick(req, i);
-    },
+  const pick = (req: RecordedRequest, i: number): Turn =>
+    typeof turns === "function" ? turns(req, i) : (turns[i] ?? { content: "TASKCOMPLETE" });
+  return fixtures.serve((req, i) => {
+    if (sessionFile) observe(sessionFile, `model request ${i}`);
+    return pick(req, i);
   });
-  servers.push(srv);
-  return srv;
 }
 
-const messagesOf = (req: RecordedRequest | undefined): any[] => req?.body?.messages ?? [];
 const lastUser = (req: RecordedRequest): string => messagesOf(req).findLast((m) => m.role === "user")?.content ?? "";
-const sessionArgs = (url: string, session: string, ...more: string[]) => [...headless(url, "test-model", "--auto-approve", "--session", session), ...more];
+const sessionArgs = (url: string, session: string, ...more: string[]) => [
+  ...headless(url, "test-model", "--auto-approve", "--session", session),
+  ...more,
+];
 const readJson = (file: string) => JSON.parse(readFileSync(file, "utf8"));
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
-
-async function waitFor<T>(what: string, probe: () => T | undefined | false, timeoutMs = 30_000): Promise<T> {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    const value = probe();
-    if (value) return value;
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await sleep(20);
-  }
-}
-
-interface Live {
-  proc: Subprocess;
-  stdout(): string;
-  stderr(): string;
-  /** Exit code (128 + n when killed by signal n) with the full output. */
-  done: Promise<{ code: number; stdout: string; stderr: string }>;
-}
-
-/** Starts dist/aic (or `argv[0]` when `wrapped`) in the background, collecting its output as it comes. */
-function startAic(args: string[], cwd: string, opts: { env?: Record<string, string>; prefix?: string[] } = {}): Live {
-  const proc = Bun.spawn([...(opts.prefix ?? []), AIC, ...args], { cwd, env: cleanEnv(opts.env), stdin: "ignore", stdout: "pipe", stderr: "pipe" });
-  processes.push(proc);
-  let out = "";
-  let err = "";
-  const pump = async (stream: ReadableStream<Uint8Array>, add: (s: string) => void) => {
-    const decoder = new TextDecoder();
-    for await (const chunk of stream) add(decoder.decode(chunk, { stream: true }));
-  };
-  const done = Promise.all([pump(proc.stdout, (s) => (out += s)), pump(proc.stderr, (s) => (err += s)), proc.exited]).then(() => ({
-    code: proc.exitCode ?? 128 + (constants.signals[proc.signalCode as keyof typeof constants.signals] ?? 0),
-    stdout: out,
-    stderr: err,
-  }));
-  return { proc, stdout: () => out, stderr: () => err, done };
-}
-
-/** Whether any live (non-zombie) process is in process group `pgid`. */
-function groupAlive(pgid: number): boolean {
-  for (const entry of readdirSync("/proc")) {
-    if (!/^\d+$/.test(entry)) continue;
-    try {
-      const stat = readFileSync(`/proc/${entry}/stat`, "utf8");
-      const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-      if (Number(fields[2]) === pgid && fields[0] !== "Z") return true;
-    } catch {
-      /* the process went away while we looked */
-    }
-  }
-  return false;
-}
-
-function killGroup(pgid: number): void {
-  try {
-    process.kill(-pgid, "SIGKILL");
-  } catch {
-    /* already gone */
-  }
-}
 
 /** The command's shell writes its pid (= its process group, the PTY child leads one) here first. */
 const PID_FILE = "cmd.pid";
@@ -149,93 +98,109 @@ async function commandGroup(cwd: string): Promise<number> {
   return pgid;
 }
 
-/** The message-sequence invariant aic promises after loading: tools answer the preceding call, every call answered. */
-function expectWellFormed(messages: any[]) {
-  expect(messages[0]?.role).toBe("system");
-  let open = new Set<string>();
-  for (const m of messages) {
-    if (m.role === "tool") {
-      expect(open.has(m.tool_call_id)).toBe(true);
-      open.delete(m.tool_call_id);
-      continue;
-    }
-    expect([...open]).toEqual([]);
-    open = new Set(m.role === "assistant" && Array.isArray(m.tool_calls) ? m.tool_calls.map((c: any) => c.id) : []);
-  }
-}
-
-afterAll(() => {
-  for (const s of servers.splice(0)) s.close();
-});
-
 // ---------------------------------------------------------------------------------------------
 
-describe("checkpoints (SPEC §7: written atomically at each named moment)", () => {
+describe("checkpoints (written atomically at each named moment)", () => {
   // Every checkpoint leaves a whole JSON file, in the documented order. strace holds aic for
   // 250 ms after each rename(2) so that each version stays on disk long enough for the poll
   // below to read it; without that, checkpoints a few microseconds apart could not be told apart.
-  test("each checkpoint of a run with compression is a complete file, in order", async () => {
-    const cwd = scratch();
-    const session = join(cwd, "sess.json");
-    const PRINT = "seq 1 2000"; // ~9 KB, a few thousand tokens: two of these overflow a 9000-token budget
-    const srv = serve(session, [
-      // Two calls in one turn: each copies the file as it is when that command runs.
-      { toolCalls: [{ id: "c_first", arguments: JSON.stringify({ command: `cp sess.json snap-first.json; ${PRINT}` }) }, { id: "c_second", arguments: JSON.stringify({ command: "cp sess.json snap-second.json" }) }] },
-      bash(PRINT, "c_2"),
-      bash(PRINT, "c_3"),
-      bash(PRINT, "c_4"),
-      { content: "TASKCOMPLETE" },
-    ]);
+  // Needs strace to hold aic after each rename (apt-get install strace); skipped where it is missing.
+  test.skipIf(!has.strace)(
+    "each checkpoint of a run with compression is a complete file, in order",
+    async () => {
+      const cwd = scratch();
+      const session = join(cwd, "sess.json");
+      const PRINT = "seq 1 2000"; // ~9 KB, a few thousand tokens: two of these overflow a 9000-token budget
+      const srv = serve(session, [
+        // Two calls in one turn: each copies the file as it is when that command runs.
+        {
+          toolCalls: [
+            { id: "c_first", arguments: JSON.stringify({ command: `cp sess.json snap-first.json; ${PRINT}` }) },
+            { id: "c_second", arguments: JSON.stringify({ command: "cp sess.json snap-second.json" }) },
+          ],
+        },
+        bash(PRINT, "c_2"),
+        bash(PRINT, "c_3"),
+        bash(PRINT, "c_4"),
+        { content: "TASKCOMPLETE" },
+      ]);
 
-    const versions: { reason: string; text: string }[] = [];
-    const poll = setInterval(() => {
-      let text: string;
-      try {
-        text = readFileSync(session, "utf8");
-      } catch {
-        return;
-      }
-      if (text === versions.at(-1)?.text) return;
-      const doc = observe(session, "poll under strace");
-      versions.push({ reason: doc?.reason ?? "<invalid JSON>", text });
-    }, 5);
+      const versions: { reason: string; text: string }[] = [];
+      const look = () => {
+        let text: string;
+        try {
+          text = readFileSync(session, "utf8");
+        } catch {
+          return;
+        }
+        if (text === versions.at(-1)?.text) return;
+        const doc = observe(session, "poll under strace");
+        versions.push({ reason: doc?.reason ?? "<invalid JSON>", text });
+      };
+      const poll = setInterval(look, 5);
 
-    if (!Bun.which("strace")) throw new Error("this test needs strace (apt-get install strace) to hold aic after each rename");
-    const strace = ["strace", "-qq", "-o", "/dev/null", "-e", "trace=rename,renameat,renameat2", "-e", "inject=rename,renameat,renameat2:delay_exit=250000"];
-    const live = startAic([...headless(srv.url, "gpt-x", "--auto-approve", "--session", "sess.json", "--compress-alg", "truncate", "--max-prompt-len", "9000"), "print numbers"], cwd, { prefix: strace });
-    const run = await live.done;
-    await sleep(50);
-    clearInterval(poll);
+      const strace = [
+        "strace",
+        "-qq",
+        "-o",
+        "/dev/null",
+        "-e",
+        "trace=rename,renameat,renameat2",
+        "-e",
+        "inject=rename,renameat,renameat2:delay_exit=250000",
+      ];
+      const live = startAic(
+        [
+          ...headless(
+            srv.url,
+            "gpt-x",
+            "--auto-approve",
+            "--session",
+            "sess.json",
+            "--compress-alg",
+            "truncate",
+            "--max-prompt-len",
+            "9000",
+          ),
+          "print numbers",
+        ],
+        { cwd, prefix: strace },
+      );
+      const run = await live.done;
+      clearInterval(poll);
+      look(); // the file as aic left it on exit, in case the last interval fell before that write
 
-    expect(run.stderr).not.toContain("strace:");
-    expect(run.code).toBe(0);
-    expect(run.stderr).toContain("[COMPRESSION]");
-    expect(srv.requests.some((r) => messagesOf(r).some((m) => m.content === "<condensed tool output>"))).toBe(true);
+      expect(run.stderr).not.toContain("strace:");
+      expect(run.code).toBe(0);
+      expect(run.stderr).toContain("[COMPRESSION]");
+      expect(srv.requests.some((r) => messagesOf(r).some((m) => m.content === "<condensed tool output>"))).toBe(true);
 
-    const reasons = versions.map((v) => v.reason);
-    expect(reasons).not.toContain("<invalid JSON>");
-    expect(reasons[0]).toBe("user_request");
-    expect(reasons[1]).toBe("before_llm_call");
-    expect(reasons.slice(-2)).toEqual(["loop_terminated", "process_exit"]);
-    for (const r of ["assistant_message", "tool_result", "compressed"]) expect(reasons).toContain(r);
-    // A compression is always followed by the call it made room for.
-    expect(reasons[reasons.indexOf("compressed") + 1]).toBe("before_llm_call");
-    // The model's answer is saved before any command of it runs, each result before the next call.
-    expect(reasons.slice(2, 6)).toEqual(["assistant_message", "tool_result", "tool_result", "before_llm_call"]);
+      const reasons = versions.map((v) => v.reason);
+      expect(reasons).not.toContain("<invalid JSON>");
+      expect(reasons[0]).toBe("user_request");
+      expect(reasons[1]).toBe("before_llm_call");
+      expect(reasons.slice(-2)).toEqual(["loop_terminated", "process_exit"]);
+      for (const r of ["assistant_message", "tool_result", "compressed"]) expect(reasons).toContain(r);
+      // A compression is always followed by the call it made room for.
+      expect(reasons[reasons.indexOf("compressed") + 1]).toBe("before_llm_call");
+      // The model's answer is saved before any command of it runs, each result before the next call.
+      expect(reasons.slice(2, 6)).toEqual(["assistant_message", "tool_result", "tool_result", "before_llm_call"]);
 
-    // What the two commands of the first turn saw: the assistant turn, then the first result as well.
-    const first = observe(join(cwd, "snap-first.json"), "command snapshot");
-    const second = observe(join(cwd, "snap-second.json"), "command snapshot");
-    expect(first.reason).toBe("assistant_message");
-    expect(first.messages.at(-1).tool_calls.map((c: any) => c.id)).toEqual(["c_first", "c_second"]);
-    expect(second.reason).toBe("tool_result");
-    expect(second.messages.at(-1)).toMatchObject({ role: "tool", tool_call_id: "c_first" });
+      // What the two commands of the first turn saw: the assistant turn, then the first result as well.
+      const first = observe(join(cwd, "snap-first.json"), "command snapshot");
+      const second = observe(join(cwd, "snap-second.json"), "command snapshot");
+      expect(first.reason).toBe("assistant_message");
+      expect(first.messages.at(-1).tool_calls.map((c: any) => c.id)).toEqual(["c_first", "c_second"]);
+      expect(second.reason).toBe("tool_result");
+      expect(second.messages.at(-1)).toMatchObject({ role: "tool", tool_call_id: "c_first" });
 
-    // Every model request saw the file as saved just before the call.
-    expect(srv.requests).toHaveLength(5);
-    const atRequests = snapshots.filter((s) => s.source.startsWith("model request")).slice(-5);
-    expect(atRequests.map((s) => s.reason)).toEqual(Array(5).fill("before_llm_call"));
-  }, 90_000);
+      // Every model request saw the file as saved just before the call.
+      expect(srv.requests).toHaveLength(5);
+      const atRequests = snapshots.filter((s) => s.source.startsWith("model request")).slice(-5);
+      expect(atRequests.map((s) => s.reason)).toEqual(Array(5).fill("before_llm_call"));
+    },
+    90_000,
+  );
 
   // The summariser of the anchored compression is called after the request is saved and before
   // `compressed`: the file it can see is the one saved at `user_request`.
@@ -243,10 +208,29 @@ describe("checkpoints (SPEC §7: written atomically at each named moment)", () =
     const cwd = scratch();
     const session = join(cwd, "sess.json");
     const bulk = Array.from({ length: 6 }, (_, i) => [
-      { role: "assistant", content: null, tool_calls: [{ id: `old_${i}`, type: "function", function: { name: "execute_bash", arguments: `{"command":"seq 1 1500"}` } }] },
-      { role: "tool", tool_call_id: `old_${i}`, content: `Command executed with exit code 0.\nOutput:\n${Array.from({ length: 1500 }, (_, n) => n + 1).join("\n")}` },
+      {
+        role: "assistant",
+        content: null,
+        tool_calls: [
+          {
+            id: `old_${i}`,
+            type: "function",
+            function: { name: "execute_bash", arguments: `{"command":"seq 1 1500"}` },
+          },
+        ],
+      },
+      {
+        role: "tool",
+        tool_call_id: `old_${i}`,
+        content: `Command executed with exit code 0.\nOutput:\n${Array.from({ length: 1500 }, (_, n) => n + 1).join("\n")}`,
+      },
     ]).flat();
-    writeFileSync(session, JSON.stringify({ messages: [{ role: "system", content: "old" }, { role: "user", content: "first task" }, ...bulk] }));
+    writeFileSync(
+      session,
+      JSON.stringify({
+        messages: [{ role: "system", content: "old" }, { role: "user", content: "first task" }, ...bulk],
+      }),
+    );
     const summariserSaw: string[] = [];
     const srv = serve(session, (req) => {
       // The server wrapper has just read the file for this request.
@@ -267,17 +251,23 @@ describe("checkpoints (SPEC §7: written atomically at each named moment)", () =
   });
 });
 
-describe("file format (SPEC §7)", () => {
+describe("file format", () => {
   // Field for field, with a known usage so the totals can be checked; local time; mode 0600; no key.
   test("the saved document has every documented field, local timestamps, mode 0600 and no API key", async () => {
     const cwd = scratch();
     const session = join(cwd, "sess.json");
     const usage = { prompt_tokens: 100, completion_tokens: 10, cached_tokens: 30 };
-    const srv = serve(session, [{ ...bash("echo hi", "c_hi"), usage }, { content: "TASKCOMPLETE", usage }]);
+    const srv = serve(session, [
+      { ...bash("echo hi", "c_hi"), usage },
+      { content: "TASKCOMPLETE", usage },
+    ]);
     const KEY = "sk-test-NEVER-WRITE-ME-0123456789";
     const before = Date.now();
     // A fixed +05:30 zone, so local time cannot be mistaken for UTC.
-    const run = await runAic([...sessionArgs(srv.url, "sess.json", "--api-key", KEY), "say hi"], { cwd, env: { TZ: "Asia/Kolkata" } });
+    const run = await runAic([...sessionArgs(srv.url, "sess.json", "--api-key", KEY), "say hi"], {
+      cwd,
+      env: { TZ: "Asia/Kolkata" },
+    });
     const after = Date.now();
 
     expect(run.code).toBe(0);
@@ -285,7 +275,19 @@ describe("file format (SPEC §7)", () => {
     const doc = observe(session, "after exit");
     expect(text).toStartWith('{\n  "aic_session_version": 1,');
     expect(Object.keys(doc).sort()).toEqual(
-      ["aic_session_version", "session_id", "updated_at", "reason", "model", "api_base", "cwd", "instance_number", "step_count", "usage", "messages"].sort(),
+      [
+        "aic_session_version",
+        "session_id",
+        "updated_at",
+        "reason",
+        "model",
+        "api_base",
+        "cwd",
+        "instance_number",
+        "step_count",
+        "usage",
+        "messages",
+      ].sort(),
     );
     expect(doc.aic_session_version).toBe(1);
     expect(doc.session_id).toMatch(/^\d{8}_\d{6}$/);
@@ -307,7 +309,11 @@ describe("file format (SPEC §7)", () => {
     expect(doc.messages.map((m: any) => m.role)).toEqual(["system", "user", "assistant", "tool", "assistant"]);
     expect(doc.messages[1]).toEqual({ role: "user", content: "say hi" });
     expect(doc.messages[2].tool_calls[0].id).toBe("c_hi");
-    expect(doc.messages[3]).toEqual({ role: "tool", tool_call_id: "c_hi", content: "Command executed with exit code 0.\nOutput:\nhi" });
+    expect(doc.messages[3]).toEqual({
+      role: "tool",
+      tool_call_id: "c_hi",
+      content: "Command executed with exit code 0.\nOutput:\nhi",
+    });
     expect(doc.messages[4].content).toBe("TASKCOMPLETE");
     expect(doc.messages[0].content).toBe(srv.requests[0]!.body.messages[0].content);
 
@@ -319,8 +325,29 @@ describe("file format (SPEC §7)", () => {
   test("unknown extra keys survive a rewrite", async () => {
     const cwd = scratch();
     const session = join(cwd, "sess.json");
-    const extras = { note: "ticket 42: keep this", tags: ["a", "b"], my_tool: { nested: { depth: [1, { two: 2 }] }, flag: true } };
-    writeFileSync(session, JSON.stringify({ aic_session_version: 1, session_id: "20240102_030405", reason: "process_exit", step_count: 7, messages: [{ role: "system", content: "s" }, { role: "user", content: "old task" }], ...extras }, null, 2));
+    const extras = {
+      note: "ticket 42: keep this",
+      tags: ["a", "b"],
+      my_tool: { nested: { depth: [1, { two: 2 }] }, flag: true },
+    };
+    writeFileSync(
+      session,
+      JSON.stringify(
+        {
+          aic_session_version: 1,
+          session_id: "20240102_030405",
+          reason: "process_exit",
+          step_count: 7,
+          messages: [
+            { role: "system", content: "s" },
+            { role: "user", content: "old task" },
+          ],
+          ...extras,
+        },
+        null,
+        2,
+      ),
+    );
     const srv = serve(session, [bash("true"), { content: "TASKCOMPLETE" }]);
 
     const run = await runAic(sessionArgs(srv.url, "sess.json", "new task"), { cwd });
@@ -331,28 +358,36 @@ describe("file format (SPEC §7)", () => {
     expect(doc.session_id).toBe("20240102_030405");
     expect(doc.step_count).toBe(9);
     expect(doc.reason).toBe("process_exit");
-    expect(doc.messages.filter((m: any) => m.role === "user").map((m: any) => m.content)).toEqual(["old task", "new task"]);
+    expect(doc.messages.filter((m: any) => m.role === "user").map((m: any) => m.content)).toEqual([
+      "old task",
+      "new task",
+    ]);
   });
 });
 
-describe("crashes and signals (SPEC §7 crash table, §9 exit codes)", () => {
+describe("crashes and signals (what survives what, and the signal exit codes)", () => {
   // kill -9 mid-command: the finished assistant turn survives; the restarted aic closes the
   // in-flight call with a [SESSION RECOVERED] notice and never re-runs the command.
   test("kill -9 during a command: restart recovers the call without re-running it", async () => {
     const cwd = scratch();
     const session = join(cwd, "sess.json");
     const command = `echo $$ > ${PID_FILE}; echo run >> counter.txt; sleep 300`;
-    const srv = serve(session, (req) => (lastUser(req) === "first task" ? bash(command, "call_sleep") : { content: "TASKCOMPLETE" }));
+    const srv = serve(session, (req) =>
+      lastUser(req) === "first task" ? bash(command, "call_sleep") : { content: "TASKCOMPLETE" },
+    );
 
-    const first = startAic(sessionArgs(srv.url, "sess.json", "first task"), cwd);
+    const first = startAic(sessionArgs(srv.url, "sess.json", "first task"), { cwd });
     const pgid = await commandGroup(cwd);
-    await waitFor("counter.txt", () => existsSync(join(cwd, "counter.txt")) && readFileSync(join(cwd, "counter.txt"), "utf8").includes("run"));
+    await waitFor(
+      "counter.txt",
+      () => existsSync(join(cwd, "counter.txt")) && readFileSync(join(cwd, "counter.txt"), "utf8").includes("run"),
+    );
     const atKill = observe(session, "while a command runs");
     expect(atKill.reason).toBe("assistant_message");
     first.proc.kill("SIGKILL");
     await first.done;
     killGroup(pgid);
-    await waitFor("the orphaned command to go", () => !groupAlive(pgid), 10_000);
+    await waitFor("the orphaned command to go", () => !groupAlive(pgid));
 
     const second = await runAic(sessionArgs(srv.url, "sess.json", "second task"), { cwd });
 
@@ -381,7 +416,7 @@ describe("crashes and signals (SPEC §7 crash table, §9 exit codes)", () => {
       const session = join(cwd, "sess.json");
       const srv = serve(session, [bash(`echo $$ > ${PID_FILE}; sleep 300`, "call_long")]);
 
-      const live = startAic(sessionArgs(srv.url, "sess.json", "wait a long time"), cwd);
+      const live = startAic(sessionArgs(srv.url, "sess.json", "wait a long time"), { cwd });
       const pgid = await commandGroup(cwd);
       expect(groupAlive(pgid)).toBe(true);
       live.proc.kill(signal);
@@ -392,25 +427,28 @@ describe("crashes and signals (SPEC §7 crash table, §9 exit codes)", () => {
       expect(signal === "SIGINT" ? ["signal_2", "interrupted"] : [`signal_${number}`]).toContain(doc.reason);
       // The interrupted call still has its one answer, so the file resumes cleanly.
       expect(doc.messages.filter((m: any) => m.role === "tool" && m.tool_call_id === "call_long")).toHaveLength(1);
-      expectWellFormed(doc.messages);
-      await waitFor("the command's process group to be gone", () => !groupAlive(pgid), 3000);
+      // What aic promises after loading: system first, each tool message answering the call before it, every call answered.
+      expect(loadedHistoryProblems(doc.messages)).toEqual([]);
+      await waitFor("the command's process group to be gone", () => !groupAlive(pgid));
     });
   }
 });
 
-describe("one file per live instance (SPEC §7 locking)", () => {
+describe("one file per live instance (locking)", () => {
   // A second and third aic in the same directory get .aicsession2 and .aicsession3 and say so;
   // the kernel drops a kill -9'd holder's lock, so the next aic gets .aicsession back.
   test("concurrent instances number their files; a killed holder frees its file at once", async () => {
     const cwd = scratch();
-    const srv = serve(undefined, (req) => (lastUser(req) === "task D" ? { content: "TASKCOMPLETE" } : { type: "hang" }));
+    const srv = serve(undefined, (req) =>
+      lastUser(req) === "task D" ? { content: "TASKCOMPLETE" } : { type: "hang" },
+    );
     const waiting = (task: string) => () => srv.requests.some((r) => lastUser(r) === task);
 
-    const a = startAic(sessionArgs(srv.url, ".aicsession", "task A"), cwd);
+    const a = startAic(sessionArgs(srv.url, ".aicsession", "task A"), { cwd });
     await waitFor("A's model request", waiting("task A"));
-    const b = startAic(sessionArgs(srv.url, ".aicsession", "task B"), cwd);
+    const b = startAic(sessionArgs(srv.url, ".aicsession", "task B"), { cwd });
     await waitFor("B's model request", waiting("task B"));
-    const c = startAic(sessionArgs(srv.url, ".aicsession", "task C"), cwd);
+    const c = startAic(sessionArgs(srv.url, ".aicsession", "task C"), { cwd });
     await waitFor("C's model request", waiting("task C"));
 
     expect(a.stderr()).not.toMatch(/instance \d/);
@@ -445,7 +483,7 @@ describe("one file per live instance (SPEC §7 locking)", () => {
   });
 });
 
-describe("loading (SPEC §7)", () => {
+describe("loading", () => {
   // Broken JSON is never deleted: it is moved aside with its bytes intact and the run starts clean.
   test("a corrupt file is moved to <session>.corrupt.<timestamp> and the run starts clean", async () => {
     const cwd = scratch();
@@ -471,7 +509,17 @@ describe("loading (SPEC §7)", () => {
     const history = [
       { role: "system", content: "an older system prompt" },
       { role: "user", content: "count the files" },
-      { role: "assistant", content: null, tool_calls: [{ id: "call_ls", type: "function", function: { name: "execute_bash", arguments: '{"command":"ls | wc -l"}' } }] },
+      {
+        role: "assistant",
+        content: null,
+        tool_calls: [
+          {
+            id: "call_ls",
+            type: "function",
+            function: { name: "execute_bash", arguments: '{"command":"ls | wc -l"}' },
+          },
+        ],
+      },
       { role: "tool", tool_call_id: "call_ls", content: "Command executed with exit code 0.\nOutput:\n3" },
     ];
     writeFileSync(session, JSON.stringify(history, null, 2));
@@ -497,7 +545,13 @@ describe("loading (SPEC §7)", () => {
     const messages = [
       { role: "user", content: "old task" }, // no system prompt before it
       { role: "tool", tool_call_id: "ghost", content: "answers nothing" }, // orphan
-      { role: "assistant", content: null, tool_calls: [{ id: "call_open", type: "function", function: { name: "execute_bash", arguments: '{"command":"make"}' } }] }, // never answered
+      {
+        role: "assistant",
+        content: null,
+        tool_calls: [
+          { id: "call_open", type: "function", function: { name: "execute_bash", arguments: '{"command":"make"}' } },
+        ],
+      }, // never answered
       { role: "user", content: "are you done?" },
       42, // not a message
       { content: "no role" }, // not a message
@@ -535,35 +589,44 @@ describe("loading (SPEC §7)", () => {
   });
 
   // A read-only directory: the one write failure is reported once, the run completes, the old file stays.
-  test("an unwritable session directory: one warning, exit 0, previous file intact", async () => {
-    const cwd = scratch();
-    const dir = scratch("aic-ro-");
-    const session = join(dir, "sess.json");
-    let secondRunRequests = 0;
-    const srv = serve(session, (req) => {
-      if (lastUser(req) !== "second") return { content: "TASKCOMPLETE" };
-      return ++secondRunRequests <= 2 ? bash("echo step") : { content: "TASKCOMPLETE" };
-    });
-    expect((await runAic(sessionArgs(srv.url, session, "first"), { cwd })).code).toBe(0);
-    const original = readFileSync(session);
+  // Needs root and unshare to make a read-only bind mount in a private mount namespace; skipped without them.
+  test.skipIf(!has.root || !has.unshare)(
+    "an unwritable session directory: one warning, exit 0, previous file intact",
+    async () => {
+      const cwd = scratch();
+      const dir = scratch("aic-ro-");
+      const session = join(dir, "sess.json");
+      let secondRunRequests = 0;
+      const srv = serve(session, (req) => {
+        if (lastUser(req) !== "second") return { content: "TASKCOMPLETE" };
+        return ++secondRunRequests <= 2 ? bash("echo step") : { content: "TASKCOMPLETE" };
+      });
+      expect((await runAic(sessionArgs(srv.url, session, "first"), { cwd })).code).toBe(0);
+      const original = readFileSync(session);
 
-    // We are root, so permission bits would not stop a write: remount the directory read-only in
-    // a private mount namespace, and check that a write there really fails before starting aic.
-    const setup = `dir=$1; shift
+      // We are root, so permission bits would not stop a write: remount the directory read-only in
+      // a private mount namespace, and check that a write there really fails before starting aic.
+      const setup = `dir=$1; shift
 mount --bind "$dir" "$dir" && mount -o remount,ro,bind "$dir" || exit 97
 if ( : > "$dir/probe" ) 2>/dev/null; then echo "setup: $dir is still writable" >&2; exit 98; fi
 exec "$@"`;
-    const live = startAic(sessionArgs(srv.url, session, "second"), cwd, { prefix: ["unshare", "--mount", "/bin/sh", "-c", setup, "ro-setup", dir] });
-    const run = await live.done;
+      const live = startAic(sessionArgs(srv.url, session, "second"), {
+        cwd,
+        prefix: ["unshare", "--mount", "/bin/sh", "-c", setup, "ro-setup", dir],
+      });
+      const run = await live.done;
 
-    expect(run.stderr).not.toContain("setup:");
-    expect(run.code).toBe(0);
-    expect(secondRunRequests).toBe(3); // two commands and the final answer: a dozen checkpoints attempted
-    expect(readFileSync(session)).toEqual(original);
-    const failures = run.stderr.split("\n").filter((l) => l.includes(session) && !l.includes(".lock") && /cannot|could not|can't|failed|unable/i.test(l));
-    expect(failures).toHaveLength(1);
-    expect(run.stderr).toContain(`Restored`);
-  });
+      expect(run.stderr).not.toContain("setup:");
+      expect(run.code).toBe(0);
+      expect(secondRunRequests).toBe(3); // two commands and the final answer: a dozen checkpoints attempted
+      expect(readFileSync(session)).toEqual(original);
+      const failures = run.stderr
+        .split("\n")
+        .filter((l) => l.includes(session) && !l.includes(".lock") && /cannot|could not|can't|failed|unable/i.test(l));
+      expect(failures).toHaveLength(1);
+      expect(run.stderr).toContain(`Restored`);
+    },
+  );
 
   // --nogui without --session touches no session file at all.
   test("--nogui without --session creates no .aicsession", async () => {
@@ -578,13 +641,24 @@ exec "$@"`;
   });
 });
 
-describe("every read of a session file (SPEC §7)", () => {
+describe("every read of a session file", () => {
   // Summed over the tests above: no reader ever saw a half-written file, and the reads covered every
-  // checkpoint reason (cleared: tests/session-unit.test.ts).
-  test("every snapshot parsed and every checkpoint reason was seen", () => {
+  // checkpoint reason (cleared: tests/session-unit.test.ts). Only the run held under strace can see
+  // `compressed` (the next checkpoint follows it within microseconds), so without strace this is skipped.
+  test.skipIf(!has.strace)("every snapshot parsed and every checkpoint reason was seen", () => {
     expect(snapshots.filter((s) => !s.valid)).toEqual([]);
     const seen = new Set(snapshots.map((s) => s.reason));
-    for (const reason of ["user_request", "before_llm_call", "assistant_message", "tool_result", "loop_terminated", "process_exit", "signal_15", "signal_1", "compressed"]) {
+    for (const reason of [
+      "user_request",
+      "before_llm_call",
+      "assistant_message",
+      "tool_result",
+      "loop_terminated",
+      "process_exit",
+      "signal_15",
+      "signal_1",
+      "compressed",
+    ]) {
       expect({ reason, seen: seen.has(reason) }).toEqual({ reason, seen: true });
     }
     expect(seen.has("signal_2") || seen.has("interrupted")).toBe(true);

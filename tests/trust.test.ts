@@ -11,15 +11,26 @@ import { describe, expect, test } from "bun:test";
 import { existsSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import type { FakeServer, Turn } from "./fake-openai.ts";
-import { AIC, bash, cleanEnv, headless, jsonLines, perTestFixtures, runAic, scratch } from "./helpers.ts";
+import {
+  AIC,
+  bash,
+  cleanEnv,
+  has,
+  headless,
+  httpError,
+  jsonLines,
+  lineReader,
+  perTestFixtures,
+  runAic,
+  runCommand,
+  scratch,
+  startAic,
+  toolResults,
+  waitFor,
+} from "./helpers.ts";
 
 const fixtures = perTestFixtures();
-const http = (status: number, body: unknown, headers?: Record<string, string>): Turn => ({ type: "http_error", status, body, headers });
 const inStream = (error: unknown): Turn => ({ type: "stream_error", partialContent: "", error });
-const eventsOf = (stdout: string) => jsonLines(stdout);
-const lastTool = (srv: FakeServer) => String(srv.requests.at(-1)!.body.messages.findLast((m: any) => m.role === "tool")?.content ?? "");
-const hasPython = Bun.which("python3") !== null;
-const hasTime = existsSync("/usr/bin/time");
 
 /**
  * Runs dist/aic from a parent that holds the write ends of its stdout and
@@ -27,7 +38,11 @@ const hasTime = existsSync("/usr/bin/time");
  * whether those pipes were left non-blocking. `signal` is sent once the
  * fake server has seen the first request.
  */
-async function parentSeesFlags(args: string[], srv: FakeServer | undefined, opts: { signal?: NodeJS.Signals; stdin?: "devnull" } = {}) {
+async function parentSeesFlags(
+  args: string[],
+  srv: FakeServer | undefined,
+  opts: { signal?: NodeJS.Signals; stdin?: "devnull" } = {},
+) {
   const script = `
 import fcntl, os, subprocess, sys, json
 r, w = os.pipe()
@@ -45,39 +60,43 @@ os.close(w)
 t.join()
 print(json.dumps({"code": code, "nonblocking": bool(flags & os.O_NONBLOCK), "output": b"".join(chunks).decode("utf8", "replace")}), flush=True)
 `;
-  const proc = Bun.spawn(["python3", "-c", script, AIC, ...args], { cwd: scratch(), env: cleanEnv(), stdout: "pipe", stderr: "inherit" });
-  const reader = proc.stdout.getReader();
-  let text = "";
-  const readLine = async () => {
-    while (!text.includes("\n")) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      text += new TextDecoder().decode(value);
-    }
-    const nl = text.indexOf("\n");
-    const line = text.slice(0, nl);
-    text = text.slice(nl + 1);
-    return line;
-  };
-  const pid = Number(await readLine());
+  const proc = Bun.spawn(["python3", "-c", script, AIC, ...args], {
+    cwd: scratch(),
+    env: cleanEnv(),
+    stdout: "pipe",
+    stderr: "inherit",
+  });
+  const lines = lineReader(proc.stdout);
+  const pid = Number(await lines.next());
   if (opts.signal) {
-    while (!srv || srv.requests.length < 1) await Bun.sleep(20);
+    await waitFor("aic's first model request", () => srv && srv.requests.length >= 1);
     process.kill(pid, opts.signal);
   }
-  const result = JSON.parse(await readLine()) as { code: number; nonblocking: boolean; output: string };
+  const result = JSON.parse((await lines.next()) ?? "null") as { code: number; nonblocking: boolean; output: string };
   await proc.exited;
   return result;
 }
 
-describe.skipIf(!hasPython)("aic leaves the pipes it shares with its parent as it found them", () => {
+describe("aic leaves the pipes it shares with its parent as it found them", () => {
   const cases: [string, (url: string) => string[], Turn[], number][] = [
-    ["exit 0", (url) => [...headless(url), "--auto-approve", "task"], [bash("seq 1 2000"), { content: "TASKCOMPLETE" }], 0],
-    ["exit 1", (url) => [...headless(url), "task"], [http(401, { error: { message: "bad key" } })], 1],
-    ["exit 2", () => ["--nogui", "--api-base", "http://127.0.0.1:9/v1", "--model", "m", "--timeout", "soon", "task"], [], 2],
+    [
+      "exit 0",
+      (url) => [...headless(url), "--auto-approve", "task"],
+      [bash("seq 1 2000"), { content: "TASKCOMPLETE" }],
+      0,
+    ],
+    ["exit 1", (url) => [...headless(url), "task"], [httpError(401, { error: { message: "bad key" } })], 1],
+    [
+      "exit 2",
+      () => ["--nogui", "--api-base", "http://127.0.0.1:9/v1", "--model", "m", "--timeout", "soon", "task"],
+      [],
+      2,
+    ],
     ["exit 4", (url) => [...headless(url), "task"], [bash("echo needs approval")], 4],
   ];
+  // The parent that checks the pipe's flags is a python3 script; these tests are skipped without python3.
   for (const [label, args, turns, code] of cases) {
-    test(`${label}: the parent's stdout/stderr pipe is blocking again`, async () => {
+    test.skipIf(!has.python3)(`${label}: the parent's stdout/stderr pipe is blocking again`, async () => {
       const srv = fixtures.serve(turns);
       const result = await parentSeesFlags(args(srv.url), srv);
       expect(result.code).toBe(code);
@@ -86,7 +105,7 @@ describe.skipIf(!hasPython)("aic leaves the pipes it shares with its parent as i
     });
   }
 
-  test("SIGTERM: the parent's pipe is blocking again and the exit code is 143", async () => {
+  test.skipIf(!has.python3)("SIGTERM: the parent's pipe is blocking again and the exit code is 143", async () => {
     const srv = fixtures.serve([{ type: "hang" }]);
     const result = await parentSeesFlags([...headless(srv.url), "task"], srv, { signal: "SIGTERM" });
     expect(result.code).toBe(143);
@@ -98,25 +117,27 @@ describe.skipIf(!hasPython)("aic leaves the pipes it shares with its parent as i
     const srv = fixtures.serve([bash("seq 1 5000"), { content: "TASKCOMPLETE" }]);
     const cwd = scratch();
     const script = `set -euo pipefail; ${AIC} ${headless(srv.url).join(" ")} --auto-approve task 2>&1 | tee out.log >/dev/null; echo next-step-ok >&2`;
-    const proc = Bun.spawn(["bash", "-c", script], { cwd, env: cleanEnv(), stdout: "pipe", stderr: "pipe" });
-    const [stderr, code] = [await new Response(proc.stderr).text(), await proc.exited];
+    const { stderr, code } = await runCommand(["bash", "-c", script], { cwd });
     expect(stderr).toContain("next-step-ok");
     expect(code).toBe(0);
     expect(readFileSync(join(cwd, "out.log"), "utf8")).toContain("5000");
   });
 
-  test.skipIf(!hasTime)("/usr/bin/time -v aic exits with aic's own code, 50 runs out of 50", async () => {
-    const srv = fixtures.serve(() => ({ content: "TASKCOMPLETE" }));
-    const cwd = scratch();
-    // Each iteration is one run; time's report goes into the same pipe as aic's output, so a pipe
-    // left non-blocking could fail its write (EAGAIN) and change its exit code.
-    const script = `set -o pipefail; ok=0; for i in $(seq 1 50); do /usr/bin/time -v ${AIC} ${headless(srv.url).join(" ")} task 2>&1 | cat >> report.txt; rc=$?; [ $rc -eq 0 ] && ok=$((ok+1)); done; echo $ok`;
-    const proc = Bun.spawn(["bash", "-c", script], { cwd, env: cleanEnv(), stdout: "pipe", stderr: "pipe" });
-    const out = (await new Response(proc.stdout).text()).trim();
-    await proc.exited;
-    expect(out).toBe("50");
-    expect(readFileSync(join(cwd, "report.txt"), "utf8").match(/Exit status: 0/g)?.length).toBe(50);
-  }, 120_000);
+  // Needs GNU time at /usr/bin/time; skipped without it.
+  test.skipIf(!has.usrBinTime)(
+    "/usr/bin/time -v aic exits with aic's own code, 50 runs out of 50",
+    async () => {
+      const srv = fixtures.serve(() => ({ content: "TASKCOMPLETE" }));
+      const cwd = scratch();
+      // Each iteration is one run; time's report goes into the same pipe as aic's output, so a pipe
+      // left non-blocking could fail its write (EAGAIN) and change its exit code.
+      const script = `set -o pipefail; ok=0; for i in $(seq 1 50); do /usr/bin/time -v ${AIC} ${headless(srv.url).join(" ")} task 2>&1 | cat >> report.txt; rc=$?; [ $rc -eq 0 ] && ok=$((ok+1)); done; echo $ok`;
+      const { stdout } = await runCommand(["bash", "-c", script], { cwd, killAfterMs: 115_000 });
+      expect(stdout.trim()).toBe("50");
+      expect(readFileSync(join(cwd, "report.txt"), "utf8").match(/Exit status: 0/g)?.length).toBe(50);
+    },
+    120_000,
+  );
 });
 
 describe("errors inside a 200 stream are classified from their own fields", () => {
@@ -133,7 +154,7 @@ describe("errors inside a 200 stream are classified from their own fields", () =
       const run = await runAic([...headless(srv.url), "--json", "task"]);
       expect(run.code).toBe(1);
       expect(srv.requests.length).toBe(1);
-      const events = eventsOf(run.stdout);
+      const events = jsonLines(run.stdout);
       expect(events.filter((e) => e.type === "retry")).toEqual([]);
       expect(events.find((e) => e.type === "error").message).toContain(names);
     });
@@ -149,15 +170,25 @@ describe("errors inside a 200 stream are classified from their own fields", () =
 
 describe("an exhausted quota is fatal, even as HTTP 429", () => {
   test("429 insufficient_quota: one request, exit 1, names the account's billing", async () => {
-    const srv = fixtures.serve([http(429, { error: { message: "You exceeded your current quota, please check your plan and billing details.", type: "insufficient_quota", code: "insufficient_quota" } })]);
+    const srv = fixtures.serve([
+      httpError(429, {
+        error: {
+          message: "You exceeded your current quota, please check your plan and billing details.",
+          type: "insufficient_quota",
+          code: "insufficient_quota",
+        },
+      }),
+    ]);
     const run = await runAic([...headless(srv.url), "--json", "task"]);
     expect(run.code).toBe(1);
     expect(srv.requests.length).toBe(1);
-    expect(eventsOf(run.stdout).find((e) => e.type === "error").message).toMatch(/account.*billing/);
+    expect(jsonLines(run.stdout).find((e) => e.type === "error").message).toMatch(/account.*billing/);
   });
 
   test("an ordinary 429 rate limit is still retried", async () => {
-    const srv = fixtures.serve([http(429, { error: { message: "Rate limit reached", code: "rate_limit_exceeded" } }, { "retry-after": "0" })]);
+    const srv = fixtures.serve([
+      httpError(429, { error: { message: "Rate limit reached", code: "rate_limit_exceeded" } }, { "retry-after": "0" }),
+    ]);
     const run = await runAic([...headless(srv.url), "task"]);
     expect(run.code).toBe(0);
     expect(srv.requests.length).toBe(2);
@@ -170,7 +201,7 @@ describe("a stream is complete with [DONE] or a finish_reason", () => {
     const run = await runAic([...headless(srv.url), "--json", "task"]);
     expect(run.code).toBe(0);
     expect(srv.requests.length).toBe(1);
-    expect(eventsOf(run.stdout).filter((e) => e.type === "retry")).toEqual([]);
+    expect(jsonLines(run.stdout).filter((e) => e.type === "retry")).toEqual([]);
   });
 
   test("a finish_reason without [DONE] is a complete answer", async () => {
@@ -185,13 +216,19 @@ describe("a stream is complete with [DONE] or a finish_reason", () => {
     const run = await runAic([...headless(srv.url), "--json", "task"]);
     expect(run.code).toBe(0);
     expect(srv.requests.length).toBe(2);
-    expect(eventsOf(run.stdout).find((e) => e.type === "retry").reason).toContain("neither a finish_reason nor data: [DONE]");
+    expect(jsonLines(run.stdout).find((e) => e.type === "retry").reason).toContain(
+      "neither a finish_reason nor data: [DONE]",
+    );
   });
 });
 
 describe("an answer that is later discarded never reaches stdout unmarked", () => {
   const junk: Turn[] = [
-    { type: "stream_error", partialContent: "JUNK-ONE ", error: { message: "upstream overloaded", type: "server_error" } },
+    {
+      type: "stream_error",
+      partialContent: "JUNK-ONE ",
+      error: { message: "upstream overloaded", type: "server_error" },
+    },
     { type: "truncated_stream", partialContent: "JUNK-TWO " },
     { content: "The good answer. TASKCOMPLETE" },
   ];
@@ -208,8 +245,14 @@ describe("an answer that is later discarded never reaches stdout unmarked", () =
   test("on a terminal: it streams live, and each discarded attempt is followed by a line saying so", async () => {
     const srv = fixtures.serve(junk);
     let screen = "";
-    const proc = Bun.spawn([AIC, ...headless(srv.url), "task"], { cwd: scratch(), env: cleanEnv(), terminal: { cols: 200, rows: 50, data: (_t, bytes) => (screen += new TextDecoder().decode(bytes)) } });
+    const proc = Bun.spawn([AIC, ...headless(srv.url), "task"], {
+      cwd: scratch(),
+      env: cleanEnv(),
+      terminal: { cols: 200, rows: 50, data: (_t, bytes) => (screen += new TextDecoder().decode(bytes)) },
+    });
+    const guard = setTimeout(() => proc.kill("SIGKILL"), 100_000);
     await proc.exited;
+    clearTimeout(guard);
     proc.terminal?.close();
     const afterOne = screen.slice(screen.indexOf("JUNK-ONE"));
     expect(afterOne.indexOf("[the answer above was discarded")).toBeGreaterThan(0);
@@ -220,10 +263,13 @@ describe("an answer that is later discarded never reaches stdout unmarked", () =
 
 describe("a server that reports no usage is counted by aic", () => {
   test("JSON usage and end are estimated, never 0; text marks them with ~", async () => {
-    const srv = fixtures.serve([{ ...bash("echo hi"), noUsage: true }, { content: "TASKCOMPLETE", noUsage: true }]);
+    const srv = fixtures.serve([
+      { ...bash("echo hi"), noUsage: true },
+      { content: "TASKCOMPLETE", noUsage: true },
+    ]);
     const json = await runAic([...headless(srv.url), "--json", "--auto-approve", "task"]);
     expect(json.code).toBe(0);
-    const events = eventsOf(json.stdout);
+    const events = jsonLines(json.stdout);
     const usage = events.filter((e) => e.type === "usage");
     expect(usage).toHaveLength(2);
     for (const u of usage) {
@@ -244,7 +290,7 @@ describe("an endpoint nobody answers at", () => {
     const url = "http://127.0.0.1:9/v1";
     const run = await runAic(["--nogui", "--json", "--api-base", url, "--model", "m", "task"]);
     expect(run.code).toBe(1);
-    const events = eventsOf(run.stdout);
+    const events = jsonLines(run.stdout);
     const waits = events.filter((e) => e.type === "retry").map((e) => e.wait_ms);
     expect(waits.length).toBeLessThanOrEqual(2);
     expect(waits.reduce((a, b) => a + b, 0)).toBeLessThanOrEqual(3000);
@@ -271,12 +317,12 @@ describe("an endpoint nobody answers at", () => {
 
   test("later in a run, a vanished endpoint is backed off as for a 5xx", async () => {
     const srv = fixtures.serve((_req, i) => (i === 0 ? bash("echo first") : { type: "hang" }));
-    const running = runAic([...headless(srv.url), "--json", "--auto-approve", "task"]);
-    while (srv.requests.length < 2) await Bun.sleep(20);
+    const live = startAic([...headless(srv.url), "--json", "--auto-approve", "task"]);
+    await waitFor("the second model request", () => srv.requests.length >= 2);
     srv.kill();
-    const run = await running;
+    const run = await live.done;
     expect(run.code).toBe(1);
-    const waits = eventsOf(run.stdout)
+    const waits = jsonLines(run.stdout)
       .filter((e) => e.type === "retry")
       .map((e) => e.wait_ms);
     expect(waits).toEqual([1000, 2000, 4000, 8000]);
@@ -287,8 +333,20 @@ describe("--header and AIC_HEADERS", () => {
   test("headers reach the server; their values are never printed or written", async () => {
     const cwd = scratch();
     const secret = "hdr-secret-value-123";
-    const srv = fixtures.serve([http(400, { error: { message: `gateway says: bad header value ${secret}; Either x-portkey-config or x-portkey-provider header is required` } })]);
-    const run = await runAic([...headless(srv.url), "--header", `x-portkey-config: ${secret}`, "--session", "s.json", "--debug", "task"], { cwd, env: { AIC_HEADERS: "x-portkey-provider: openai\nx-trace: 7" } });
+    const srv = fixtures.serve([
+      httpError(400, {
+        error: {
+          message: `gateway says: bad header value ${secret}; Either x-portkey-config or x-portkey-provider header is required`,
+        },
+      }),
+    ]);
+    const run = await runAic(
+      [...headless(srv.url), "--header", `x-portkey-config: ${secret}`, "--session", "s.json", "--debug", "task"],
+      {
+        cwd,
+        env: { AIC_HEADERS: "x-portkey-provider: openai\nx-trace: 7" },
+      },
+    );
     expect(run.code).toBe(1);
     const sent = srv.requests[0]!.headers;
     expect([sent["x-portkey-config"], sent["x-portkey-provider"], sent["x-trace"]]).toEqual([secret, "openai", "7"]);
@@ -304,7 +362,11 @@ describe("bad command lines: one line naming the flag, exit 2", () => {
     ["-x is an unknown option, never the task", ["--nogui", "-x", "task"], "-x"],
     ["--api-base that is not a URL", ["--nogui", "--api-base", "not a url", "--model", "m", "task"], "--api-base"],
     ["--api-base with ftp://", ["--nogui", "--api-base", "ftp://example.com/v1", "--model", "m", "task"], "--api-base"],
-    ["--api-base without a scheme", ["--nogui", "--api-base", "localhost:8000/v1", "--model", "m", "task"], "--api-base"],
+    [
+      "--api-base without a scheme",
+      ["--nogui", "--api-base", "localhost:8000/v1", "--model", "m", "task"],
+      "--api-base",
+    ],
     ["a hexadecimal number", [...base, "--timeout", "0x10", "task"], "--timeout"],
     ["a number with a leading space", [...base, "--max-steps", " 5", "task"], "--max-steps"],
     ["1e20 steps", [...base, "--max-steps", "1e20", "task"], "--max-steps"],
@@ -312,7 +374,11 @@ describe("bad command lines: one line naming the flag, exit 2", () => {
     ["a huge output cap", [...base, "--max-output-bytes", "99999999999", "task"], "--max-output-bytes"],
     ["1e20 prompt tokens", [...base, "--max-prompt-len", "1e20", "task"], "--max-prompt-len"],
     ["a prompt budget below the system prompt", [...base, "--max-prompt-len", "100", "task"], "--max-prompt-len"],
-    ["a prompt budget eaten by the output reservation", [...base, "--max-prompt-len", "8500", "task"], "--max-prompt-len"],
+    [
+      "a prompt budget eaten by the output reservation",
+      [...base, "--max-prompt-len", "8500", "task"],
+      "--max-prompt-len",
+    ],
     ["--session in a missing directory", [...base, "--session", "/no/such/dir/s.json", "task"], "--session"],
     ["--header without a colon", [...base, "--header", "secret-only", "task"], "--header"],
   ];
@@ -347,13 +413,23 @@ describe("content that would stall a tokenizer", () => {
   test("a 1 MB single-word command neither crashes the run nor its resume", async () => {
     const cwd = scratch();
     const word = "a".repeat(1_000_000);
-    const big = { toolCalls: [{ arguments: JSON.stringify({ command: `echo ${word} | wc -c` }) }], usage: { prompt_tokens: 1000, completion_tokens: 250_000 } };
+    const big = {
+      toolCalls: [{ arguments: JSON.stringify({ command: `echo ${word} | wc -c` }) }],
+      usage: { prompt_tokens: 1000, completion_tokens: 250_000 },
+    };
     const done = { content: "TASKCOMPLETE", usage: { prompt_tokens: 251_000, completion_tokens: 1 } };
     const srv = fixtures.serve([big, done, done]);
-    const first = await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "--max-prompt-len", "10000000", "task"], { cwd });
+    const first = await runAic(
+      [...headless(srv.url), "--auto-approve", "--session", "s.json", "--max-prompt-len", "10000000", "task"],
+      {
+        cwd,
+      },
+    );
     expect(first.stderr).not.toContain("internal error");
     expect(first.code).toBe(0);
-    const again = await runAic([...headless(srv.url), "--session", "s.json", "--max-prompt-len", "10000000", "next"], { cwd });
+    const again = await runAic([...headless(srv.url), "--session", "s.json", "--max-prompt-len", "10000000", "next"], {
+      cwd,
+    });
     expect(again.stderr).not.toContain("internal error");
     expect(again.code).toBe(0);
   });
@@ -385,12 +461,13 @@ describe("sessions and resume", () => {
   test("requests whose runs failed before any answer do not pile up", async () => {
     const cwd = scratch();
     const srv = fixtures.serve([
-      http(401, { error: { message: "bad key" } }),
-      http(404, { error: { message: "no such model" } }),
-      http(400, { error: { message: "bad request" } }),
+      httpError(401, { error: { message: "bad key" } }),
+      httpError(404, { error: { message: "no such model" } }),
+      httpError(400, { error: { message: "bad request" } }),
       { content: "TASKCOMPLETE" },
     ]);
-    for (const task of ["task one", "task two", "task three"]) expect((await runAic([...headless(srv.url), "--session", "s.json", task], { cwd })).code).toBe(1);
+    for (const task of ["task one", "task two", "task three"])
+      expect((await runAic([...headless(srv.url), "--session", "s.json", task], { cwd })).code).toBe(1);
     expect((await runAic([...headless(srv.url), "--session", "s.json", "task four"], { cwd })).code).toBe(0);
     const users = srv.requests[3]!.body.messages.filter((m: any) => m.role === "user").map((m: any) => m.content);
     expect(users).toEqual(["task four"]);
@@ -399,31 +476,48 @@ describe("sessions and resume", () => {
   test("a saved full output outlives the run that made it, as long as its session", async () => {
     const cwd = scratch();
     const srv = fixtures.serve([bash("seq 1 20000"), { content: "TASKCOMPLETE" }]);
-    expect((await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "count"], { cwd })).code).toBe(0);
-    const saved = lastTool(srv).match(/saved in (\S+\.txt)/)?.[1];
+    expect((await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "count"], { cwd })).code).toBe(
+      0,
+    );
+    const saved = toolResults(srv)
+      .at(-1)
+      ?.match(/saved in (\S+\.txt)/)?.[1];
     expect(saved).toBeDefined();
     expect(existsSync(saved!)).toBe(true);
     // The next run of the same session reads it, as the model was told it could.
     const next = fixtures.serve([bash(`tail -n 1 ${saved}`), { content: "TASKCOMPLETE" }]);
-    expect((await runAic([...headless(next.url), "--auto-approve", "--session", "s.json", "read it"], { cwd })).code).toBe(0);
-    expect(lastTool(next)).toContain("20000");
-    expect(JSON.parse(readFileSync(join(cwd, "s.json"), "utf8")).output_dir).toBe(saved!.slice(0, saved!.lastIndexOf("/")));
+    expect(
+      (await runAic([...headless(next.url), "--auto-approve", "--session", "s.json", "read it"], { cwd })).code,
+    ).toBe(0);
+    expect(toolResults(next).at(-1)).toContain("20000");
+    expect(JSON.parse(readFileSync(join(cwd, "s.json"), "utf8")).output_dir).toBe(
+      saved!.slice(0, saved!.lastIndexOf("/")),
+    );
   });
 
   test("without a session, the saved outputs are removed at exit", async () => {
     const srv = fixtures.serve([bash("seq 1 20000"), { content: "TASKCOMPLETE" }]);
     expect((await runAic([...headless(srv.url), "--auto-approve", "count"])).code).toBe(0);
-    const saved = lastTool(srv).match(/saved in (\S+\.txt)/)?.[1];
+    const saved = toolResults(srv)
+      .at(-1)
+      ?.match(/saved in (\S+\.txt)/)?.[1];
     expect(saved).toBeDefined();
     expect(existsSync(saved!)).toBe(false);
   });
 
   test("a session file names no output directory it did not make", async () => {
     const cwd = scratch();
-    writeFileSync(join(cwd, "s.json"), JSON.stringify({ output_dir: cwd, messages: [{ role: "system", content: "s" }] }));
+    writeFileSync(
+      join(cwd, "s.json"),
+      JSON.stringify({ output_dir: cwd, messages: [{ role: "system", content: "s" }] }),
+    );
     const srv = fixtures.serve([bash("seq 1 20000"), { content: "TASKCOMPLETE" }]);
-    expect((await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "count"], { cwd })).code).toBe(0);
-    const saved = lastTool(srv).match(/saved in (\S+\.txt)/)?.[1];
+    expect((await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "count"], { cwd })).code).toBe(
+      0,
+    );
+    const saved = toolResults(srv)
+      .at(-1)
+      ?.match(/saved in (\S+\.txt)/)?.[1];
     expect(saved!.startsWith(cwd + "/")).toBe(false);
   });
 });

@@ -1,14 +1,16 @@
 /**
  * Shared plumbing for the benchmarks in this folder: the benchmark and metric
  * types, statistics, timing a dist/aic process, polling its peak memory, and a
- * fake model that answers instantly.
+ * fake model that answers instantly. What they share with the tests (running
+ * dist/aic with a clean environment, reading /proc, reading what the model was
+ * sent) comes from tests/helpers.ts.
  *
  * Benchmarks inform; they are not tests. They never fail the run: a metric
  * that misses its target is printed as MISS and the runner still exits 0.
  */
-import { readFileSync, rmSync } from "node:fs";
+import { rmSync } from "node:fs";
 import { startFakeServer, type FakeServer, type RecordedRequest, type Turn } from "../fake-openai.ts";
-import { AIC, bash, cleanEnv, scratch } from "../helpers.ts";
+import { AIC, bash, cleanEnv, headless, readPeakRssKb, scratch } from "../helpers.ts";
 
 export { AIC };
 
@@ -74,16 +76,6 @@ export interface TimedRunOptions {
   killAfterMs?: number;
 }
 
-/** Reads VmHWM in kB, or undefined once the process (or its memory map) is gone. */
-export function readPeakRssKb(pid: number): number | undefined {
-  try {
-    const match = /^VmHWM:\s+(\d+)\s+kB/m.exec(readFileSync(`/proc/${pid}/status`, "utf8"));
-    return match ? Number(match[1]) : undefined;
-  } catch {
-    return undefined;
-  }
-}
-
 /**
  * Runs dist/aic with a clean environment (as tests/helpers.ts does), draining
  * stdout and stderr, and times it from spawn to exit.
@@ -130,7 +122,7 @@ export async function timeAic(args: string[], opts: TimedRunOptions = {}): Promi
 
 /** `--nogui --auto-approve` against `url`: the unattended CI shape of a run. */
 export function unattended(url: string, ...more: string[]): string[] {
-  return ["--nogui", "--auto-approve", "--api-base", url, "--model", "bench-model", ...more];
+  return headless(url, "bench-model", "--auto-approve", ...more);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -145,7 +137,8 @@ function roughPromptTokens(req: RecordedRequest): number {
   let chars = 0;
   for (const m of Array.isArray(req.body?.messages) ? req.body.messages : []) {
     chars += typeof m?.content === "string" ? m.content.length : 0;
-    for (const c of Array.isArray(m?.tool_calls) ? m.tool_calls : []) chars += String(c?.function?.arguments ?? "").length;
+    for (const c of Array.isArray(m?.tool_calls) ? m.tool_calls : [])
+      chars += String(c?.function?.arguments ?? "").length;
   }
   return Math.max(1, Math.ceil(chars / 4));
 }
@@ -161,19 +154,17 @@ export function scriptedCommands(commands: (index: number) => string | undefined
   });
 }
 
-/** The text of the last tool message the model was sent, or undefined. */
-export function lastToolMessage(srv: FakeServer): string | undefined {
-  const messages = srv.requests.at(-1)?.body?.messages;
-  if (!Array.isArray(messages)) return undefined;
-  for (let i = messages.length - 1; i >= 0; i--) if (messages[i]?.role === "tool") return String(messages[i].content ?? "");
-  return undefined;
-}
-
 /** Throws with the run's stderr when aic did not finish the way the benchmark needs. */
-export function expectRun(what: string, run: TimedRun, srv: FakeServer | undefined, expected: { code: number; requests?: number }): void {
+export function expectRun(
+  what: string,
+  run: TimedRun,
+  srv: FakeServer | undefined,
+  expected: { code: number; requests?: number },
+): void {
   const problems: string[] = [];
   if (run.code !== expected.code) problems.push(`exit code ${run.code}, expected ${expected.code}`);
   if (srv && expected.requests !== undefined && srv.requests.length !== expected.requests)
     problems.push(`${srv.requests.length} model requests, expected ${expected.requests}`);
-  if (problems.length) throw new Error(`${what}: ${problems.join("; ")}\n--- stderr (tail) ---\n${run.stderr.slice(-1500)}`);
+  if (problems.length)
+    throw new Error(`${what}: ${problems.join("; ")}\n--- stderr (tail) ---\n${run.stderr.slice(-1500)}`);
 }

@@ -1,13 +1,14 @@
 /**
  * Peak memory: the high-water resident set (VmHWM) of dist/aic during a long
- * run and during a command that prints far more than the output cap. SPEC §4
- * promises that memory stays bounded whatever a command prints.
+ * run and during a command that prints far more than the output cap. The README
+ * ("Running a command") promises that memory stays bounded whatever a command prints.
  *
  * The peak depends on when the garbage collector happens to run, so every
  * case runs REPEATS times and the worst peak is the figure (the others are in
  * the note). A 1-step run gives the baseline every run pays.
  */
-import { type Benchmark, type Metric, expectRun, lastToolMessage, scriptedCommands, timeAic, unattended } from "./lib.ts";
+import { toolResults } from "../helpers.ts";
+import { type Benchmark, type Metric, expectRun, scriptedCommands, timeAic, unattended } from "./lib.ts";
 
 const TARGET_MB = 150;
 const POLL_MS = 10;
@@ -28,9 +29,21 @@ interface Case {
 
 const CASES: Case[] = [
   { label: "1-step run (baseline)", commands: (i) => (i < 1 ? "true" : undefined), requests: 2, flags: [] },
-  { label: `${STEPS}-step run`, commands: (i) => (i < STEPS ? "true" : undefined), requests: STEPS + 1, flags: [], target: TARGET_MB },
+  {
+    label: `${STEPS}-step run`,
+    commands: (i) => (i < STEPS ? "true" : undefined),
+    requests: STEPS + 1,
+    flags: [],
+    target: TARGET_MB,
+  },
   // Default cap 10240: the runaway limit (1 MB) stops `seq` early.
-  { label: `\`${SEQ}\`, default cap`, commands: (i) => (i === 0 ? SEQ : undefined), requests: 2, flags: [], target: TARGET_MB },
+  {
+    label: `\`${SEQ}\`, default cap`,
+    commands: (i) => (i === 0 ? SEQ : undefined),
+    requests: 2,
+    flags: [],
+    target: TARGET_MB,
+  },
   // The whole stream rendered and truncated; a prompt budget far above the 200 kB result keeps compression out of it.
   {
     label: `\`${SEQ}\`, cap ${FULL_RENDER_CAP}`,
@@ -56,8 +69,9 @@ async function peakOnce(c: Case) {
   try {
     const run = await timeAic(unattended(srv.url, ...c.flags, c.label), { pollRssMs: POLL_MS, keepStdoutChars: 0 });
     expectRun(c.label, run, srv, { code: 0, requests: c.requests });
-    if (run.peakRssKb === 0) throw new Error(`${c.label}: never read VmHWM from /proc (exited within ${run.ms.toFixed(0)} ms?)`);
-    return { mb: run.peakRssKb / 1024, ms: run.ms, stdoutBytes: run.stdoutBytes, tool: lastToolMessage(srv) };
+    if (run.peakRssKb === 0)
+      throw new Error(`${c.label}: never read VmHWM from /proc (exited within ${run.ms.toFixed(0)} ms?)`);
+    return { mb: run.peakRssKb / 1024, ms: run.ms, stdoutBytes: run.stdoutBytes, tool: toolResults(srv).at(-1) };
   } finally {
     srv.close();
   }
@@ -76,8 +90,15 @@ export const memory: Benchmark = {
       }
       const worst = runs.reduce((a, b) => (b.mb > a.mb ? b : a));
       const details = [`runs ${runs.map((x) => x.mb.toFixed(0)).join(", ")} MB`, `${(worst.ms / 1000).toFixed(1)} s`];
-      if (c.commands(0) !== "true") details.push(outcome(worst.tool), `${(worst.stdoutBytes / 1048576).toFixed(1)} MB on stdout`);
-      metrics.push({ name: `peak RSS, ${c.label}`, value: worst.mb, unit: "MB", target: c.target, note: details.join("; ") });
+      if (c.commands(0) !== "true")
+        details.push(outcome(worst.tool), `${(worst.stdoutBytes / 1048576).toFixed(1)} MB on stdout`);
+      metrics.push({
+        name: `peak RSS, ${c.label}`,
+        value: worst.mb,
+        unit: "MB",
+        target: c.target,
+        note: details.join("; "),
+      });
     }
     return metrics;
   },

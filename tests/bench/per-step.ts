@@ -90,10 +90,19 @@ async function httpFloor(times: number): Promise<number[]> {
   const srv = scriptedCommands(() => "true");
   const out: number[] = [];
   try {
-    const body = JSON.stringify({ model: "bench-model", stream: true, stream_options: { include_usage: true }, messages: [{ role: "user", content: "x" }] });
+    const body = JSON.stringify({
+      model: "bench-model",
+      stream: true,
+      stream_options: { include_usage: true },
+      messages: [{ role: "user", content: "x" }],
+    });
     for (let i = 0; i < times; i++) {
       const started = performance.now();
-      const res = await fetch(`${srv.url}/chat/completions`, { method: "POST", headers: { "content-type": "application/json" }, body });
+      const res = await fetch(`${srv.url}/chat/completions`, {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+        body,
+      });
       await res.text();
       out.push(performance.now() - started);
     }
@@ -143,9 +152,24 @@ export const perStep: Benchmark = {
         },
         { name: `${tag} ${STEPS}-step run total`, value: median(v.long.map((x) => x.ms)), unit: "ms" },
         { name: `${tag} 1-step run total`, value: median(v.short.map((x) => x.ms)), unit: "ms" },
-        { name: `${tag} spawn → first model request`, value: median([...v.short, ...v.long].map((x) => x.firstRequestMs)), unit: "ms", note: "start-up of a real run" },
-        { name: `${tag} step interval, steps 2–${WINDOW + 1}`, value: early, unit: "ms", note: "median time between model requests" },
-        { name: `${tag} step interval, last ${WINDOW} steps`, value: late, unit: "ms", note: `${(late / early).toFixed(2)}× the early steps (growth = cost rising with history)` },
+        {
+          name: `${tag} spawn → first model request`,
+          value: median([...v.short, ...v.long].map((x) => x.firstRequestMs)),
+          unit: "ms",
+          note: "start-up of a real run",
+        },
+        {
+          name: `${tag} step interval, steps 2–${WINDOW + 1}`,
+          value: early,
+          unit: "ms",
+          note: "median time between model requests",
+        },
+        {
+          name: `${tag} step interval, last ${WINDOW} steps`,
+          value: late,
+          unit: "ms",
+          note: `${(late / early).toFixed(2)}× the early steps (growth = cost rising with history)`,
+        },
       );
     }
     const withSandbox = median(variants[0]!.overheads);
@@ -160,10 +184,30 @@ export const perStep: Benchmark = {
         unit: "ms",
         note: `${await sandboxRules()} Landlock rules in the default ruleset; denying the secret stores means granting reads entry by entry`,
       },
-      { name: "read rules: set-up at start (default − --allow-read-secrets)", value: firstRequest(variants[0]!) - firstRequest(variants[1]!), unit: "ms", note: "spawn → first model request, difference of medians" },
-      { name: "floor: PTY spawn of /bin/sh -c true", value: floor, unit: "ms", note: "median, Bun.spawn with terminal in the bench process" },
-      { name: "floor: one fake-server completion", value: http, unit: "ms", note: "median, fetch from the bench process" },
-      { name: "[--disable-sandbox] overhead above both floors", value: without - floor - http, unit: "ms", note: "aic's own work per step" },
+      {
+        name: "read rules: set-up at start (default − --allow-read-secrets)",
+        value: firstRequest(variants[0]!) - firstRequest(variants[1]!),
+        unit: "ms",
+        note: "spawn → first model request, difference of medians",
+      },
+      {
+        name: "floor: PTY spawn of /bin/sh -c true",
+        value: floor,
+        unit: "ms",
+        note: "median, Bun.spawn with terminal in the bench process",
+      },
+      {
+        name: "floor: one fake-server completion",
+        value: http,
+        unit: "ms",
+        note: "median, fetch from the bench process",
+      },
+      {
+        name: "[--disable-sandbox] overhead above both floors",
+        value: without - floor - http,
+        unit: "ms",
+        note: "aic's own work per step",
+      },
     );
     return metrics;
   },

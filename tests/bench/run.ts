@@ -75,7 +75,17 @@ function printTable(outcomes: Outcome[]): void {
     }
   }
   const widths = rows[0]!.map((_, col) => Math.max(...rows.map((r) => (col === 6 ? 0 : r[col]!.length))));
-  const line = (r: string[]) => r.map((cell, col) => (col === 6 ? cell : col === 2 || col === 3 || col === 5 ? cell.padStart(widths[col]!) : cell.padEnd(widths[col]!))).join("  ").trimEnd();
+  const line = (r: string[]) =>
+    r
+      .map((cell, col) =>
+        col === 6
+          ? cell
+          : col === 2 || col === 3 || col === 5
+            ? cell.padStart(widths[col]!)
+            : cell.padEnd(widths[col]!),
+      )
+      .join("  ")
+      .trimEnd();
   console.log(line(rows[0]!));
   console.log(widths.map((w, col) => "─".repeat(col === 6 ? 4 : w)).join("  "));
   let previous = "";
@@ -98,7 +108,11 @@ async function main(): Promise<void> {
   }
   const log = (message: string) => console.error(`  … ${message}`);
   const binaryBefore = binaryIdentity();
-  console.error(`aic benchmarks against ${AIC} (${binaryBefore}) · ${cpus().length} CPUs · load ${loadavg().map((l) => l.toFixed(2)).join(" ")}`);
+  console.error(
+    `aic benchmarks against ${AIC} (${binaryBefore}) · ${cpus().length} CPUs · load ${loadavg()
+      .map((l) => l.toFixed(2))
+      .join(" ")}`,
+  );
 
   const outcomes: Outcome[] = [];
   for (const b of chosen) {
@@ -119,8 +133,15 @@ async function main(): Promise<void> {
   console.log(`dist/aic: ${binaryBefore}`);
   printTable(outcomes);
   console.log();
-  if (binaryAfter !== binaryBefore) console.log(`WARNING: dist/aic was rebuilt during the run (now ${binaryAfter}); the figures mix two builds, run again.`);
-  console.log(`Load average after: ${loadavg().map((l) => l.toFixed(2)).join(" ")} (figures are noisy on a busy machine; compare ratios, rerun a subset by name).`);
+  if (binaryAfter !== binaryBefore)
+    console.log(
+      `WARNING: dist/aic was rebuilt during the run (now ${binaryAfter}); the figures mix two builds, run again.`,
+    );
+  console.log(
+    `Load average after: ${loadavg()
+      .map((l) => l.toFixed(2))
+      .join(" ")} (figures are noisy on a busy machine; compare ratios, rerun a subset by name).`,
+  );
 
   const summary = {
     generated_at: new Date().toISOString(),

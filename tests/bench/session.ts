@@ -1,5 +1,5 @@
 /**
- * Session checkpoint cost (SPEC §7): aic rewrites the whole session file atomically (temp file,
+ * Session checkpoint cost (README: "Session files"): aic rewrites the whole session file atomically (temp file,
  * fsync, rename) several times per step — before each model call, after each assistant turn,
  * after each tool result.
  *
@@ -14,7 +14,16 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { SessionStore, type Message } from "../../aic.ts";
 import { scratch } from "../helpers.ts";
-import { type Benchmark, type Metric, expectRun, median, percentile, scriptedCommands, timeAic, unattended } from "./lib.ts";
+import {
+  type Benchmark,
+  type Metric,
+  expectRun,
+  median,
+  percentile,
+  scriptedCommands,
+  timeAic,
+  unattended,
+} from "./lib.ts";
 
 const WRITES = 20;
 const WARMUP = 2;
@@ -41,7 +50,23 @@ function rng(seed: number) {
   };
 }
 
-const WORDS = ["src", "lib", "parser", "index", "config", "utils", "server", "client", "render", "test", "types", "cache", "auth", "db", "api"];
+const WORDS = [
+  "src",
+  "lib",
+  "parser",
+  "index",
+  "config",
+  "utils",
+  "server",
+  "client",
+  "render",
+  "test",
+  "types",
+  "cache",
+  "auth",
+  "db",
+  "api",
+];
 
 /** One plausible command and what it printed (a listing, a test run, a grep, a build error, a log). */
 function toolExchange(r: (n: number) => number, i: number): { command: string; output: string } {
@@ -50,21 +75,50 @@ function toolExchange(r: (n: number) => number, i: number): { command: string; o
   const lines = (n: number, f: (k: number) => string) => Array.from({ length: n }, (_, k) => f(k)).join("\n");
   switch (i % 5) {
     case 0:
-      return { command: `ls -la ${word()}`, output: lines(10 + r(40), () => `-rw-r--r-- 1 dev dev ${String(r(99999)).padStart(6)} Nov ${1 + r(28)} 1${r(10)}:${10 + r(50)} ${file()}`) };
+      return {
+        command: `ls -la ${word()}`,
+        output: lines(
+          10 + r(40),
+          () =>
+            `-rw-r--r-- 1 dev dev ${String(r(99999)).padStart(6)} Nov ${1 + r(28)} 1${r(10)}:${10 + r(50)} ${file()}`,
+        ),
+      };
     case 1:
       return {
         command: "npm test 2>&1 | tail -80",
-        output: lines(20 + r(60), (k) => (r(10) === 0 ? `  ✗ ${word()} › handles ${word()} input (${r(900)} ms)\n    expected ${r(100)} to equal ${r(100)}\n      at ${file()}:${r(400)}:${r(80)}` : `  ✓ ${word()} › ${word()} ${word()} case ${k} (${r(90)} ms)`)),
+        output: lines(20 + r(60), (k) =>
+          r(10) === 0
+            ? `  ✗ ${word()} › handles ${word()} input (${r(900)} ms)\n    expected ${r(100)} to equal ${r(100)}\n      at ${file()}:${r(400)}:${r(80)}`
+            : `  ✓ ${word()} › ${word()} ${word()} case ${k} (${r(90)} ms)`,
+        ),
       };
     case 2:
-      return { command: `grep -rn "${word()}" src | head -60`, output: lines(5 + r(55), () => `${file()}:${r(900)}:  const ${word()}${r(9)} = await ${word()}.${word()}(${word()}, { ${word()}: ${r(1000)} });`) };
+      return {
+        command: `grep -rn "${word()}" src | head -60`,
+        output: lines(
+          5 + r(55),
+          () =>
+            `${file()}:${r(900)}:  const ${word()}${r(9)} = await ${word()}.${word()}(${word()}, { ${word()}: ${r(1000)} });`,
+        ),
+      };
     case 3:
       return {
         command: "npx tsc --noEmit -p .",
-        output: lines(5 + r(30), () => `${file()}(${r(500)},${r(80)}): error TS${2300 + r(400)}: Property '${word()}' does not exist on type '${word()[0]!.toUpperCase()}${word()}Options'.`),
+        output: lines(
+          5 + r(30),
+          () =>
+            `${file()}(${r(500)},${r(80)}): error TS${2300 + r(400)}: Property '${word()}' does not exist on type '${word()[0]!.toUpperCase()}${word()}Options'.`,
+        ),
       };
     default:
-      return { command: "git log --oneline -40", output: lines(40, () => `${r(0xfffffff).toString(16).padStart(7, "0")} ${word()}: ${["fix", "add", "refactor", "test"][r(4)]} ${word()} ${word()} handling`) };
+      return {
+        command: "git log --oneline -40",
+        output: lines(
+          40,
+          () =>
+            `${r(0xfffffff).toString(16).padStart(7, "0")} ${word()}: ${["fix", "add", "refactor", "test"][r(4)]} ${word()} ${word()} handling`,
+        ),
+      };
   }
 }
 
@@ -72,16 +126,32 @@ function toolExchange(r: (n: number) => number, i: number): { command: string; o
 export function buildHistory(bytes: number, seed = 7): Message[] {
   const r = rng(seed);
   const messages: Message[] = [
-    { role: "system", content: `You are an autonomous engineer working in a Linux shell.\n${"Rules and recipes for the agent. ".repeat(120)}` },
-    { role: "user", content: "The test suite fails after the last merge. Find out why and fix it without changing the public API." },
+    {
+      role: "system",
+      content: `You are an autonomous engineer working in a Linux shell.\n${"Rules and recipes for the agent. ".repeat(120)}`,
+    },
+    {
+      role: "user",
+      content: "The test suite fails after the last merge. Find out why and fix it without changing the public API.",
+    },
   ];
   let size = JSON.stringify(messages, null, 2).length;
   for (let i = 0; size < bytes; i++) {
     const { command, output } = toolExchange(r, i);
     const id = `call_${i}_${r(1e9).toString(36)}`;
     const turn: Message[] = [
-      { role: "assistant", content: i % 4 === 0 ? `Step ${i}: checking ${command.split(" ")[0]} output next.` : null, tool_calls: [{ id, type: "function", function: { name: "execute_bash", arguments: JSON.stringify({ command }) } }] },
-      { role: "tool", tool_call_id: id, content: `Command executed with exit code ${r(8) === 0 ? 1 : 0}.\nOutput:\n${output.slice(0, 10_240)}` },
+      {
+        role: "assistant",
+        content: i % 4 === 0 ? `Step ${i}: checking ${command.split(" ")[0]} output next.` : null,
+        tool_calls: [
+          { id, type: "function", function: { name: "execute_bash", arguments: JSON.stringify({ command }) } },
+        ],
+      },
+      {
+        role: "tool",
+        tool_call_id: id,
+        content: `Command executed with exit code ${r(8) === 0 ? 1 : 0}.\nOutput:\n${output.slice(0, 10_240)}`,
+      },
     ];
     messages.push(...turn);
     size += JSON.stringify(turn, null, 2).length;
@@ -102,8 +172,16 @@ interface SaveFigures {
 
 function timeSaves(messages: Message[]): SaveFigures {
   const dir = mkdtempSync(join(tmpdir(), "aic-bench-session-"));
-  const store = SessionStore.claim(join(dir, ".aicsession"), { model: "bench-model", apiBase: "http://127.0.0.1:9/v1" }, quiet);
-  const state = { messages, stepCount: 100, usage: { input_tokens: 1, output_tokens: 1, cached_tokens: 0, billable_tokens: 2 } };
+  const store = SessionStore.claim(
+    join(dir, ".aicsession"),
+    { model: "bench-model", apiBase: "http://127.0.0.1:9/v1" },
+    quiet,
+  );
+  const state = {
+    messages,
+    stepCount: 100,
+    usage: { input_tokens: 1, output_tokens: 1, cached_tokens: 0, billable_tokens: 2 },
+  };
   const saveMs: number[] = [];
   const stringifyMs: number[] = [];
   try {
@@ -147,7 +225,11 @@ async function stepRun(steps: number, withSession: boolean): Promise<StepRun> {
     const run = await timeAic(unattended(srv.url, ...flags, `run true ${steps} times`), { cwd });
     expectRun(`${steps}-step run${withSession ? " with --session" : ""}`, run, srv, { code: 0, requests: steps + 1 });
     const at = srv.requests.map((r) => r.at);
-    return { ms: run.ms, intervals: at.slice(2).map((t, i) => t - at[i + 1]!), sessionBytes: withSession ? statSync(session).size : 0 };
+    return {
+      ms: run.ms,
+      intervals: at.slice(2).map((t, i) => t - at[i + 1]!),
+      sessionBytes: withSession ? statSync(session).size : 0,
+    };
   } finally {
     srv.close();
   }
@@ -162,8 +244,19 @@ export const sessionCheckpoint: Benchmark = {
       ctx.log(`session: save() ×${WRITES} on a ${size.label} history`);
       const f = timeSaves(buildHistory(size.bytes));
       const mb = (f.fileBytes / 1024 / 1024).toFixed(2);
-      metrics.push({ name: `save(), ${size.label} history: median`, value: median(f.saveMs), unit: "ms", target: size.target, note: `file ${mb} MB; p90 ${percentile(f.saveMs, 90).toFixed(1)} ms` });
-      metrics.push({ name: `  of which JSON.stringify (median)`, value: median(f.stringifyMs), unit: "ms", note: "the rest is write + fsync + rename" });
+      metrics.push({
+        name: `save(), ${size.label} history: median`,
+        value: median(f.saveMs),
+        unit: "ms",
+        target: size.target,
+        note: `file ${mb} MB; p90 ${percentile(f.saveMs, 90).toFixed(1)} ms`,
+      });
+      metrics.push({
+        name: `  of which JSON.stringify (median)`,
+        value: median(f.stringifyMs),
+        unit: "ms",
+        note: "the rest is write + fsync + rename",
+      });
     }
 
     const overhead = { with: [] as number[], without: [] as number[] };
@@ -173,7 +266,9 @@ export const sessionCheckpoint: Benchmark = {
       // Interleaved so both modes see the same background load.
       for (const withSession of [false, true]) {
         const key = withSession ? "with" : "without";
-        ctx.log(`session: repeat ${r}/${REPEATS}: 1-step and ${STEPS}-step runs ${withSession ? "with --session" : "without a session"}`);
+        ctx.log(
+          `session: repeat ${r}/${REPEATS}: 1-step and ${STEPS}-step runs ${withSession ? "with --session" : "without a session"}`,
+        );
         const one = await stepRun(1, withSession);
         const many = await stepRun(STEPS, withSession);
         overhead[key].push((many.ms - one.ms) / (STEPS - 1));
@@ -184,11 +279,37 @@ export const sessionCheckpoint: Benchmark = {
     const list = (xs: number[]) => xs.map((v) => v.toFixed(1)).join(", ");
     const stepWith = median(intervals.with);
     const stepWithout = median(intervals.without);
-    metrics.push({ name: "per-step overhead without a session (median)", value: median(overhead.without), unit: "ms", note: `(${STEPS}-step − 1-step) / ${STEPS - 1}; repeats: ${list(overhead.without)} ms` });
-    metrics.push({ name: "per-step overhead with --session (median)", value: median(overhead.with), unit: "ms", note: `repeats: ${list(overhead.with)} ms; final file ${(sessionBytes / 1024).toFixed(0)} KB` });
-    metrics.push({ name: "step interval without a session (median)", value: stepWithout, unit: "ms", note: `${intervals.without.length} steps, between model requests` });
-    metrics.push({ name: "step interval with --session (median)", value: stepWith, unit: "ms", note: `${intervals.with.length} steps` });
-    metrics.push({ name: "cost of --session per step", value: stepWith - stepWithout, unit: "ms", target: STEP_TARGET_MS, note: "difference of the step-interval medians; three checkpoints a step" });
+    metrics.push({
+      name: "per-step overhead without a session (median)",
+      value: median(overhead.without),
+      unit: "ms",
+      note: `(${STEPS}-step − 1-step) / ${STEPS - 1}; repeats: ${list(overhead.without)} ms`,
+    });
+    metrics.push({
+      name: "per-step overhead with --session (median)",
+      value: median(overhead.with),
+      unit: "ms",
+      note: `repeats: ${list(overhead.with)} ms; final file ${(sessionBytes / 1024).toFixed(0)} KB`,
+    });
+    metrics.push({
+      name: "step interval without a session (median)",
+      value: stepWithout,
+      unit: "ms",
+      note: `${intervals.without.length} steps, between model requests`,
+    });
+    metrics.push({
+      name: "step interval with --session (median)",
+      value: stepWith,
+      unit: "ms",
+      note: `${intervals.with.length} steps`,
+    });
+    metrics.push({
+      name: "cost of --session per step",
+      value: stepWith - stepWithout,
+      unit: "ms",
+      target: STEP_TARGET_MS,
+      note: "difference of the step-interval medians; three checkpoints a step",
+    });
     return metrics;
   },
 };

@@ -1,7 +1,7 @@
 /**
  * Token accounting: what aic's TokenCounter costs per loop step as the history
  * grows, and how far its estimate is from the server's count before and after
- * calibration (SPEC §5).
+ * calibration (README: "Context budget and compression").
  *
  * A history grows by one assistant call and one ~3 KB tool answer per step, as
  * in a long run. At every step the counter estimates the whole history, as
@@ -28,7 +28,9 @@ const INFLATION = 1.3;
 function toolOutput(step: number): string {
   const lines = ["Command executed with exit code 0.", "Output:"];
   for (let r = 0; lines.join("\n").length < 3000; r++) {
-    lines.push(`src/module_${step}/part_${r}.ts:${(step * 31 + r * 17) % 997}: const value${r} = compute(${step}, ${r * 7919}); // ok`);
+    lines.push(
+      `src/module_${step}/part_${r}.ts:${(step * 31 + r * 17) % 997}: const value${r} = compute(${step}, ${r * 7919}); // ok`,
+    );
   }
   return lines.join("\n");
 }
@@ -36,7 +38,20 @@ function toolOutput(step: number): string {
 function stepMessages(step: number): Message[] {
   const id = `call_${step}_0`;
   return [
-    { role: "assistant", content: null, tool_calls: [{ id, type: "function", function: { name: "execute_bash", arguments: JSON.stringify({ command: `grep -rn compute src/module_${step}` }) } }] },
+    {
+      role: "assistant",
+      content: null,
+      tool_calls: [
+        {
+          id,
+          type: "function",
+          function: {
+            name: "execute_bash",
+            arguments: JSON.stringify({ command: `grep -rn compute src/module_${step}` }),
+          },
+        },
+      ],
+    },
     { role: "tool", tool_call_id: id, content: toolOutput(step) },
   ];
 }
@@ -134,12 +149,43 @@ export const tokens: Benchmark = {
     });
 
     return [
-      { name: `estimate() per step, step ${EARLY} (median)`, value: early, unit: "ms", note: `steps ${EARLY - HALF_WINDOW}–${EARLY + HALF_WINDOW} × ${REPEATS} repeats; ${(EARLY + 1) * 2} messages` },
-      { name: `estimate() per step, step ${LATE} (median)`, value: late, unit: "ms", note: `${(LATE + 1) * 2} messages` },
-      { name: `per-step cost, step ${LATE} / step ${EARLY}`, value: late / early, unit: "x", target: FLATNESS_TARGET, note: "flat when ≈ 1" },
-      { name: `estimate() with nothing new, step ${EARLY}`, value: median(runs.map((g) => g.earlyRecount)), unit: "ms", note: "cache lookups only" },
-      { name: `estimate() with nothing new, step ${LATE}`, value: median(runs.map((g) => g.lateRecount)), unit: "ms", note: "cache lookups only" },
-      { name: `uncached count of the step-${LATE} history`, value: uncached, unit: "ms", note: `what every step would cost without the cache (${(uncached / late).toFixed(0)}× the cached step)` },
+      {
+        name: `estimate() per step, step ${EARLY} (median)`,
+        value: early,
+        unit: "ms",
+        note: `steps ${EARLY - HALF_WINDOW}–${EARLY + HALF_WINDOW} × ${REPEATS} repeats; ${(EARLY + 1) * 2} messages`,
+      },
+      {
+        name: `estimate() per step, step ${LATE} (median)`,
+        value: late,
+        unit: "ms",
+        note: `${(LATE + 1) * 2} messages`,
+      },
+      {
+        name: `per-step cost, step ${LATE} / step ${EARLY}`,
+        value: late / early,
+        unit: "x",
+        target: FLATNESS_TARGET,
+        note: "flat when ≈ 1",
+      },
+      {
+        name: `estimate() with nothing new, step ${EARLY}`,
+        value: median(runs.map((g) => g.earlyRecount)),
+        unit: "ms",
+        note: "cache lookups only",
+      },
+      {
+        name: `estimate() with nothing new, step ${LATE}`,
+        value: median(runs.map((g) => g.lateRecount)),
+        unit: "ms",
+        note: "cache lookups only",
+      },
+      {
+        name: `uncached count of the step-${LATE} history`,
+        value: uncached,
+        unit: "ms",
+        note: `what every step would cost without the cache (${(uncached / late).toFixed(0)}× the cached step)`,
+      },
       errorMetric(`estimate error before calibrate(), step ${EARLY}`, accEarly.before, accEarly.server),
       errorMetric(`estimate error after calibrate(), step ${EARLY}`, accEarly.after, accEarly.server),
       errorMetric(`estimate error before calibrate(), step ${LATE}`, accLate.before, accLate.server),

@@ -1,6 +1,6 @@
 /**
- * TUI responsiveness (SPEC §10: "a command running or a model streaming never
- * freezes typing, scrolling or /stop").
+ * TUI responsiveness (README: "The terminal UI": the UI never waits on the agent,
+ * so a command running or a model streaming never freezes typing, scrolling or /stop).
  *
  * A real `Tui` from aic.ts, with its real Agent, runner and panes, on
  * OpenTUI's in-memory test renderer (120×40; the renderer's own on-demand
@@ -51,7 +51,9 @@ const STALL_WORST_TARGET = 50;
 const IDLE_CPU_TARGET = 20;
 
 /** 200 characters a person might type, with nothing that is a TUI key (no Tab, Enter, leading "/"). */
-const TYPED = "fix the flaky test in src/parser, then run npm test and tell me what changed, ok? ".repeat(3).slice(0, 200);
+const TYPED = "fix the flaky test in src/parser, then run npm test and tell me what changed, ok? "
+  .repeat(3)
+  .slice(0, 200);
 
 /** Exactly TOKENS pieces of 4 characters ("word" + space), a new line every 16 words. */
 function streamedText(): string {
@@ -77,7 +79,10 @@ async function startModelProcess(dir: string): Promise<{ url: string; stop(): vo
       { content: "Done.\nTASKCOMPLETE", usage: { prompt_tokens: 80000, completion_tokens: 5 } },
     ]),
   );
-  const proc = Bun.spawn([process.execPath, join(ROOT, "tests", "fake-openai.ts"), "--script", script], { stdout: "pipe", stderr: "inherit" });
+  const proc = Bun.spawn([process.execPath, join(ROOT, "tests", "fake-openai.ts"), "--script", script], {
+    stdout: "pipe",
+    stderr: "inherit",
+  });
   const reader = proc.stdout.getReader();
   let out = "";
   while (!out.includes("\n")) {
@@ -112,7 +117,20 @@ async function cpuPerSecond(seconds: number): Promise<number> {
 
 function configFor(url: string, dir: string): Config {
   const parsed = parseArgs(
-    ["--api-base", url, "--model", "bench-model", "--auto-approve", "--max-output-bytes", "200000", "--max-prompt-len", "1000000", "--disable-sandbox", "--session", join(dir, ".aicsession")],
+    [
+      "--api-base",
+      url,
+      "--model",
+      "bench-model",
+      "--auto-approve",
+      "--max-output-bytes",
+      "200000",
+      "--max-prompt-len",
+      "1000000",
+      "--disable-sandbox",
+      "--session",
+      join(dir, ".aicsession"),
+    ],
     {},
   );
   if (parsed.kind !== "run") throw new Error(`unexpected parse result ${parsed.kind}`);
@@ -128,7 +146,8 @@ function keystrokeErrors(typed: string, got: string): number {
 
 export const tui: Benchmark = {
   name: "tui",
-  description: "TUI responsiveness: event-loop stalls and typing while 5,000 tokens stream and a command prints 10 MB; idle CPU",
+  description:
+    "TUI responsiveness: event-loop stalls and typing while 5,000 tokens stream and a command prints 10 MB; idle CPU",
   async run(ctx): Promise<Metric[]> {
     const dir = scratch("aic-bench-tui-");
     const model = await startModelProcess(dir);
@@ -146,10 +165,23 @@ export const tui: Benchmark = {
     const { renderer, mockInput } = setup;
     let exited: (code: number) => void = () => {};
     const exit = new Promise<number>((resolve) => (exited = resolve));
-    const tui = new Tui({ config: configFor(model.url, dir), renderer, ot, Terminal: await loadXterm(), onExit: (code) => exited(code), historyFile: join(dir, "history") });
+    const tui = new Tui({
+      config: configFor(model.url, dir),
+      renderer,
+      ot,
+      Terminal: await loadXterm(),
+      onExit: (code) => exited(code),
+      historyFile: join(dir, "history"),
+    });
 
     // Watch the agent's events on their way into the TUI (the Agent calls tui.emit for each).
-    const seen: { firstToken?: number; command?: number; resultAt?: number; result?: AgentEvent & { type: "command_result" }; end?: AgentEvent & { type: "end" } } = {};
+    const seen: {
+      firstToken?: number;
+      command?: number;
+      resultAt?: number;
+      result?: AgentEvent & { type: "command_result" };
+      end?: AgentEvent & { type: "end" };
+    } = {};
     const phaseListeners: ((e: AgentEvent) => void)[] = [];
     const emit = tui.emit.bind(tui);
     tui.emit = (e: AgentEvent) => {
@@ -215,39 +247,96 @@ export const tui: Benchmark = {
       model.stop();
       if (!seen.end) throw new Error("the run did not end within 240 s");
       if (seen.end.status !== "completed") throw new Error(`the run ended ${seen.end.status}`);
-      if (seen.result?.exit_code !== 0 || seen.result.status !== "exited") throw new Error(`the command ended ${seen.result?.status} with ${seen.result?.exit_code}`);
+      if (seen.result?.exit_code !== 0 || seen.result.status !== "exited")
+        throw new Error(`the command ended ${seen.result?.status} with ${seen.result?.exit_code}`);
       if (typing.length !== 2) throw new Error(`typed during ${typing.length} phase(s), expected 2`);
 
       const stalls = lag.stalls.map((s) => s.ms);
-      const during = (from = Infinity, to = -Infinity) => lag.stalls.filter((s) => s.at >= from && s.at <= to).map((s) => s.ms);
+      const during = (from = Infinity, to = -Infinity) =>
+        lag.stalls.filter((s) => s.at >= from && s.at <= to).map((s) => s.ms);
       const streamStalls = during(seen.firstToken, seen.command);
       const commandStalls = during(seen.command, seen.resultAt);
       const afterStalls = during(seen.resultAt, Infinity);
       // Where the long stalls happened, for whoever has to fix them.
       const phase = (at: number) =>
-        at >= (seen.resultAt ?? Infinity) ? "after the command: its result going to the model" : at >= (seen.command ?? Infinity) ? "command printing" : at >= (seen.firstToken ?? Infinity) ? "tokens streaming" : "before the first token";
-      const when = (at: number) =>
-        `${((at - started) / 1000).toFixed(2)} s into the run (${phase(at)})`;
-      for (const s of lag.stalls.filter((s) => s.ms > STALL_WORST_TARGET)) ctx.log(`stall of ${s.ms.toFixed(0)} ms ending ${when(s.at)}`);
+        at >= (seen.resultAt ?? Infinity)
+          ? "after the command: its result going to the model"
+          : at >= (seen.command ?? Infinity)
+            ? "command printing"
+            : at >= (seen.firstToken ?? Infinity)
+              ? "tokens streaming"
+              : "before the first token";
+      const when = (at: number) => `${((at - started) / 1000).toFixed(2)} s into the run (${phase(at)})`;
+      for (const s of lag.stalls.filter((s) => s.ms > STALL_WORST_TARGET))
+        ctx.log(`stall of ${s.ms.toFixed(0)} ms ending ${when(s.at)}`);
 
       ctx.log(`idle CPU after the run over ${IDLE_SECONDS} s`);
       await Bun.sleep(SETTLE_MS);
       const idleAfter = await cpuPerSecond(IDLE_SECONDS);
 
       return [
-        { name: "stall median (whole run)", value: median(stalls), unit: "ms", target: STALL_MEDIAN_TARGET, note: `${stalls.length} ticks of ${LAG_INTERVAL_MS} ms over ${(runMs / 1000).toFixed(1)} s` },
+        {
+          name: "stall median (whole run)",
+          value: median(stalls),
+          unit: "ms",
+          target: STALL_MEDIAN_TARGET,
+          note: `${stalls.length} ticks of ${LAG_INTERVAL_MS} ms over ${(runMs / 1000).toFixed(1)} s`,
+        },
         { name: "stall p99 (whole run)", value: percentile(stalls, 99), unit: "ms" },
         { name: "stall worst (whole run)", value: Math.max(...stalls), unit: "ms", target: STALL_WORST_TARGET },
-        { name: "stall worst while tokens stream", value: streamStalls.length ? Math.max(...streamStalls) : 0, unit: "ms", note: `median ${streamStalls.length ? median(streamStalls).toFixed(2) : "—"} ms` },
-        { name: "stall worst while 10 MB prints", value: commandStalls.length ? Math.max(...commandStalls) : 0, unit: "ms", note: `median ${commandStalls.length ? median(commandStalls).toFixed(2) : "—"} ms; the command took ${((seen.resultAt! - seen.command!) / 1000).toFixed(1)} s` },
-        { name: "stall worst after the command", value: afterStalls.length ? Math.max(...afterStalls) : 0, unit: "ms", note: "its 200 KB result counted, saved and sent" },
-        { name: "keystrokes lost or out of order", value: typingErrors[0]! + typingErrors[1]!, unit: "count", target: 0, note: `${TYPED.length} chars typed twice (while streaming, while printing): ${typingErrors.join(" + ")}` },
-        { name: "keystroke → frame median", value: keyToFrame.length ? median(keyToFrame) : NaN, unit: "ms", note: `${keyToFrame.length} samples` },
+        {
+          name: "stall worst while tokens stream",
+          value: streamStalls.length ? Math.max(...streamStalls) : 0,
+          unit: "ms",
+          note: `median ${streamStalls.length ? median(streamStalls).toFixed(2) : "—"} ms`,
+        },
+        {
+          name: "stall worst while 10 MB prints",
+          value: commandStalls.length ? Math.max(...commandStalls) : 0,
+          unit: "ms",
+          note: `median ${commandStalls.length ? median(commandStalls).toFixed(2) : "—"} ms; the command took ${((seen.resultAt! - seen.command!) / 1000).toFixed(1)} s`,
+        },
+        {
+          name: "stall worst after the command",
+          value: afterStalls.length ? Math.max(...afterStalls) : 0,
+          unit: "ms",
+          note: "its 200 KB result counted, saved and sent",
+        },
+        {
+          name: "keystrokes lost or out of order",
+          value: typingErrors[0]! + typingErrors[1]!,
+          unit: "count",
+          target: 0,
+          note: `${TYPED.length} chars typed twice (while streaming, while printing): ${typingErrors.join(" + ")}`,
+        },
+        {
+          name: "keystroke → frame median",
+          value: keyToFrame.length ? median(keyToFrame) : NaN,
+          unit: "ms",
+          note: `${keyToFrame.length} samples`,
+        },
         { name: "keystroke → frame worst", value: keyToFrame.length ? Math.max(...keyToFrame) : NaN, unit: "ms" },
-        { name: "frame paint median", value: paints.length ? median(paints) : NaN, unit: "ms", note: `${frames} frames; layout + paint, synchronous part of a frame` },
+        {
+          name: "frame paint median",
+          value: paints.length ? median(paints) : NaN,
+          unit: "ms",
+          note: `${frames} frames; layout + paint, synchronous part of a frame`,
+        },
         { name: "frame paint worst", value: paints.length ? Math.max(...paints) : NaN, unit: "ms" },
-        { name: "idle CPU, fresh TUI", value: idleFresh, unit: "ms", target: IDLE_CPU_TARGET, note: "ms of CPU per second (20 = 2% of a core)" },
-        { name: "idle CPU after the run", value: idleAfter, unit: "ms", target: IDLE_CPU_TARGET, note: "ms of CPU per second, panes full" },
+        {
+          name: "idle CPU, fresh TUI",
+          value: idleFresh,
+          unit: "ms",
+          target: IDLE_CPU_TARGET,
+          note: "ms of CPU per second (20 = 2% of a core)",
+        },
+        {
+          name: "idle CPU after the run",
+          value: idleAfter,
+          unit: "ms",
+          target: IDLE_CPU_TARGET,
+          note: "ms of CPU per second, panes full",
+        },
       ];
     } finally {
       model.stop();
