@@ -52,6 +52,9 @@ const RUNAWAY_FACTOR = 100;
 
 /** Silence before we look whether a command is blocked reading its terminal. */
 const INPUT_WAIT_SILENCE_MS = 10_000;
+/** The silence limit, shortened by AIC_INPUT_WAIT_MS (read when a command starts, so tests can set it). */
+const inputWaitSilenceMs = () =>
+  Number(process.env.AIC_INPUT_WAIT_MS) > 0 ? Number(process.env.AIC_INPUT_WAIT_MS) : INPUT_WAIT_SILENCE_MS;
 /** How often a silent command's processes are looked at. */
 const INPUT_WAIT_POLL_MS = 1000;
 
@@ -589,6 +592,7 @@ const SESSION_RECOVERED = "[SESSION RECOVERED]";
 const SESSION_RECOVERED_NOTICE = `${SESSION_RECOVERED} The previous aic process ended while this command was running. It was NOT re-executed; do not assume it had any effect. Check the state and run it again if it is still needed.`;
 const SKIPPED_BY_USER = "Command execution skipped by user.";
 const NOT_EXECUTED_STOPPED = "Command not executed: the run was stopped before it could run.";
+const NOT_EXECUTED_INTERRUPTED = "Command not executed: the user interrupted the run.";
 
 /** The one tool the model may call. */
 const EXECUTE_BASH_TOOL = {
@@ -777,6 +781,8 @@ function describeCommandResult(r: CommandResult, timeoutSec: number, maxOutputBy
       return `Command stopped: it printed more than ${RUNAWAY_FACTOR * maxOutputBytes} bytes, the runaway-output limit (exit code ${r.exitCode}). Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`;
     case "not_started":
       return `Command could not be started: ${r.output}. Nothing ran.`;
+    case "interrupted":
+      return `Command interrupted by the user (exit code ${r.exitCode}).\nOutput before it was stopped:\n${r.output}`;
     case "stopped":
       return `Command stopped before it finished because the run was stopped (exit code ${r.exitCode}).\nOutput before it was stopped:\n${r.output}`;
   }
@@ -827,6 +833,7 @@ type AgentEvent =
       suggestion?: string;
     }
   | { type: "command_output"; id: string; data: Uint8Array }
+  | { type: "command_waiting"; id: string }
   | {
       type: "command_result";
       id: string;
@@ -858,7 +865,7 @@ type AgentEvent =
   | { type: "end"; status: RunStatus; exit_code: number; steps: number; usage: Usage };
 
 type AgentEventType = AgentEvent["type"];
-type RunStatus = "completed" | "step_limit" | "stopped" | "needs_approval" | "failed" | "terminal";
+type RunStatus = "completed" | "step_limit" | "stopped" | "interrupted" | "needs_approval" | "failed" | "terminal";
 
 interface EventSink {
   emit(event: AgentEvent): void;
@@ -3255,7 +3262,8 @@ function setUpSandbox(config: Config): Sandbox {
 // under Bun), and signalling, waiting for and inspecting its process group.
 // ════════════════════════════════════════════════════════════════════════════
 
-type CommandStatus = "exited" | "timed_out" | "waiting_for_input" | "runaway" | "stopped" | "not_started";
+type CommandStatus =
+  "exited" | "timed_out" | "waiting_for_input" | "runaway" | "stopped" | "interrupted" | "not_started";
 
 interface CommandResult {
   exitCode: number | null;
@@ -3890,6 +3898,8 @@ interface RunOptions {
   /** Where the whole output of a long command is saved. */
   outputs: OutputStore;
   onData(bytes: Uint8Array): void;
+  /** A person can answer (`canAnswerInput`) and the command has been waiting for input a while: told once. */
+  onWaitingForInput?(): void;
   /** Lets the caller forward a person's keystrokes to the command; returns a detach function. */
   attachInput?(write: (data: string | Uint8Array) => void): () => void;
 }
@@ -3942,15 +3952,21 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
   };
 
   const timeout = setTimeout(() => stop("timed_out"), opts.timeoutSec * 1000);
-  const onAbort = () => stop("stopped");
+  const onAbort = () => stop(opts.signal.reason === USER_INTERRUPT ? "interrupted" : "stopped");
   opts.signal.addEventListener("abort", onAbort, { once: true });
   if (opts.signal.aborted) onAbort();
-  const watcher = opts.canAnswerInput
-    ? undefined
-    : setInterval(() => {
-        if (!stopping && Date.now() - lastOutputAt >= INPUT_WAIT_SILENCE_MS && groupWaitsForTerminalInput(pty.proc.pid))
-          stop("waiting_for_input");
-      }, INPUT_WAIT_POLL_MS);
+  // Nobody to answer: a command stuck on input is stopped. A person who can answer is told once, and types to it.
+  let told = false;
+  const silence = inputWaitSilenceMs();
+  const watcher = setInterval(
+    () => {
+      if (stopping || told || Date.now() - lastOutputAt < silence || !groupWaitsForTerminalInput(pty.proc.pid)) return;
+      if (!opts.canAnswerInput) return stop("waiting_for_input");
+      told = true;
+      opts.onWaitingForInput?.();
+    },
+    Math.min(INPUT_WAIT_POLL_MS, silence),
+  );
   const detachInput = opts.attachInput?.((data) => pty.terminal.write(data));
 
   try {
@@ -3960,7 +3976,7 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
     if (stopping) await stopping;
   } finally {
     clearTimeout(timeout);
-    if (watcher) clearInterval(watcher);
+    clearInterval(watcher);
     opts.signal.removeEventListener("abort", onAbort);
     detachInput?.();
     pty.terminal.close();
@@ -3978,7 +3994,14 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
 // ════════════════════════════════════════════════════════════════════════════
 
 type Approval = { kind: "approve" } | { kind: "reject" } | { kind: "suggest"; text: string } | { kind: "no_input" };
-type ApproveFn = (request: { id: string; command: string }) => Promise<Approval>;
+/** A command waiting for approval: `index` of `total` when the model proposed several in one turn. */
+interface ApprovalRequest {
+  id: string;
+  command: string;
+  index: number;
+  total: number;
+}
+type ApproveFn = (request: ApprovalRequest) => Promise<Approval>;
 
 interface AgentOptions {
   config: Config;
@@ -4007,6 +4030,9 @@ interface ToolCallContext {
   autoApprove: boolean;
   /** Where the command runs, asked right before it starts (the TUI's Shell tab may just have moved the agent). */
   cwd(): string;
+  /** Which of the turn's calls this is, and of how many (the approval dialog says so). */
+  index: number;
+  total: number;
   signal: AbortSignal;
   emit(event: AgentEvent): void;
 }
@@ -4031,8 +4057,8 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
   emit({ type: "command", id: call.id, command });
   if (ctx.autoApprove) emit({ type: "approval", id: call.id, decision: "auto" });
   else {
-    const answer = await untilAborted(o.approve({ id: call.id, command }), signal);
-    if (!answer) return { kind: "done", content: NOT_EXECUTED_STOPPED };
+    const answer = await untilAborted(o.approve({ id: call.id, command, index: ctx.index, total: ctx.total }), signal);
+    if (!answer) return { kind: "done", content: notExecuted(signal) };
     if (answer.kind === "no_input") {
       emit({ type: "approval", id: call.id, decision: "no_input" });
       return { kind: "no_input" };
@@ -4047,7 +4073,7 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
     }
     emit({ type: "approval", id: call.id, decision: "approved" });
   }
-  if (signal.aborted) return { kind: "done", content: NOT_EXECUTED_STOPPED };
+  if (signal.aborted) return { kind: "done", content: notExecuted(signal) };
   o.beforeCommand?.();
   let result: CommandResult;
   try {
@@ -4061,6 +4087,7 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
       sandbox: o.sandbox,
       outputs: o.outputs,
       onData: (data) => emit({ type: "command_output", id: call.id, data }),
+      onWaitingForInput: () => emit({ type: "command_waiting", id: call.id }),
       attachInput: o.attachInput,
     });
   } catch (error) {
@@ -4078,6 +4105,13 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
   });
   return { kind: "done", content };
 }
+
+/** The abort reason of a run the person interrupted (rather than one stopped by a signal or /stop). */
+const USER_INTERRUPT = "interrupted by the user";
+const stoppedStatus = (signal: AbortSignal): RunStatus =>
+  signal.reason === USER_INTERRUPT ? "interrupted" : "stopped";
+const notExecuted = (signal: AbortSignal) =>
+  signal.reason === USER_INTERRUPT ? NOT_EXECUTED_INTERRUPTED : NOT_EXECUTED_STOPPED;
 
 /** Resolves with `promise`, or with undefined as soon as the run is stopped. */
 function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T | undefined> {
@@ -4209,6 +4243,15 @@ class Agent {
     this.stopExitCode = exitCode;
     this.abort?.abort();
   }
+
+  /**
+   * The person interrupts what the agent is doing (Escape in the TUI): the
+   * running command is stopped, the stream cut, the step answered
+   * "interrupted by the user", and the run ends; the next prompt starts anew.
+   */
+  interrupt(): void {
+    this.abort?.abort(USER_INTERRUPT);
+  }
   private stopExitCode: number = EXIT.sigint;
 
   /** Forgets everything (/clear). */
@@ -4259,7 +4302,7 @@ class Agent {
     try {
       for (;;) {
         if (abort.signal.aborted) {
-          status = "stopped";
+          status = stoppedStatus(abort.signal);
           break;
         }
         if (steps >= this.o.config.maxSteps) {
@@ -4285,7 +4328,7 @@ class Agent {
         }
       }
     } catch (error) {
-      if (error instanceof StoppedError || abort.signal.aborted) status = "stopped";
+      if (error instanceof StoppedError || abort.signal.aborted) status = stoppedStatus(abort.signal);
       else {
         status = "failed";
         this.emit({
@@ -4295,11 +4338,11 @@ class Agent {
         });
       }
     } finally {
-      this.answerOpenCalls(NOT_EXECUTED_STOPPED);
+      this.answerOpenCalls(notExecuted(abort.signal));
       if (status === "failed") this.withdrawUnanswered(requestMessage);
       this.isRunning = false;
       this.abort = undefined;
-      this.checkpoint(status === "stopped" ? "interrupted" : "loop_terminated");
+      this.checkpoint(status === "stopped" || status === "interrupted" ? "interrupted" : "loop_terminated");
     }
     if (status === "step_limit")
       this.emit({
@@ -4427,7 +4470,7 @@ class Agent {
       return undefined;
     }
     let suggestion: string | undefined;
-    for (const call of turn.toolCalls) {
+    for (const [index, call] of turn.toolCalls.entries()) {
       if (signal.aborted) break;
       if (suggestion !== undefined) {
         this.answer(call.id, SKIPPED_AFTER_SUGGESTION);
@@ -4437,6 +4480,8 @@ class Agent {
         options: this.o,
         autoApprove: this.autoApprove,
         cwd: () => this.cwd,
+        index: index + 1,
+        total: turn.toolCalls.length,
         signal,
         emit: (event) => this.emit(event),
       });
@@ -4448,7 +4493,7 @@ class Agent {
       if (result.kind === "suggestion") suggestion = result.text;
     }
     if (suggestion !== undefined) this.messages.push({ role: "user", content: suggestionInsteadMessage(suggestion) });
-    return signal.aborted ? "stopped" : undefined;
+    return signal.aborted ? stoppedStatus(signal) : undefined;
   }
 
   private answer(id: string, content: string): void {
@@ -4640,6 +4685,7 @@ const EXIT_FOR_STATUS: Record<RunStatus, number> = {
   needs_approval: EXIT.needsApproval,
   failed: EXIT.failure,
   stopped: EXIT.sigint,
+  interrupted: EXIT.sigint,
 };
 
 /** What a front end gives a run: where its events go, how approvals are answered, and who can type into a command. */
@@ -5126,7 +5172,6 @@ function compactCount(n: number): string {
 import type {
   BoxRenderable as BoxNode,
   CliRenderer,
-  InputRenderable as InputNode,
   KeyEvent,
   OptimizedBuffer,
   RGBA,
@@ -5136,6 +5181,9 @@ import type {
   ScrollBoxRenderable as ScrollBoxNode,
   TextChunk,
   TextRenderable as TextNode,
+  MarkdownRenderable as MarkdownNode,
+  SyntaxStyle,
+  TextareaRenderable as TextareaNode,
 } from "@opentui/core";
 type OpenTui = typeof import("@opentui/core");
 type TerminalViewNode = InstanceType<ReturnType<typeof defineTerminalView>>;
@@ -5158,19 +5206,34 @@ const COLORS = {
   tabOn: "#87afff",
 } as const;
 
+/** A pane entry: a block of up to BLOCK plain lines in one text node, or one Markdown message. */
+type PaneEntry =
+  { kind: "text"; node: TextNode; lines: TextChunk[][] } | { kind: "markdown"; node: MarkdownNode; lines: number };
+
+/** A Markdown message that is still streaming into a pane. */
+interface MarkdownStream {
+  /** The whole text so far; drawn once per frame. */
+  update(text: string): void;
+  /** The message is complete: its last block is parsed as final. */
+  finish(): void;
+}
+
 /**
  * A scrollable log that keeps at most `maxLines` lines and follows new text
- * unless the person has scrolled up. Lines live in blocks of 64, one text
- * node each: an append re-encodes only the last block (once per frame) and
- * trimming drops whole blocks, so a long stream stays cheap.
+ * unless the person has scrolled up. Plain lines live in blocks of 64, one
+ * text node each: an append re-encodes only the last block (once per frame)
+ * and trimming drops whole entries, so a long stream stays cheap. The model's
+ * own messages are Markdown nodes between the blocks. Lines wrap at word
+ * boundaries.
  */
 class LogPane {
   private static readonly BLOCK = 64;
   readonly box: ScrollBoxNode;
-  private blocks: { node: TextNode; lines: TextChunk[][] }[] = [];
+  private entries: PaneEntry[] = [];
   private total = 0;
-  private dirty = new Set<(typeof this.blocks)[number]>();
+  private dirty = new Set<PaneEntry>();
   private scheduled = false;
+  private readonly pending = new Map<MarkdownNode, string>();
 
   constructor(
     private readonly ot: OpenTui,
@@ -5182,15 +5245,18 @@ class LogPane {
     this.box.focusable = false;
   }
 
-  private newBlock() {
-    const block = {
-      node: new this.ot.TextRenderable(this.renderer, { content: "", width: "100%", wrapMode: "char" }),
-      lines: [[]] as TextChunk[][],
+  private lastText(): Extract<PaneEntry, { kind: "text" }> {
+    const last = this.entries[this.entries.length - 1];
+    if (last?.kind === "text") return last;
+    const entry: PaneEntry = {
+      kind: "text",
+      node: new this.ot.TextRenderable(this.renderer, { content: "", width: "100%", wrapMode: "word" }),
+      lines: [[]],
     };
-    this.blocks.push(block);
-    this.box.add(block.node);
+    this.entries.push(entry);
+    this.box.add(entry.node);
     this.total++;
-    return block;
+    return entry;
   }
 
   private chunk(text: string, color?: string): TextChunk {
@@ -5199,47 +5265,89 @@ class LogPane {
 
   /** Appends text (newlines start new lines) in one colour. */
   append(text: string, color?: string): void {
-    let block = this.blocks[this.blocks.length - 1] ?? this.newBlock();
-    text.split("\n").forEach((part, i) => {
+    this.appendLines(text.split("\n").map((part) => (part ? [this.chunk(part, color)] : [])));
+  }
+
+  /** Appends styled lines: the first continues the line in progress, each next one starts a new line. */
+  appendLines(lines: TextChunk[][]): void {
+    let entry = this.lastText();
+    lines.forEach((chunks, i) => {
       if (i > 0) {
-        if (block.lines.length >= LogPane.BLOCK) block = this.newBlock();
-        else {
-          block.lines.push([]);
-          this.total++;
-        }
+        if (entry.lines.length >= LogPane.BLOCK) {
+          this.dirty.add(entry);
+          entry = {
+            kind: "text",
+            node: new this.ot.TextRenderable(this.renderer, { content: "", width: "100%", wrapMode: "word" }),
+            lines: [[]],
+          };
+          this.entries.push(entry);
+          this.box.add(entry.node);
+        } else entry.lines.push([]);
+        this.total++;
       }
-      if (part) block.lines[block.lines.length - 1]!.push(this.chunk(part, color));
-      this.dirty.add(block);
+      entry.lines[entry.lines.length - 1]!.push(...chunks);
     });
+    this.dirty.add(entry);
     this.trim();
     this.schedule();
   }
 
   /** Replaces the line in progress (a command's partial line, a progress bar). */
-  rewriteLastLine(text: string, color?: string): void {
-    const block = this.blocks[this.blocks.length - 1] ?? this.newBlock();
-    block.lines[block.lines.length - 1] = text ? [this.chunk(text, color)] : [];
-    this.dirty.add(block);
+  rewriteLastLine(chunks: TextChunk[]): void {
+    const entry = this.lastText();
+    entry.lines[entry.lines.length - 1] = chunks;
+    this.dirty.add(entry);
     this.schedule();
   }
 
   /** Whether the last line is empty (so a message can start on a fresh line). */
   get atLineStart(): boolean {
-    const block = this.blocks[this.blocks.length - 1];
-    return !block || block.lines[block.lines.length - 1]!.length === 0;
+    const last = this.entries[this.entries.length - 1];
+    return !last || last.kind === "markdown" || last.lines[last.lines.length - 1]!.length === 0;
   }
 
   line(text: string, color?: string): void {
     this.append(`${this.atLineStart ? "" : "\n"}${text}\n`, color);
   }
 
+  /** Starts a Markdown message (the model's text): headings, emphasis, lists and highlighted code blocks. */
+  markdown(syntaxStyle: SyntaxStyle, text = "", streaming = true): MarkdownStream {
+    if (!this.atLineStart) this.append("\n");
+    const node = new this.ot.MarkdownRenderable(this.renderer, {
+      content: text,
+      syntaxStyle,
+      streaming,
+      width: "100%",
+    });
+    const entry: PaneEntry = { kind: "markdown", node, lines: Math.max(1, text.split("\n").length) };
+    this.entries.push(entry);
+    this.box.add(node);
+    this.total += entry.lines;
+    this.trim();
+    return {
+      update: (next) => {
+        this.total += Math.max(1, next.split("\n").length) - entry.lines;
+        entry.lines = Math.max(1, next.split("\n").length);
+        this.pending.set(node, next);
+        this.schedule();
+      },
+      finish: () => {
+        const next = this.pending.get(node);
+        if (next !== undefined) node.content = next;
+        this.pending.delete(node);
+        node.streaming = false;
+      },
+    };
+  }
+
   private trim(): void {
     let dropped = 0;
-    while (this.total > this.maxLines && this.blocks.length > 1) {
-      const old = this.blocks.shift()!;
+    while (this.total > this.maxLines && this.entries.length > 1) {
+      const old = this.entries.shift()!;
       dropped += old.node.height;
-      this.total -= old.lines.length;
+      this.total -= old.kind === "text" ? old.lines.length : old.lines;
       this.dirty.delete(old);
+      if (old.kind === "markdown") this.pending.delete(old.node);
       this.box.remove(old.node);
       old.node.destroy();
     }
@@ -5255,15 +5363,18 @@ class LogPane {
 
   flush(): void {
     this.scheduled = false;
-    for (const block of this.dirty) {
+    for (const entry of this.dirty) {
+      if (entry.kind !== "text") continue;
       const chunks: TextChunk[] = [];
-      block.lines.forEach((l, i) => {
+      entry.lines.forEach((l, i) => {
         if (i) chunks.push(this.chunk("\n"));
         chunks.push(...l);
       });
-      block.node.content = new this.ot.StyledText(chunks);
+      entry.node.content = new this.ot.StyledText(chunks);
     }
     this.dirty.clear();
+    for (const [node, text] of this.pending) node.content = text;
+    this.pending.clear();
   }
 
   get following(): boolean {
@@ -5279,36 +5390,132 @@ class LogPane {
   }
 
   clear(): void {
-    for (const b of this.blocks) {
-      this.box.remove(b.node);
-      b.node.destroy();
+    for (const entry of this.entries) {
+      this.box.remove(entry.node);
+      entry.node.destroy();
     }
-    this.blocks = [];
+    this.entries = [];
     this.total = 0;
     this.dirty.clear();
+    this.pending.clear();
     // Whatever the reader had scrolled to is gone: follow new text again.
     this.box.scrollTo(Number.MAX_SAFE_INTEGER);
   }
 }
 
+/** Any escape sequence: CSI (SGR among them), OSC ended by BEL or ST, or a two-byte one. */
+const ESCAPE_SEQUENCE = /\x1b(?:\[([0-9;:?<=>]*)([ -/]*[@-~])|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])/g;
+/** Control characters a pane cannot show; tab, newline and carriage return are handled by the stream. */
+const PANE_CONTROLS = /[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]/g;
+
 /**
- * Turns a command's raw output into console-pane lines as it streams:
- * escape sequences stripped, `\r` restarting the line in progress (so a
- * progress bar updates in place). Text is gathered and handed to the pane
- * once per frame, and of a flood only the lines the pane can keep are ever
- * turned into text nodes.
+ * Select Graphic Rendition, streamed: a command's colours and bold/italic/
+ * underline become styled chunks; every other escape sequence is dropped, so
+ * nothing but colour reaches the person's terminal. The style carries over
+ * from one piece of output to the next.
+ */
+class SgrParser {
+  private fg: RGBA | undefined;
+  private bg: RGBA | undefined;
+  private attributes = 0;
+
+  constructor(private readonly ot: OpenTui) {}
+
+  parse(text: string): TextChunk[] {
+    const out: TextChunk[] = [];
+    let last = 0;
+    ESCAPE_SEQUENCE.lastIndex = 0;
+    for (let m: RegExpExecArray | null; (m = ESCAPE_SEQUENCE.exec(text));) {
+      if (m.index > last) out.push(this.chunk(text.slice(last, m.index)));
+      last = ESCAPE_SEQUENCE.lastIndex;
+      if (m[2] === "m") this.apply(m[1] ?? "");
+    }
+    if (last < text.length) out.push(this.chunk(text.slice(last)));
+    return out;
+  }
+
+  reset(): void {
+    this.fg = this.bg = undefined;
+    this.attributes = 0;
+  }
+
+  private chunk(text: string): TextChunk {
+    return {
+      __isChunk: true,
+      text: text.replace(PANE_CONTROLS, ""),
+      fg: this.fg,
+      bg: this.bg,
+      attributes: this.attributes || undefined,
+    } as TextChunk;
+  }
+
+  private apply(params: string): void {
+    const A = this.ot.TextAttributes;
+    const toggles: Record<number, [number, boolean]> = {
+      1: [A.BOLD, true],
+      2: [A.DIM, true],
+      3: [A.ITALIC, true],
+      4: [A.UNDERLINE, true],
+      7: [A.INVERSE, true],
+      9: [A.STRIKETHROUGH, true],
+      22: [A.BOLD | A.DIM, false],
+      23: [A.ITALIC, false],
+      24: [A.UNDERLINE, false],
+      27: [A.INVERSE, false],
+      29: [A.STRIKETHROUGH, false],
+    };
+    const p = params === "" ? [0] : params.split(/[;:]/).map((x) => (x === "" ? 0 : Number(x)));
+    for (let i = 0; i < p.length; i++) {
+      const n = p[i]!;
+      const toggle = toggles[n];
+      if (n === 0) this.reset();
+      else if (toggle) this.attributes = toggle[1] ? this.attributes | toggle[0] : this.attributes & ~toggle[0];
+      else if (n >= 30 && n <= 37) this.fg = this.ot.RGBA.fromIndex(n - 30);
+      else if (n >= 90 && n <= 97) this.fg = this.ot.RGBA.fromIndex(n - 90 + 8);
+      else if (n >= 40 && n <= 47) this.bg = this.ot.RGBA.fromIndex(n - 40);
+      else if (n >= 100 && n <= 107) this.bg = this.ot.RGBA.fromIndex(n - 100 + 8);
+      else if (n === 39) this.fg = undefined;
+      else if (n === 49) this.bg = undefined;
+      else if (n === 38 || n === 48) {
+        let color: RGBA | undefined;
+        if (p[i + 1] === 5) {
+          color = this.ot.RGBA.fromIndex((p[i + 2] ?? 0) & 255);
+          i += 2;
+        } else if (p[i + 1] === 2) {
+          color = this.ot.RGBA.fromInts(p[i + 2] ?? 0, p[i + 3] ?? 0, p[i + 4] ?? 0, 255);
+          i += 4;
+        }
+        if (n === 38) this.fg = color;
+        else this.bg = color;
+      }
+    }
+  }
+}
+
+/**
+ * Turns a command's raw output into console-pane lines as it streams: its
+ * colours kept, other escape sequences dropped, `\r` restarting the line in
+ * progress (so a progress bar updates in place). Text is gathered and handed
+ * to the pane once per frame, and of a flood only the lines the pane can keep
+ * are ever parsed and turned into text nodes.
  */
 class ConsoleStream {
   private decoder = new TextDecoder();
-  private current = "";
+  private readonly sgr: SgrParser;
+  /** The line in progress, and an escape sequence cut off at the end of the last piece. */
+  private current: TextChunk[] = [];
+  private held = "";
   private incoming: { text: string; bytes: number }[] = [];
   private incomingBytes = 0;
   private scheduled = false;
 
   constructor(
+    ot: OpenTui,
     private readonly pane: LogPane,
     private readonly schedule: (flush: () => void) => void,
-  ) {}
+  ) {
+    this.sgr = new SgrParser(ot);
+  }
 
   write(bytes: Uint8Array): void {
     this.incoming.push({ text: this.decoder.decode(bytes, { stream: true }), bytes: bytes.length });
@@ -5325,40 +5532,54 @@ class ConsoleStream {
   flush(): void {
     this.scheduled = false;
     if (!this.incoming.length) return;
-    const text = Bun.stripANSI(this.incoming.map((c) => c.text).join(""))
-      .replace(/\r\n/g, "\n")
-      .replace(/[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]/g, "");
+    let text = this.held + this.incoming.map((c) => c.text).join("");
     this.incoming = [];
     this.incomingBytes = 0;
-    let lines = text.split("\n");
-    const finished = lines.length - 1;
-    if (finished >= PANE_MAX_LINES) {
-      // More finished lines than the pane keeps: the older ones would be trimmed at once.
-      this.pane.clear();
-      this.current = "";
-      lines = lines.slice(lines.length - PANE_MAX_LINES);
+    const cut = text.search(TRAILING_ESCAPE);
+    this.held = cut >= 0 && text.length - cut <= 256 ? text.slice(cut) : "";
+    if (this.held) text = text.slice(0, cut);
+    text = text.replace(/\r\n/g, "\n");
+    // More finished lines than the pane keeps: only the last ones can be seen, so only they are parsed.
+    let newlines = 0;
+    let from = text.length;
+    while (newlines <= PANE_MAX_LINES && from > 0) {
+      from = text.lastIndexOf("\n", from - 1);
+      if (from < 0) break;
+      newlines++;
     }
-    const out: string[] = [];
-    lines.forEach((part, i) => {
-      if (i > 0) {
-        out.push(this.current);
-        this.current = "";
-      }
-      const cr = part.lastIndexOf("\r");
-      this.current = cr >= 0 ? part.slice(cr + 1) : this.current + part;
-    });
-    if (out.length) {
-      this.pane.rewriteLastLine(out[0]!);
-      if (out.length > 1) this.pane.append("\n" + out.slice(1).join("\n"));
-      this.pane.append("\n");
+    if (from > 0 && newlines > PANE_MAX_LINES) {
+      this.pane.clear();
+      this.current = [];
+      this.sgr.reset();
+      text = text.slice(from + 1);
+    }
+    const finished: TextChunk[][] = [];
+    for (const chunk of this.sgr.parse(text)) {
+      const pieces = chunk.text.split("\n");
+      pieces.forEach((piece, i) => {
+        if (i > 0) {
+          finished.push(this.current);
+          this.current = [];
+        }
+        const cr = piece.lastIndexOf("\r");
+        if (cr >= 0) this.current = [];
+        const rest = cr >= 0 ? piece.slice(cr + 1) : piece;
+        if (rest) this.current.push({ ...chunk, text: rest } as TextChunk);
+      });
+    }
+    if (finished.length) {
+      this.pane.rewriteLastLine(finished[0]!);
+      this.pane.appendLines([[], ...finished.slice(1), []]);
     }
     this.pane.rewriteLastLine(this.current);
   }
 
   end(): void {
     this.flush();
-    if (this.current) this.pane.append("\n");
-    this.current = "";
+    if (this.current.length) this.pane.append("\n");
+    this.current = [];
+    this.held = "";
+    this.sgr.reset();
     this.decoder = new TextDecoder();
   }
 }
@@ -5610,33 +5831,58 @@ function keyToBytes(key: KeyEvent, applicationCursor = false): string {
 // app decides which keys reach them.
 // ════════════════════════════════════════════════════════════════════════════
 
-/** The approval dialog: the command and two buttons. It only shows and hides; the app decides which keys answer it. */
+/**
+ * The approval dialog: the whole command, scrollable when long (its end,
+ * the part that runs last, is in view when it opens), with the hint and the
+ * buttons always on screen. It only shows and hides; which keys answer it is
+ * the app's decision.
+ */
 class ApprovalDialog {
   readonly overlay: BoxNode;
+  private readonly body: ScrollBoxNode;
   private readonly text: TextNode;
 
   constructor(ot: OpenTui, r: CliRenderer, onAnswer: (answer: Approval) => void) {
     // Only as big as the dialog, so the wheel still scrolls the panes around it.
     this.overlay = new ot.BoxRenderable(r, {
       position: "absolute",
-      left: "15%",
-      top: "25%",
-      width: "70%",
+      left: "10%",
+      top: 1,
+      width: "80%",
+      maxHeight: "75%",
       zIndex: 50,
       visible: false,
-    });
-    const dialog = new ot.BoxRenderable(r, {
-      width: "100%",
       border: true,
       borderStyle: "rounded",
       title: " Approve command? ",
       backgroundColor: "#1c1c3a",
       flexDirection: "column",
-      padding: 1,
-      gap: 1,
+      paddingLeft: 1,
+      paddingRight: 1,
     });
-    this.text = new ot.TextRenderable(r, { content: "", wrapMode: "char" });
-    const buttons = new ot.BoxRenderable(r, { flexDirection: "row", justifyContent: "center", gap: 4, height: 1 });
+    this.body = new ot.ScrollBoxRenderable(r, {
+      flexGrow: 0,
+      flexShrink: 1,
+      width: "100%",
+      stickyScroll: true,
+      stickyStart: "bottom",
+    });
+    this.text = new ot.TextRenderable(r, { content: "", wrapMode: "char", width: "100%" });
+    this.body.add(this.text);
+    const hint = new ot.TextRenderable(r, {
+      content:
+        "Y or Enter approves · N or Escape rejects · other keys type a suggestion (Enter sends it) · PgUp/PgDn scroll",
+      fg: COLORS.dim,
+      flexShrink: 0,
+      wrapMode: "word",
+    });
+    const buttons = new ot.BoxRenderable(r, {
+      flexDirection: "row",
+      justifyContent: "center",
+      gap: 4,
+      height: 1,
+      flexShrink: 0,
+    });
     const button = (label: string, color: string, answer: Approval) => {
       const b = new ot.BoxRenderable(r, { backgroundColor: color, paddingLeft: 1, paddingRight: 1, height: 1 });
       b.onMouseDown = (e) => {
@@ -5648,14 +5894,18 @@ class ApprovalDialog {
     };
     buttons.add(button("[Y] Approve", COLORS.ok, { kind: "approve" }));
     buttons.add(button("[N] Reject", COLORS.bad, { kind: "reject" }));
-    dialog.add(this.text);
-    dialog.add(buttons);
-    this.overlay.add(dialog);
+    this.overlay.add(this.body);
+    this.overlay.add(hint);
+    this.overlay.add(buttons);
     r.root.add(this.overlay);
   }
 
-  show(command: string): void {
-    this.text.content = `${visibleControls(command)}\n\nY or Enter approves · N or Escape rejects · /suggest <text> steers instead`;
+  show(request: { command: string; index: number; total: number }): void {
+    const lines = request.command.split("\n").length;
+    const which = request.total > 1 ? ` ${request.index} of ${request.total}` : "";
+    this.overlay.title = ` Approve command${which}? · ${lines} line${lines === 1 ? "" : "s"} `;
+    this.text.content = visibleControls(request.command);
+    this.body.scrollTo(Number.MAX_SAFE_INTEGER);
     this.overlay.visible = true;
   }
 
@@ -5665,6 +5915,10 @@ class ApprovalDialog {
 
   get visible(): boolean {
     return this.overlay.visible;
+  }
+
+  page(direction: -1 | 1): void {
+    this.body.scrollBy(direction * 0.8, "viewport");
   }
 }
 
@@ -5831,20 +6085,62 @@ interface FooterFigures {
   autoApprove: boolean;
   model: string;
   session: string;
+  /** A notice that must be seen now ("Ctrl+C again to quit", "keys go to the command"). */
+  notice?: string;
 }
 
-/** The footer's fields after the sandbox label, most telling first: a narrow terminal cuts the end of the line. */
-function footerParts(f: FooterFigures): string[] {
-  return [
-    `step ${f.step}/${f.maxSteps}`,
-    `ctx ${compactCount(f.context)}/${compactCount(f.budget)}`,
-    `${compactCount(f.tokens)} tok`,
-    `${f.rate} tok/s`,
-    f.state === "pending" ? "⚠ pending" : f.state,
-    `auto-approve ${f.autoApprove ? "ON" : "off"}`,
-    f.model,
-    f.session,
+/** One field of the footer; a lower `keep` is more important. 0 is never dropped. */
+interface FooterField {
+  text: string;
+  short?: string;
+  keep: number;
+  color?: string;
+}
+
+function footerFields(f: FooterFigures): FooterField[] {
+  const fields: FooterField[] = [
+    {
+      text: `Sandbox: ${f.sandboxOn ? "on" : "off"}`,
+      short: `SB ${f.sandboxOn ? "on" : "off"}`,
+      keep: 3,
+      color: f.sandboxOn ? COLORS.ok : COLORS.error,
+    },
   ];
+  if (f.notice) fields.push({ text: f.notice, keep: 0, color: COLORS.warning });
+  fields.push(
+    f.state === "pending"
+      ? { text: "⚠ approval pending", short: "⚠ pending", keep: 0, color: COLORS.warning }
+      : { text: f.state, keep: 4 },
+    { text: `auto-approve ${f.autoApprove ? "ON" : "off"}`, short: `AA ${f.autoApprove ? "ON" : "off"}`, keep: 0 },
+    { text: `step ${f.step}/${f.maxSteps}`, short: `${f.step}/${f.maxSteps}`, keep: 1 },
+    {
+      text: `ctx ${compactCount(f.context)}/${compactCount(f.budget)}`,
+      short: `ctx ${compactCount(f.context)}`,
+      keep: 1,
+    },
+    { text: `${compactCount(f.tokens)} tok`, keep: 5 },
+    { text: `${f.rate} tok/s`, keep: 6 },
+    { text: f.model, short: f.model.length > 14 ? `${f.model.slice(0, 13)}…` : undefined, keep: 7 },
+    { text: f.session, short: f.session.includes("#") ? f.session.slice(f.session.indexOf("#")) : undefined, keep: 8 },
+  );
+  return fields;
+}
+
+/**
+ * The footer for `width` columns: the least important fields are shortened
+ * first, then dropped, so what a person needs most (a pending approval, the
+ * auto-approve state, the step, the context) stays whole at any width.
+ */
+function fitFooter(fields: FooterField[], width: number): FooterField[] {
+  const length = (list: FooterField[]) => 1 + list.reduce((n, f) => n + Bun.stringWidth(f.text) + 1, 0);
+  const out = fields.map((f) => ({ ...f }));
+  // Least important first: shortened, then dropped if that is not enough, before anything more important is touched.
+  for (const f of [...out].sort((a, b) => b.keep - a.keep)) {
+    if (length(out) <= width) break;
+    if (f.short !== undefined) f.text = f.short;
+    if (length(out) > width && f.keep > 0) out.splice(out.indexOf(f), 1);
+  }
+  return out;
 }
 
 /**
@@ -5917,7 +6213,7 @@ const BANNER_HIDE_MS = 20_000;
 /**
  * The footer line and the banner above the prompt: the banner warns that
  * commands run for real (for a while after start), or names the command that
- * waits for approval.
+ * waits for approval. Both fit the terminal's width.
  */
 class StatusBar {
   readonly footer: TextNode;
@@ -5933,31 +6229,48 @@ class StatusBar {
     this.footer = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#b0b0b0", bg: "#202020", content: "" });
   }
 
-  draw(figures: FooterFigures, pendingCommand: string | undefined): void {
-    const parts = footerParts(figures);
-    const sandboxLabel = `Sandbox: ${figures.sandboxOn ? "on" : "off"}`;
-    const text = `${sandboxLabel}│${parts.join("│")}`;
+  draw(figures: FooterFigures, pending: ApprovalRequest | undefined, width: number): void {
+    const fields = fitFooter(footerFields(figures), width);
+    const text = fields.map((f) => f.text).join("│");
     if (text !== this.footerText) {
       this.footerText = text;
       const { ot } = this;
-      this.footer.content = new ot.StyledText([
-        {
+      const chunks: TextChunk[] = [];
+      fields.forEach((f, i) =>
+        chunks.push({
           __isChunk: true,
-          text: ` ${sandboxLabel}`,
-          fg: ot.parseColor(figures.sandboxOn ? COLORS.ok : COLORS.error),
-        } as TextChunk,
-        { __isChunk: true, text: `│${parts.join("│")}` } as TextChunk,
-      ]);
+          text: `${i ? "│" : " "}${f.text}`,
+          fg: f.color ? ot.parseColor(f.color) : undefined,
+        } as TextChunk),
+      );
+      this.footer.content = new ot.StyledText(chunks);
     }
-    let banner = "";
-    if (pendingCommand !== undefined)
-      banner = ` ⚠ Approval needed: ${visibleControls(pendingCommand.split("\n")[0] ?? "")}  —  Y/Enter or /approve · N/Esc or /reject · /suggest <text>`;
-    else if (!figures.autoApprove && Date.now() - this.startedAt < BANNER_HIDE_MS)
-      banner =
-        " ⚠ Commands the agent proposes run for real on this machine once you approve them. /aa turns on auto-approve.";
+    const banner = bannerText(pending, !figures.autoApprove && Date.now() - this.startedAt < BANNER_HIDE_MS, width);
     if (this.banner.content.toString() !== banner) this.banner.content = banner;
     this.banner.visible = banner !== "";
   }
+}
+
+/** The banner's words for `width` columns: the longest variant that fits. */
+function bannerText(pending: ApprovalRequest | undefined, warn: boolean, width: number): string {
+  const fits = (t: string) => Bun.stringWidth(t) <= width;
+  if (pending) {
+    const which = pending.total > 1 ? ` (${pending.index} of ${pending.total})` : "";
+    const hint = "  —  Y/Enter approves · N/Esc rejects · type to suggest";
+    const head = ` ⚠ Approval needed${which}: `;
+    const command = visibleControls(pending.command.split("\n")[0] ?? "");
+    const room = width - Bun.stringWidth(head) - (fits(head + command + hint) ? Bun.stringWidth(hint) : 0);
+    const shown = Bun.stringWidth(command) <= room ? command : `${command.slice(0, Math.max(0, room - 1))}…`;
+    return head + shown + (fits(head + command + hint) ? hint : "");
+  }
+  if (!warn) return "";
+  return (
+    [
+      " ⚠ Commands the agent proposes run for real on this machine once you approve them. /aa turns on auto-approve.",
+      " ⚠ Approved commands run for real on this machine · /aa turns on auto-approve",
+      " ⚠ Approved commands run for real",
+    ].find(fits) ?? ""
+  );
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -5966,21 +6279,49 @@ class StatusBar {
 // with its history (Up/Down, Ctrl+R) shared by every aic of the person.
 // ════════════════════════════════════════════════════════════════════════════
 
+/** How the model's Markdown looks: headings, emphasis, inline code, lists, quotes, links and highlighted code. */
+const MARKDOWN_STYLES: Record<string, { fg?: string; bold?: boolean; italic?: boolean; underline?: boolean }> = {
+  default: { fg: "#d0d0d0" },
+  "markup.heading": { fg: "#87afff", bold: true },
+  ...Object.fromEntries([1, 2, 3, 4, 5, 6].map((n) => [`markup.heading.${n}`, { fg: "#87afff", bold: true }])),
+  "markup.strong": { fg: "#ffffff", bold: true },
+  "markup.italic": { fg: "#d0d0d0", italic: true },
+  "markup.raw": { fg: "#ffd75f" },
+  "markup.list": { fg: "#5fd7ff" },
+  "markup.quote": { fg: "#9e9e9e", italic: true },
+  "markup.link.url": { fg: "#87afff", underline: true },
+  conceal: { fg: "#666666" },
+  keyword: { fg: "#ff5f87", bold: true },
+  string: { fg: "#5fd75f" },
+  comment: { fg: "#8a8a8a", italic: true },
+  number: { fg: "#ffaf5f" },
+  function: { fg: "#87d7ff" },
+  type: { fg: "#d7af87" },
+};
+/** After a resume the agent pane shows this many of the newest turns; older ones are counted. */
+const RESTORED_TURNS = 20;
+/** A restored message longer than this is shown cut, with its length. */
+const RESTORED_MESSAGE_CHARS = 2000;
+
 /**
- * How the agent's events look: the model's text streamed into the agent pane
- * (its reasoning as [THINKING]), commands and their live output in the
- * console pane, and describeEvent's lines wherever they belong.
+ * How the agent's events look: the model's text rendered as Markdown as it
+ * streams into the agent pane (its reasoning as [THINKING]), commands and
+ * their live, coloured output in the console pane, and describeEvent's lines
+ * wherever they belong.
  */
 class AgentView {
   readonly agentPane: LogPane;
   readonly consolePane: LogPane;
   private readonly consoleStream: ConsoleStream;
-  private readonly marker = new MarkerFilter();
+  private marker = new MarkerFilter();
   private thinking = false;
+  private answer: MarkdownStream | undefined;
+  private answerText = "";
+  private syntax: SyntaxStyle | undefined;
 
   constructor(
-    ot: OpenTui,
-    r: CliRenderer,
+    private readonly ot: OpenTui,
+    private readonly r: CliRenderer,
     private readonly showThinking: boolean,
   ) {
     this.agentPane = new LogPane(ot, r, {
@@ -5991,7 +6332,12 @@ class AgentView {
       title: " Agent Output ",
     });
     this.consolePane = new LogPane(ot, r, { flexGrow: 1, width: "100%" });
-    this.consoleStream = new ConsoleStream(this.consolePane, (flush) => r.requestAnimationFrame(flush));
+    this.consoleStream = new ConsoleStream(ot, this.consolePane, (flush) => r.requestAnimationFrame(flush));
+  }
+
+  private style(): SyntaxStyle {
+    this.syntax ??= this.ot.SyntaxStyle.fromStyles(MARKDOWN_STYLES, this.r.nativeScene);
+    return this.syntax;
   }
 
   show(e: AgentEvent): void {
@@ -6013,14 +6359,20 @@ class AgentView {
           this.thinking = false;
           agent.append("\n");
         }
-        return agent.append(visibleControls(this.marker.push(e.text)));
+        this.answerText += visibleControls(this.marker.push(e.text));
+        if (this.answerText) (this.answer ??= agent.markdown(this.style())).update(this.answerText);
+        return;
       case "assistant":
-        agent.append(visibleControls(this.marker.flush()));
-        if (!agent.atLineStart) agent.append("\n");
-        this.thinking = false;
+        this.answerText += visibleControls(this.marker.flush());
+        if (this.answerText.trim()) {
+          (this.answer ??= agent.markdown(this.style())).update(this.answerText);
+          this.answer.finish();
+        }
+        this.endAnswer();
         return;
       case "discarded":
-        this.thinking = false;
+        this.answer?.finish();
+        this.endAnswer();
         break;
       case "command_output":
         return this.consoleStream.write(e.data);
@@ -6032,6 +6384,39 @@ class AgentView {
     }
     for (const line of describeEvent(e))
       (line.pane === "agent" ? agent : this.consolePane).line(line.text, TUI_TONES[line.tone]);
+  }
+
+  private endAnswer(): void {
+    this.answer = undefined;
+    this.answerText = "";
+    this.marker = new MarkerFilter();
+    this.thinking = false;
+  }
+
+  /** After a resume: the newest turns of the restored conversation as they looked, older ones counted. */
+  showConversation(messages: readonly Message[]): void {
+    const turns = turnsFrom(messages, 1);
+    const shown = turns.slice(-RESTORED_TURNS);
+    const pane = this.agentPane;
+    if (turns.length > shown.length)
+      pane.line(`(… ${turns.length - shown.length} earlier turn(s) of this conversation are not shown)`, COLORS.dim);
+    const cut = (text: string) =>
+      text.length > RESTORED_MESSAGE_CHARS
+        ? `${text.slice(0, RESTORED_MESSAGE_CHARS)} … (${text.length} characters)`
+        : text;
+    for (const [start, end] of shown) {
+      for (const m of messages.slice(start, end)) {
+        const text = visibleControls(cut(contentText(m.content)));
+        if (m.role === "user") pane.line(`> ${text}`, COLORS.command);
+        else if (m.role === "assistant") {
+          const shownText = text.split(MARKER).join("").trim();
+          if (shownText) pane.markdown(this.style(), shownText, false).finish();
+          for (const call of m.tool_calls ?? [])
+            pane.line(`$ ${visibleControls(cut(call.function.arguments))}`, COLORS.command);
+        } else if (m.role === "tool") pane.line(`  → ${text.split("\n")[0] ?? ""}`, COLORS.dim);
+      }
+    }
+    pane.line("── restored conversation above ──", COLORS.dim);
   }
 
   clear(): void {
@@ -6063,13 +6448,18 @@ function tooSmallOverlay(ot: OpenTui, r: CliRenderer): BoxNode {
   return overlay;
 }
 
+/** The prompt grows with its text up to this many rows, then scrolls. */
+const PROMPT_MAX_LINES = 8;
+const PROMPT_PLACEHOLDER = "Type a task, or /help for commands and keys… (Alt+Enter or Ctrl+J: new line)";
+
 /**
- * The prompt line and its history: Up/Down (or Ctrl+P/Ctrl+N) walk the
- * history keeping the line in progress, Ctrl+R searches it, and what is
- * submitted joins the history file.
+ * The prompt and its history: a multi-line text area (a paste keeps its
+ * newlines; Alt+Enter or Ctrl+J starts a new line; Enter submits). Up/Down
+ * (or Ctrl+P/Ctrl+N) walk the history from the first/last line, keeping the
+ * text in progress; Ctrl+R searches it; what is submitted joins the history.
  */
 class PromptBar {
-  readonly input: InputNode;
+  readonly input: TextareaNode;
   readonly history: PromptHistory;
   readonly search: SearchLine;
   private readonly cursor: HistoryCursor;
@@ -6086,25 +6476,40 @@ class PromptBar {
         this.cursor.reset();
       },
     );
-    this.input = new ot.InputRenderable(r, {
+    this.input = new ot.TextareaRenderable(r, {
       width: "100%",
-      maxLength: 100_000,
-      placeholder: "Type a task, or /help for commands…",
+      minHeight: 1,
+      maxHeight: PROMPT_MAX_LINES,
+      wrapMode: "word",
+      placeholder: PROMPT_PLACEHOLDER,
       backgroundColor: "#1c1c1c",
       focusedBackgroundColor: "#262626",
+      keyBindings: [
+        { name: "return", action: "submit" },
+        { name: "kpenter", action: "submit" },
+        { name: "return", meta: true, action: "newline" },
+        { name: "return", shift: true, action: "newline" },
+        { name: "linefeed", action: "newline" },
+        { name: "j", ctrl: true, action: "newline" },
+      ],
+      onSubmit: () => onSubmit(this.input.plainText),
     });
-    this.input.on(ot.InputRenderableEvents.ENTER, (value: string) => onSubmit(value));
   }
 
   get value(): string {
-    return this.input.value;
+    return this.input.plainText;
   }
 
   set value(text: string) {
-    this.input.value = text;
+    this.input.setText(text);
+    this.input.gotoBufferEnd();
   }
 
-  /** Empties the line for the next prompt. */
+  set placeholder(text: string) {
+    this.input.placeholder = text;
+  }
+
+  /** Empties the prompt for the next task. */
   clear(): void {
     this.value = "";
     this.cursor.reset();
@@ -6116,14 +6521,19 @@ class PromptBar {
     this.cursor.reset(); // again: the history just grew by this prompt
   }
 
-  older(): void {
+  /** Up walks the history only from the first line, so the lines of a longer prompt can still be reached. */
+  older(): boolean {
+    if (this.input.logicalCursor.row > 0) return false;
     const entry = this.cursor.older(this.value);
     if (entry !== undefined) this.value = entry;
+    return true;
   }
 
-  newer(): void {
+  newer(): boolean {
+    if (this.input.logicalCursor.row < this.input.lineCount - 1) return false;
     const entry = this.cursor.newer();
     if (entry !== undefined) this.value = entry;
+    return true;
   }
 
   focus(on: boolean): void {
@@ -6147,6 +6557,9 @@ const QUIT_TERMINAL_WAIT_MS = 1000;
 const WARM_UP_DELAY_MS = 50;
 /** How often the footer's tok/s is redrawn while tokens stream. */
 const RATE_REFRESH_MS = 500;
+/** The first Ctrl+C interrupts; a second one within this long quits. */
+const CTRL_C_QUIT_WINDOW_MS = 2000;
+const SHELL_TAB_PLACEHOLDER = "The Shell tab has your keys: it is your own shell. Tab goes back to the console.";
 
 /**
  * The split-pane interface: agent output on the left, the commands' console
@@ -6171,12 +6584,17 @@ class Tui implements EventSink {
   private readonly dialog: ApprovalDialog;
   private readonly tooSmall: BoxNode;
   private tab: "console" | "shell" = "console";
-  private pending: { command: string; resolve(a: Approval): void } | undefined;
+  private pending: { request: ApprovalRequest; resolve(a: Approval): void } | undefined;
   private running: Promise<RunOutcome> | undefined;
   private readonly rate = new TokenRate();
   /** Runs only while tokens stream and until tok/s has decayed to 0: nothing ticks at rest. */
   private rateTimer: ReturnType<typeof setInterval> | undefined;
   private readonly figures: Omit<FooterFigures, "rate" | "state" | "autoApprove">;
+  /** Where the person's keys go for a command that waits for input (auto-approve off): set while one runs. */
+  private commandInput: ((data: string | Uint8Array) => void) | undefined;
+  private commandWaiting = false;
+  private ctrlCAt = 0;
+  private ctrlCTimer: ReturnType<typeof setTimeout> | undefined;
   private exiting = false;
 
   constructor(private readonly o: TuiOptions) {
@@ -6203,7 +6621,7 @@ class Tui implements EventSink {
 
     // Layout: [agent | console/shell] over banner, search line, prompt, footer.
     this.root = new ot.BoxRenderable(r, { flexDirection: "column", width: "100%", height: "100%" });
-    const top = new ot.BoxRenderable(r, { flexDirection: "row", flexGrow: 1, width: "100%" });
+    const top = new ot.BoxRenderable(r, { flexDirection: "row", flexGrow: 1, flexShrink: 1, width: "100%" });
     this.view = new AgentView(ot, r, !config.noThinking);
     const right = new ot.BoxRenderable(r, { flexDirection: "column", flexGrow: 1, height: "100%", border: true });
     const tabs = new ot.BoxRenderable(r, { flexDirection: "row", height: 1, gap: 1 });
@@ -6239,12 +6657,7 @@ class Tui implements EventSink {
     this.checkSize();
 
     r.keyInput.on("keypress", (key: KeyEvent) => this.onKey(key));
-    r.keyInput.on("paste", (event: { bytes: Uint8Array; preventDefault(): void }) => {
-      if (this.tooSmall.visible) return event.preventDefault();
-      if (this.tab !== "shell" || !this.shellTab.running) return;
-      event.preventDefault();
-      this.shellTab.paste(event.bytes);
-    });
+    r.keyInput.on("paste", (event: { bytes: Uint8Array; preventDefault(): void }) => this.onPaste(event));
 
     this.run = createRun(
       config,
@@ -6252,7 +6665,16 @@ class Tui implements EventSink {
       {
         sink: this,
         approve: (request) => this.requestApproval(request),
-        canAnswerInput: () => false,
+        // A person sits at the TUI: with auto-approve off, a command waiting for input gets their keys instead of being stopped.
+        canAnswerInput: () => true,
+        attachInput: (write) => {
+          this.commandInput = write;
+          return () => {
+            this.commandInput = undefined;
+            this.commandWaiting = false;
+            this.figures.notice = undefined;
+          };
+        },
         beforeCommand: () => this.shellTab.checkCwd(),
       },
       config.request ?? "",
@@ -6261,6 +6683,7 @@ class Tui implements EventSink {
     this.session = this.run.session;
     if (this.session) this.figures.session = `${path.basename(this.session.path)}#${this.session.sessionId}`;
     this.figures.tokens = this.run.restored?.usage?.billable_tokens ?? 0;
+    if (this.run.restored?.messages) this.view.showConversation(this.run.restored.messages);
     this.setTab("console");
     this.refreshStatus();
     if (config.request) void this.submit(config.request);
@@ -6286,11 +6709,13 @@ class Tui implements EventSink {
 
   // ── approval ─────────────────────────────────────────────────────────────
 
-  private requestApproval({ command }: { id: string; command: string }): Promise<Approval> {
+  /** An approval brings the person back to the console, whichever tab they were on, and shows the dialog. */
+  private requestApproval(request: ApprovalRequest): Promise<Approval> {
     return new Promise((resolve) => {
       this.prompt.search.cancel();
-      this.pending = { command, resolve };
-      if (this.tab === "console") this.dialog.show(command);
+      this.pending = { request, resolve };
+      if (this.tab !== "console") this.setTab("console");
+      this.dialog.show(request);
       this.refreshStatus();
     });
   }
@@ -6311,7 +6736,12 @@ class Tui implements EventSink {
       this.agent.suggest(text.trim());
       return this.agentPane.line(`[queued suggestion] ${text.trim()}`, COLORS.info);
     }
-    this.agentPane.line("No command is waiting for approval.", COLORS.warning);
+    // Nothing to steer: the text is not lost, it goes back where it was typed.
+    this.prompt.value = `/suggest ${text.trim()}`;
+    this.agentPane.line(
+      "No command is waiting for approval and the agent is idle; your text is back in the prompt.",
+      COLORS.warning,
+    );
   }
 
   toggleAutoApprove(): void {
@@ -6324,14 +6754,20 @@ class Tui implements EventSink {
     this.refreshStatus();
   }
 
-  // ── prompt, history, slash commands ──────────────────────────────────────
+  // ── prompt, runs, slash commands ─────────────────────────────────────────
 
+  /**
+   * A submitted prompt: a slash command; text answering a pending approval
+   * (a suggestion instead of the command); a steering suggestion while the
+   * agent works; or a new task.
+   */
   async submit(raw: string): Promise<void> {
     const text = raw.trim();
     this.prompt.clear();
     if (!text) return;
     if (text.startsWith("/")) return this.runSlash(text);
     this.prompt.remember(text, (why) => this.agentPane.line(`cannot save the prompt history: ${why}`, COLORS.warning));
+    if (this.pending) return this.answerApproval({ kind: "suggest", text });
     if (this.agent.running) {
       this.agent.suggest(text);
       this.agentPane.line(`[queued suggestion] ${text}`, COLORS.info);
@@ -6341,7 +6777,7 @@ class Tui implements EventSink {
   }
 
   private startRun(request: string): void {
-    this.agentPane.line(`> ${request}`, COLORS.command);
+    this.agentPane.line(`> ${visibleControls(request)}`, COLORS.command);
     this.figures.step = 0;
     this.running = this.agent.run(request);
     this.running.finally(() => {
@@ -6354,26 +6790,44 @@ class Tui implements EventSink {
     const [word = "", ...rest] = text.split(/\s+/);
     const command = SLASH_COMMANDS.find((c) => c.names.includes(word.toLowerCase()));
     if (!command) {
-      this.agentPane.line("Commands:", COLORS.info);
-      for (const c of SLASH_COMMANDS)
-        this.agentPane.line(
-          `  ${[c.names.join(", "), c.args].filter(Boolean).join(" ").padEnd(24)} ${c.help}`,
-          COLORS.info,
-        );
-      return;
+      this.agentPane.line(`Unknown command ${word}.`, COLORS.warning);
+      return this.showHelp();
     }
     await command.run(this, text.slice(word.length).trim() || rest.join(" "));
   }
 
+  showHelp(): void {
+    this.agentPane.line("Commands:", COLORS.info);
+    for (const c of SLASH_COMMANDS)
+      this.agentPane.line(
+        `  ${[c.names.join(", "), c.args].filter(Boolean).join(" ").padEnd(24)} ${c.help}`,
+        COLORS.info,
+      );
+    this.agentPane.line("Keys:", COLORS.info);
+    for (const [keys, what] of TUI_KEY_HELP) this.agentPane.line(`  ${keys.padEnd(24)} ${what}`, COLORS.info);
+  }
+
   stopAgent(): void {
     if (!this.agent.running) return this.agentPane.line("The agent is not running.", COLORS.info);
-    this.agent.stop();
-    this.agentPane.line("Stopping the agent…", COLORS.warning);
+    this.interrupt();
+  }
+
+  /** Escape, Ctrl+C or /stop: the running command stops, the stream is cut, the step is answered "interrupted by the user". */
+  interrupt(): void {
+    if (!this.agent.running) return;
+    this.agentPane.line("Interrupted: the agent stops; type the next task when you are ready.", COLORS.warning);
+    this.agent.interrupt();
+    if (this.pending) {
+      this.pending = undefined;
+      this.dialog.hide();
+    }
+    this.refreshStatus();
   }
 
   async clearConversation(): Promise<void> {
     if (this.running) {
-      this.agent.stop();
+      this.agentPane.line("Stopping the agent to clear the conversation…", COLORS.warning);
+      this.agent.interrupt();
       await this.running;
     }
     this.agent.clear();
@@ -6403,6 +6857,7 @@ class Tui implements EventSink {
     const loaded = this.session.load(this.systemPrompt);
     for (const line of loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
     this.agent.restore(loaded.messages ? loaded : { ...loaded, messages: [], stepCount: 0, usage: emptyUsage() });
+    if (loaded.messages) this.view.showConversation(loaded.messages);
     this.figures.step = 0;
     this.figures.tokens = loaded.usage?.billable_tokens ?? 0;
     this.refreshStatus();
@@ -6410,61 +6865,109 @@ class Tui implements EventSink {
 
   // ── keys ─────────────────────────────────────────────────────────────────
 
+  /**
+   * Where a key goes, most specific first: a too-small screen takes nothing;
+   * the history search; Tab; the Shell tab; a command waiting for the
+   * person's input; the approval dialog (only Y/Enter, N/Escape answer it,
+   * and only while the prompt is empty: any other key is typed into the
+   * prompt, so prose typed at that moment never approves anything); then the
+   * TUI's own keys; everything else is typing.
+   */
   private onKey(key: KeyEvent): void {
     const id = `${key.ctrl ? "C-" : ""}${key.meta ? "M-" : ""}${key.shift ? "S-" : ""}${key.name}`;
-    // Nothing is visible on a too-small terminal: nothing may be typed, sent or approved blind.
+    const take = () => key.preventDefault();
     if (this.tooSmall.visible) {
-      key.preventDefault();
-      if (id === "C-c") void this.quit(EXIT.sigint, "interrupted");
+      take();
+      if (id === "C-c") this.ctrlC();
       return;
     }
     if (this.prompt.search.active) {
-      if (this.prompt.search.key(key, id) === "quit") void this.quit(EXIT.sigint, "interrupted");
+      if (this.prompt.search.key(key, id) === "quit") this.ctrlC();
       return;
     }
     if (id === "tab") {
-      key.preventDefault();
+      take();
+      if (this.pending)
+        return this.agentPane.line("A command waits for your approval: answer it first (Y or N).", COLORS.warning);
       return this.setTab(this.tab === "console" ? "shell" : "console");
     }
     if (this.tab === "shell" && this.shellTab.running) {
-      key.preventDefault();
+      take();
       return this.shellTab.key(key, id);
     }
-    if (this.dialog.visible && this.onApprovalKey(key, id)) return;
+    if (this.commandWaiting && this.commandInput) {
+      take();
+      if (id === "escape" || id === "C-c") return this.interrupt();
+      const bytes = keyToBytes(key);
+      if (bytes) this.commandInput(bytes);
+      return;
+    }
+    if (this.dialog.visible) {
+      if (TUI_PAGING.has(id)) {
+        take();
+        return this.dialog.page(id.endsWith("up") ? -1 : 1);
+      }
+      if (this.prompt.value === "" && APPROVE_KEYS.has(id)) {
+        take();
+        return this.answerApproval({ kind: "approve" });
+      }
+      if (this.prompt.value === "" && REJECT_KEYS.has(id)) {
+        take();
+        return this.answerApproval({ kind: "reject" });
+      }
+    }
     const action = TUI_KEYS[id];
-    if (!action) return;
-    key.preventDefault();
-    action(this);
+    if (action && action(this) !== false) take();
   }
 
-  /**
-   * Keys while a command waits for approval; true when the key was used.
-   * Y/Enter approve and N/Escape reject while the prompt is empty. Text
-   * being typed keeps going to the prompt (a `y` typed as the dialog popped
-   * up must not approve a command nobody read); Escape then clears it, as it
-   * cancels a slash command (/suggest …) being typed. Paging still scrolls.
-   */
-  private onApprovalKey(key: KeyEvent, id: string): boolean {
-    if (id === "C-c" || TUI_PAGING.has(id)) return false; // quitting and paging work as always
-    if (this.prompt.value !== "") {
-      if (id !== "escape") return false;
-      key.preventDefault();
-      this.prompt.value = "";
-      return true;
+  private onPaste(event: { bytes: Uint8Array; preventDefault(): void }): void {
+    if (this.tooSmall.visible) return event.preventDefault();
+    if (this.tab === "shell" && this.shellTab.running) {
+      event.preventDefault();
+      return this.shellTab.paste(event.bytes);
     }
-    if (key.sequence === "/") return false;
-    key.preventDefault();
-    if (["y", "S-y", "return"].includes(id)) this.answerApproval({ kind: "approve" });
-    else if (["n", "S-n", "escape"].includes(id)) this.answerApproval({ kind: "reject" });
+    if (this.commandWaiting && this.commandInput) {
+      event.preventDefault();
+      this.commandInput(event.bytes);
+    }
+    // Otherwise the prompt takes the paste, newlines and all.
+  }
+
+  /** Escape: clears the prompt if it holds text, else interrupts the agent. */
+  escape(): boolean {
+    if (this.prompt.value !== "") this.prompt.clear();
+    else if (this.agent.running) this.interrupt();
+    else return false;
     return true;
   }
 
-  historyOlder(): void {
-    this.prompt.older();
+  /** Ctrl+C: the first clears or interrupts like Escape; a second one within 2 s quits. */
+  ctrlC(): void {
+    if (Date.now() - this.ctrlCAt < CTRL_C_QUIT_WINDOW_MS) return void this.quit(EXIT.ok, "process_exit");
+    this.ctrlCAt = Date.now();
+    if (!this.tooSmall.visible) this.escape();
+    this.figures.notice = "Ctrl+C again to quit";
+    clearTimeout(this.ctrlCTimer);
+    this.ctrlCTimer = setTimeout(() => {
+      if (this.figures.notice === "Ctrl+C again to quit") this.figures.notice = undefined;
+      this.refreshStatus();
+    }, CTRL_C_QUIT_WINDOW_MS);
+    this.refreshStatus();
   }
 
-  historyNewer(): void {
-    this.prompt.newer();
+  /** Ctrl+D quits on an empty prompt (and deletes a character otherwise). */
+  ctrlD(): boolean {
+    if (this.prompt.value !== "") return false;
+    void this.quit(EXIT.ok, "process_exit");
+    return true;
+  }
+
+  historyOlder(): boolean {
+    return this.prompt.older();
+  }
+
+  historyNewer(): boolean {
+    return this.prompt.newer();
   }
 
   page(pane: "agent" | "console", direction: -1 | 1): void {
@@ -6489,10 +6992,8 @@ class Tui implements EventSink {
     };
     label(this.tabConsole, tab === "console");
     label(this.tabShell, tab === "shell");
-    // The dialog would cover the shell; the banner keeps showing what waits for approval.
-    if (tab === "console" && this.pending) this.dialog.show(this.pending.command);
-    else this.dialog.hide();
     this.shellTab.showCursor(tab === "shell");
+    this.prompt.placeholder = tab === "shell" ? SHELL_TAB_PLACEHOLDER : PROMPT_PLACEHOLDER;
     this.prompt.focus(tab !== "shell");
     this.refreshStatus();
   }
@@ -6501,6 +7002,7 @@ class Tui implements EventSink {
     const small = this.r.width < TUI_MIN_WIDTH || this.r.height < TUI_MIN_HEIGHT;
     this.tooSmall.visible = small;
     this.root.visible = !small;
+    if (!small) this.refreshStatus();
   }
 
   // ── status ───────────────────────────────────────────────────────────────
@@ -6508,7 +7010,11 @@ class Tui implements EventSink {
   private refreshStatus(): void {
     const state = this.pending ? "pending" : this.agent?.running ? "running" : "idle";
     const autoApprove = this.agent?.autoApproving ?? this.o.config.autoApprove;
-    this.status.draw({ ...this.figures, rate: this.rate.rate(), state, autoApprove }, this.pending?.command);
+    this.status.draw(
+      { ...this.figures, rate: this.rate.rate(), state, autoApprove },
+      this.pending?.request,
+      this.r.width,
+    );
   }
 
   /** One more streamed token: the footer's tok/s follows it, and decays to 0 once the stream is idle. */
@@ -6542,6 +7048,12 @@ class Tui implements EventSink {
       case "assistant_delta":
         this.countToken();
         break;
+      case "command_waiting":
+        this.commandWaiting = this.commandInput !== undefined;
+        if (this.commandWaiting)
+          this.figures.notice = "⌨ the command waits for input: your keys go to it (Esc stops it)";
+        this.refreshStatus();
+        break;
       case "end":
         // A stopped run no longer waits for an answer: the dialog must not swallow the next key.
         if (this.pending) {
@@ -6556,15 +7068,27 @@ class Tui implements EventSink {
 
   // ── leaving ──────────────────────────────────────────────────────────────
 
+  /** The one line left on the restored terminal: where the conversation is, and how to continue it. */
+  private exitLine(): string {
+    if (!this.session) return "aic: nothing was saved (--no-session).\n";
+    const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
+    const how =
+      this.o.config.session === undefined
+        ? `cd ${quote(process.cwd())} && aic`
+        : `aic --session ${quote(this.session.path)}`;
+    return `aic: the conversation is saved in ${this.session.path} (session ${this.session.sessionId}); to continue it: ${how}\n`;
+  }
+
   /**
    * Stops the agent, saves the session, ends the shell, restores the
-   * terminal, and exits with `code`; `message` goes to stderr once the
-   * terminal is back to normal (a crash report, say).
+   * terminal, and exits with `code`; `message` (a crash report, say) and the
+   * exit line go to stderr once the terminal is back to normal.
    */
   async quit(code: number, reason: string, message?: string): Promise<void> {
     if (this.exiting) return;
     this.exiting = true;
     clearInterval(this.rateTimer);
+    clearTimeout(this.ctrlCTimer);
     this.agent.stop(code);
     if (this.pending) this.answerApproval({ kind: "reject" });
     if (this.running) await Promise.race([this.running, Bun.sleep(QUIT_RUN_WAIT_MS)]);
@@ -6577,7 +7101,7 @@ class Tui implements EventSink {
     } catch {
       /* the terminal is gone; nothing left to restore */
     } finally {
-      if (message) writeOut(2, message);
+      writeOut(2, (message ?? "") + this.exitLine());
       this.o.onExit(code);
     }
   }
@@ -6625,7 +7149,8 @@ const SLASH_COMMANDS: readonly SlashCommand[] = [
   },
   { names: ["/session"], help: "show the session file and what is saved in it", run: (t) => t.showSession() },
   { names: ["/reload"], help: "re-read the session file (agent stopped)", run: (t) => t.reloadSession() },
-  { names: ["/stop"], help: "stop the agent", run: (t) => t.stopAgent() },
+  { names: ["/stop"], help: "interrupt the agent", run: (t) => t.stopAgent() },
+  { names: ["/help"], help: "these commands and the keys", run: (t) => t.showHelp() },
   { names: ["/quit", "/exit"], help: "stop the agent and quit", run: (t) => t.quit(EXIT.ok, "process_exit") },
 ];
 
@@ -6652,10 +7177,18 @@ const TUI_TONES: Record<Tone, string> = {
   bad: COLORS.bad,
   summary: COLORS.summary,
 };
-const TUI_PAGING = new Set(["pageup", "pagedown", "S-pageup", "S-pagedown"]);
 
-/** Keys handled by the TUI itself when the prompt has focus (everything else goes to the prompt). */
-const TUI_KEYS: Record<string, (tui: Tui) => void> = {
+const TUI_PAGING = new Set(["pageup", "pagedown", "S-pageup", "S-pagedown"]);
+/** With the approval dialog open and the prompt empty, these answer it; any other key is typing. */
+const APPROVE_KEYS = new Set(["y", "S-y", "return", "kpenter"]);
+const REJECT_KEYS = new Set(["n", "S-n", "escape", "M-escape"]);
+
+/**
+ * Keys the TUI handles itself while the prompt has focus; everything else
+ * goes to the prompt. An action that returns false lets the prompt have the
+ * key after all (Up inside a multi-line prompt moves the cursor).
+ */
+const TUI_KEYS: Record<string, (tui: Tui) => boolean | void> = {
   up: (t) => t.historyOlder(),
   "C-p": (t) => t.historyOlder(),
   down: (t) => t.historyNewer(),
@@ -6665,9 +7198,31 @@ const TUI_KEYS: Record<string, (tui: Tui) => void> = {
   pagedown: (t) => t.page("agent", 1),
   "S-pageup": (t) => t.page("console", -1),
   "S-pagedown": (t) => t.page("console", 1),
-  "C-c": (t) => void t.quit(EXIT.sigint, "interrupted"),
-  escape: (t) => void t.quit(EXIT.ok, "interrupted"),
+  escape: (t) => t.escape(),
+  // Two quick Escapes reach us as one Alt+Escape (the parser waits to see whether ESC starts a sequence).
+  "M-escape": (t) => t.escape(),
+  "C-c": (t) => t.ctrlC(),
+  "C-d": (t) => t.ctrlD(),
 };
+
+/** The keys as /help lists them. */
+const TUI_KEY_HELP: readonly [string, string][] = [
+  [
+    "Enter",
+    "send the prompt (a task, a suggestion while the agent works, or a suggestion instead of a pending command)",
+  ],
+  ["Alt+Enter, Ctrl+J", "new line in the prompt (a paste keeps its lines too)"],
+  ["Up/Down, Ctrl+P/Ctrl+N", "walk the prompt history"],
+  ["Ctrl+R", "search the prompt history (Ctrl+R again: older; Enter takes it; Esc cancels)"],
+  ["Y or Enter / N or Esc", "approve / reject the command in the dialog, while the prompt is empty"],
+  ["PgUp/PgDn", "scroll the agent pane, or the approval dialog while it is open"],
+  ["Shift+PgUp/PgDn", "scroll the console pane"],
+  ["Tab", "switch between the Console and the Shell tab (your own shell, not sandboxed)"],
+  ["Shift+Tab", "Tab inside the Shell tab (completion)"],
+  ["Esc", "clear the prompt; with an empty prompt, interrupt the agent"],
+  ["Ctrl+C", "the same as Esc; twice within 2 s quits"],
+  ["Ctrl+D", "quit, on an empty prompt"],
+];
 
 async function runTui(config: Config, prepared: PreparedRun): Promise<number> {
   if (!process.stdin.isTTY || !process.stdout.isTTY) {

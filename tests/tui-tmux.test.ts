@@ -9,7 +9,7 @@
  * in between, so nothing depends on how fast the machine is.
  */
 import { afterEach, expect, test } from "bun:test";
-import { existsSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { AIC, Tmux, bash, cleanEnv, footer, has, perTestFixtures, runAic, scratch, toolAnswer } from "./helpers.ts";
 
@@ -40,10 +40,11 @@ afterEach(() => {
 
 // The approval dialog, approving with Y, live command output in the console pane, /aa
 // turning auto-approve on for the next command, the Shell tab's `cd` followed by the agent, Ctrl+C
-// quitting with the terminal restored, and the conversation saved in ./.aicsession.
+// twice quitting with the terminal restored and the exit line, and the conversation saved in
+// ./.aicsession.
 // Needs tmux; skipped without it.
 test.skipIf(!has.tmux)(
-  "a TUI session in tmux: approve, /aa, Shell tab cd followed by the agent, Ctrl+C restores the terminal and saves",
+  "a TUI session in tmux: approve, /aa, Shell tab cd followed by the agent, Ctrl+C twice restores the terminal and saves",
   async () => {
     const [home, cwd, gates] = ["aic-tui-home-", "aic-tui-cwd-", "aic-tui-gates-"].map((prefix) =>
       fixtures.disposable(scratch(prefix)),
@@ -119,10 +120,16 @@ test.skipIf(!has.tmux)(
     await tmux.waitFor("the run to finish", () => srv.requests.length >= 4);
     expect(outputLines(toolAnswer(srv.requests[3], "call_2"))).toContain("/tmp");
 
-    // Ctrl+C quits: the outer shell's prompt is back, the terminal left the alternate screen.
+    // Ctrl+C twice quits: the outer shell's prompt is back after one line saying where the conversation
+    // is and how to continue it, and the terminal left the alternate screen.
+    tmux.keys("C-c");
+    await tmux.waitFor("the footer saying a second Ctrl+C quits", (s) => footer(s).includes("Ctrl+C again to quit"));
     tmux.keys("C-c");
     screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
-    expect(screen).toMatch(/EXIT=130\s*\n\s*outer\$/);
+    // tmux wraps the long exit line at its width, so it is read with the line breaks taken out.
+    const unwrapped = screen.replace(/\n/g, "");
+    expect(unwrapped).toContain(`aic: the conversation is saved in ${join(cwd, ".aicsession")}`);
+    expect(unwrapped).toContain(`to continue it: cd ${cwd} && aicEXIT=0outer$`);
     expect(tmux.display("#{alternate_on}")).toBe("0");
     expect(tmux.display("#{mouse_any_flag}")).toBe("0");
 
@@ -171,6 +178,7 @@ test.skipIf(!has.tmux)(
 
     tmux.keys("Tab");
     tmux.keys("C-c");
+    tmux.keys("C-c");
     await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
   },
   120_000,
@@ -190,4 +198,127 @@ test("without a terminal on stdin the TUI refuses with exit 2 and points at --no
   expect(r.stderr).toContain("--nogui");
   expect(r.stderr.trim().split("\n").length).toBe(1);
   expect(srv.requests.length).toBe(0);
+});
+
+/** Starts aic in a fresh tmux shell with the fake model at `url`; returns the tmux session and the directories. */
+async function startTui(url: string, extra = "", size = { width: WIDTH, height: 40 }) {
+  const [home, cwd] = ["aic-tui-home-", "aic-tui-cwd-"].map((prefix) => fixtures.disposable(scratch(prefix))) as [
+    string,
+    string,
+  ];
+  const env = cleanEnv({ HOME: home, SHELL: "/bin/bash", PS1: "outer$ ", TERM: "xterm-256color" });
+  const tmux = new Tmux(env, cwd, ["bash", "--norc", "--noprofile"], size);
+  sessions.push(tmux);
+  await tmux.waitFor("the outer shell's prompt", (s) => s.includes("outer$"));
+  tmux.type(`${AIC} --api-base ${url} --model test-model ${extra} 'do the task'; echo EXIT=$?`);
+  tmux.keys("Enter");
+  return { tmux, home, cwd };
+}
+
+/** The rows of a screen inside the approval dialog's border. */
+function dialogRows(screen: string): string[] {
+  const rows = screen.split("\n");
+  const top = rows.findIndex((r) => r.includes("Approve command"));
+  const bottom = rows.findIndex((r, i) => i > top && r.includes("╰"));
+  return top < 0 ? [] : rows.slice(top, bottom + 1);
+}
+
+// A person types a sentence just as the dialog opens: its y and n are text, nothing is approved or
+// rejected, and the sentence is in the prompt. Needs tmux; skipped without it.
+test.skipIf(!has.tmux)(
+  "typing a sentence with y and n into an open dialog runs nothing; the sentence stays in the prompt",
+  async () => {
+    const srv = fixtures.serve([bash("touch ran-by-accident.txt")]);
+    const { tmux, cwd } = await startTui(srv.url);
+    await tmux.waitFor("the approval dialog", (s) => s.includes("Approve command?"));
+    const sentence = "please modify it, yes only if nothing breaks";
+    tmux.type(sentence);
+    const screen = await tmux.waitFor("the sentence in the prompt", (s) => s.includes(sentence));
+    expect(screen).toContain("Approve command?");
+    expect(srv.requests.length).toBe(1);
+    expect(existsSync(join(cwd, "ran-by-accident.txt"))).toBe(false);
+    tmux.keys("C-c");
+    tmux.keys("C-c");
+    await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+    expect(existsSync(join(cwd, "ran-by-accident.txt"))).toBe(false);
+  },
+);
+
+// A 43-line command: the dialog says how long it is, shows its end (the part that runs last) with the
+// buttons on screen, and PgUp reaches its start. Needs tmux; skipped without it.
+test.skipIf(!has.tmux)("a 43-line command shows its end and its buttons; PgUp reaches its start", async () => {
+  const body = Array.from({ length: 41 }, (_, i) => `echo line-${String(i + 1).padStart(2, "0")}`).join("\n");
+  const srv = fixtures.serve([bash(`cat <<'EOF' > /dev/null\n${body}\nEOF`)]);
+  const { tmux } = await startTui(srv.url);
+  let screen = await tmux.waitFor("the dialog", (s) => s.includes("43 lines"));
+  const dialog = dialogRows(screen).join("\n");
+  for (const text of ["line-41", "EOF", "[Y] Approve", "[N] Reject"]) expect(dialog).toContain(text);
+  expect(dialog).not.toContain("cat <<'EOF'");
+  for (let i = 0; i < 4; i++) tmux.keys("PPage");
+  screen = await tmux.waitFor("the command's start", (s) => dialogRows(s).join("\n").includes("cat <<'EOF'"));
+  expect(dialogRows(screen).join("\n")).toContain("[Y] Approve");
+  tmux.keys("n");
+  tmux.keys("C-c");
+  tmux.keys("C-c");
+  await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+});
+
+// Escape interrupts a running command and the TUI stays open for the next task; Ctrl+C twice then quits,
+// leaving the line that says where the conversation is. Needs tmux; skipped without it.
+test.skipIf(!has.tmux)("Escape interrupts a running command and the TUI stays; Ctrl+C twice quits", async () => {
+  const srv = fixtures.serve([bash("sleep 300")]);
+  const { tmux, cwd } = await startTui(srv.url, "--auto-approve");
+  await tmux.waitFor("the command running", (s) => rightPaneRows(s).some((r) => r.includes("$ sleep 300")));
+  tmux.keys("Escape");
+  let screen = await tmux.waitFor("the interruption", (s) => s.includes("[interrupted]"));
+  expect(tmux.display("#{alternate_on}")).toBe("1");
+  expect(screen).not.toContain("EXIT=");
+  // Interrupted, the agent waits for the person: it asks the model nothing more.
+  expect(srv.requests).toHaveLength(1);
+  tmux.keys("C-c");
+  tmux.keys("C-c");
+  screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+  expect(screen).toMatch(/aic: the conversation is saved in .*\.aicsession/);
+  expect(screen).toContain("EXIT=0");
+  // The saved conversation holds the command's answer, marked as interrupted by the person.
+  const saved = readFileSync(join(cwd, ".aicsession"), "utf8");
+  expect(saved).toContain("sleep 300");
+  expect(saved).toMatch(/interrupted/);
+});
+
+// With --no-session, quitting says that nothing was saved, so nobody looks for a file that is not there.
+test.skipIf(!has.tmux)("quitting with --no-session says nothing was saved", async () => {
+  const srv = fixtures.serve([{ content: "hello\nTASKCOMPLETE" }]);
+  const { tmux, cwd } = await startTui(srv.url, "--no-session");
+  await tmux.waitFor("the answer", (s) => s.includes("hello"));
+  tmux.keys("C-d");
+  const screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+  expect(screen).toContain("aic: nothing was saved (--no-session).");
+  expect(screen).toContain("EXIT=0");
+  expect(existsSync(join(cwd, ".aicsession"))).toBe(false);
+});
+
+// The Shell tab is the person's own shell: the sandbox that confines the agent's commands does not
+// confine it. Needs tmux and Landlock; skipped without them.
+test.skipIf(!has.tmux || !has.landlock)("the Shell tab is not sandboxed; the agent's commands are", async () => {
+  const outside = `/var/tmp/aic-shell-${process.pid}-${Date.now()}`;
+  const srv = fixtures.serve([bash(`touch ${outside}-agent; echo agent-rc=$?`), { content: "TASKCOMPLETE" }]);
+  const { tmux } = await startTui(srv.url, "--auto-approve");
+  try {
+    await tmux.waitFor("the agent's command", (s) => s.includes("agent-rc="));
+    tmux.keys("Tab");
+    await tmux.waitFor("the Shell tab", (s) => s.includes("Your own shell, not sandboxed"));
+    tmux.type(`touch ${outside}-shell && echo shell-made-it`);
+    tmux.keys("Enter");
+    await tmux.waitFor("the shell's touch", (s) => s.includes("shell-made-it"));
+    expect(existsSync(`${outside}-shell`)).toBe(true);
+    expect(existsSync(`${outside}-agent`)).toBe(false);
+    tmux.keys("Tab");
+    tmux.keys("C-c");
+    tmux.keys("C-c");
+    await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+  } finally {
+    rmSync(`${outside}-shell`, { force: true });
+    rmSync(`${outside}-agent`, { force: true });
+  }
 });

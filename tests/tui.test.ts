@@ -24,14 +24,28 @@ const BILLABLE = USAGE.prompt_tokens - USAGE.cached_tokens + USAGE.completion_to
 
 /**
  * One fake server for the whole file. The reply depends only on the newest message, so every test
- * scripts its own runs through what it types: "run: CMD" → a tool call running CMD; "hang" → a
- * request that never answers; "usage" → TASKCOMPLETE with USAGE; anything else → TASKCOMPLETE.
+ * scripts its own runs through what it types: "run: CMD" → a tool call running CMD; "two: A || B" →
+ * one turn calling two commands; "say: TEXT" → TEXT as the answer (\n for a newline), streamed in
+ * pieces; "slow: TEXT" → TEXT streamed a character at a time; "hang" → a request that never
+ * answers; "usage" → TASKCOMPLETE with USAGE; anything else → TASKCOMPLETE.
  */
 function scripted(req: RecordedRequest): Turn {
   const last = req.body?.messages?.at(-1);
   if (last?.role === "user" && typeof last.content === "string") {
     const run = /^run: ([\s\S]*)$/.exec(last.content);
     if (run) return bash(run[1]!);
+    const say = /^say: ([\s\S]*)$/.exec(last.content);
+    if (say) return { content: say[1]!.replace(/\\n/g, "\n"), contentPieces: 12 };
+    const two = /^two: (.*) \|\| (.*)$/.exec(last.content);
+    if (two)
+      return {
+        toolCalls: [
+          { arguments: JSON.stringify({ command: two[1] }) },
+          { arguments: JSON.stringify({ command: two[2] }) },
+        ],
+      };
+    const slow = /^slow: ([\s\S]*)$/.exec(last.content);
+    if (slow) return { content: slow[1]!, contentPieces: slow[1]!.length, delayMs: 20 };
     if (last.content === "hang") return { type: "hang" };
     if (last.content === "usage") return { content: "TASKCOMPLETE", usage: USAGE };
   }
@@ -202,7 +216,7 @@ describe("approval gate in the TUI", () => {
     const h = await openTui({ request: "run: echo hi-$((6*7))" });
     let frame = await h.until((f) => f.includes("Approve command?"));
     expect(frame).toContain("echo hi-$((6*7))");
-    expect(footer(frame)).toContain("⚠ pending");
+    expect(footer(frame)).toContain("⚠ approval pending");
     expect(frame).toContain("Approval needed: echo hi-$((6*7))"); // the banner names the waiting command
     expect(h.requests()).toHaveLength(1);
 
@@ -537,28 +551,40 @@ describe("session and quitting", () => {
     }
   });
 
-  // Ctrl+C stops a running agent, saves the session and quits (exit code 130).
-  test("Ctrl+C stops the agent, saves the session and quits", async () => {
+  // Ctrl+C interrupts a running agent and the TUI stays open (the footer says a second one quits);
+  // a second Ctrl+C within 2 s quits, having saved the session.
+  test("Ctrl+C interrupts the agent; a second Ctrl+C quits and the session is saved", async () => {
     const h = await openTui({ request: "hang" });
     await waitFor("the hanging request", () => h.requests().length === 1);
     await waitFor("the agent to run", () => h.tui.agent.running);
     h.s.mockInput.pressCtrlC();
+    await waitFor("the agent to stop", () => !h.tui.agent.running);
+    const frame = await h.until((f) => footer(f).includes("Ctrl+C again to quit"));
+    expect(frame).toContain("[interrupted]");
+    expect(h.exitCode).toBeUndefined();
+    h.s.mockInput.pressCtrlC();
     await waitFor("the TUI to quit", () => h.exitCode !== undefined);
-    expect(h.exitCode).toBe(130);
-    expect(h.tui.agent.running).toBe(false);
+    expect(h.exitCode).toBe(0);
     const doc = JSON.parse(readFileSync(h.sessionFile, "utf8"));
-    expect(doc.reason).toBe("interrupted");
+    expect(doc.reason).toBe("process_exit");
     expect(JSON.stringify(doc.messages)).toContain("hang");
   });
 
-  // Escape with no dialog or search open quits as well, saving the session.
-  test("Escape quits", async () => {
-    const h = await openTui();
-    await h.until((f) => f.includes("step 0/500"));
+  // Escape never quits: with text in the prompt it clears it; with an empty prompt it interrupts the agent.
+  test("Escape clears the prompt first, then interrupts the agent; the TUI stays open", async () => {
+    const h = await openTui({ request: "hang" });
+    await waitFor("the hanging request", () => h.requests().length === 1);
+    await h.s.mockInput.typeText("half a thought");
+    await waitFor("the typed text", () => h.tui.prompt.value === "half a thought");
     h.s.mockInput.pressEscape();
-    await waitFor("the TUI to quit", () => h.exitCode !== undefined);
-    expect(h.exitCode).toBe(0);
-    expect(existsSync(h.sessionFile)).toBe(true);
+    await waitFor("the prompt to clear", () => h.tui.prompt.value === "");
+    expect(h.tui.agent.running).toBe(true);
+    h.s.mockInput.pressEscape();
+    await waitFor("the agent to stop", () => !h.tui.agent.running);
+    await h.until((f) => f.includes("[interrupted]"));
+    await h.type("run: echo still-here");
+    await h.until((f) => f.includes("Approve command?"));
+    expect(h.exitCode).toBeUndefined();
   });
 });
 
@@ -644,7 +670,7 @@ describe("slash commands", () => {
     expect(h.tui.agent.running).toBe(true);
     await h.type("/stop");
     await waitFor("the agent to stop", () => !h.tui.agent.running);
-    const frame = await h.until((f) => f.includes("[stopped]"));
+    const frame = await h.until((f) => f.includes("[interrupted]"));
     expect(footer(frame)).toContain("idle");
     expect(h.exitCode).toBeUndefined();
     expect(JSON.parse(readFileSync(h.sessionFile, "utf8")).reason).toBe("interrupted");
@@ -840,5 +866,269 @@ describe("resume shows the restored context at once", () => {
     const frame = await h.until((f) => /ctx [1-9][\d.]*k?\//.test(footer(f)));
     expect(h.requests()).toHaveLength(0);
     expect(footer(frame)).toMatch(/ctx [1-9]/);
+  });
+});
+
+/** The agent pane's column (left half) of a frame, one string per row. */
+/** The rows of a frame inside the approval dialog's border. */
+const dialogRows = (frame: string) => {
+  const rows = frame.split("\n");
+  const top = rows.findIndex((r) => r.includes("Approve command"));
+  const bottom = rows.findIndex((r, i) => i > top && r.includes("╰"));
+  return top < 0 ? [] : rows.slice(top, bottom + 1);
+};
+
+/** The agent pane's column (the left half) of a frame, one string per row, borders included. */
+const agentColumn = (frame: string) => {
+  const rows = frame.split("\n");
+  const width = (rows[0] ?? "").indexOf("┐┌") + 1;
+  return rows.map((row) => row.slice(0, width > 0 ? width : row.length / 2));
+};
+
+describe("a TUI a person can trust (round 2)", () => {
+  // 1. With the dialog open and the prompt empty, the first letter of a sentence goes to the prompt; after
+  // that Y and N are text. Typing "please modify" must not approve, "do it differently" must not reject.
+  for (const sentence of ["please modify the flags", "do it differently, yes"]) {
+    test(`typing "${sentence}" while the dialog is open neither approves nor rejects`, async () => {
+      const h = await openTui({ request: "run: touch typed-approval.txt" });
+      await h.until((f) => f.includes("Approve command?"));
+      await h.s.mockInput.typeText(sentence);
+      await waitFor("the sentence in the prompt", () => h.tui.prompt.value === sentence);
+      const frame = await h.frame();
+      expect(frame).toContain("Approve command?");
+      expect(h.requests()).toHaveLength(1);
+      expect(existsSync(join(h.dir, "typed-approval.txt"))).toBe(false);
+      // Enter sends the sentence as a suggestion instead of the command.
+      h.s.mockInput.pressEnter();
+      await h.idle(2);
+      const sent = messagesOf(h.requests()[1]);
+      expect(sent.find((m: any) => m.role === "tool")?.content).toBe("Command execution skipped by user.");
+      expect(sent.at(-1)).toMatchObject({ role: "user", content: `I suggest you ${sentence}` });
+      expect(existsSync(join(h.dir, "typed-approval.txt"))).toBe(false);
+    });
+  }
+
+  test("Up walks the history while the dialog is open", async () => {
+    const h = await openTui({ request: "run: true", history: ["an older task"] });
+    await h.until((f) => f.includes("Approve command?"));
+    h.s.mockInput.pressArrow("up");
+    await waitFor(
+      "the history entry",
+      () => h.tui.prompt.value === "run: true" || h.tui.prompt.value === "an older task",
+    );
+    expect(h.requests()).toHaveLength(1);
+  });
+
+  // 2. A long command: the dialog says how many lines, shows its end (the part that runs last) with the
+  // buttons and hint on screen, and PgUp scrolls back to its start.
+  test("a 43-line command: its end, the buttons and the hint are visible; PgUp reaches its start", async () => {
+    const body = Array.from({ length: 41 }, (_, i) => `echo line-${String(i + 1).padStart(2, "0")}`).join("\n");
+    const command = `cat <<'EOF' > /dev/null\n${body}\nEOF`;
+    const h = await openTui({ request: `run: ${command}`, width: 120, height: 40 });
+    let frame = await h.until((f) => f.includes("43 lines"));
+    expect(frame).toContain("EOF");
+    expect(frame).toContain("line-41");
+    expect(frame).toContain("[Y] Approve");
+    expect(frame).toContain("[N] Reject");
+    expect(frame).toContain("Y or Enter approves");
+    expect(dialogRows(frame).join("\n")).not.toContain("cat <<'EOF'");
+    for (let i = 0; i < 4; i++) h.s.mockInput.pressKey("\x1b[5~");
+    frame = await h.until((f) => dialogRows(f).join("\n").includes("cat <<'EOF'"));
+    expect(frame).toContain("[Y] Approve");
+  });
+
+  test("two commands in one turn: the dialog says which one of how many", async () => {
+    const h = await openTui({ request: "two: echo first-one || echo second-one" });
+    await h.until((f) => f.includes("Approve command 1 of 2?"));
+    h.s.mockInput.pressKey("y");
+    await h.until((f) => f.includes("Approve command 2 of 2?"));
+    h.s.mockInput.pressKey("n");
+    await h.idle(2);
+    const tools = messagesOf(h.requests()[1]).filter((m: any) => m.role === "tool");
+    expect(tools).toHaveLength(2);
+    expect(tools[0].content).toContain("first-one");
+    expect(tools[1].content).toBe("Command execution skipped by user.");
+  });
+
+  // 3. An approval arriving while the Shell tab has the keys brings the person back: the dialog shows,
+  // and Y answers it instead of reaching the shell.
+  test("an approval arriving on the Shell tab shows the dialog and takes Y", async () => {
+    const saved = process.env.SHELL;
+    process.env.SHELL = "/bin/sh";
+    try {
+      const h = await openTui();
+      h.s.mockInput.pressTab();
+      await h.until((f) => f.includes("Your own shell"));
+      h.tui.submit("run: echo from-the-dialog");
+      await h.until((f) => f.includes("Approve command?"));
+      expect(await h.frame()).not.toContain("Your own shell");
+      h.s.mockInput.pressKey("y");
+      await h.idle(2);
+      expect(messagesOf(h.requests()[1]).at(-1).content).toContain("from-the-dialog");
+    } finally {
+      if (saved === undefined) delete process.env.SHELL;
+      else process.env.SHELL = saved;
+    }
+  });
+
+  // 5. Multi-line input: a paste keeps its newlines, Ctrl+J and Alt+Enter insert one, and the task
+  // reaches the model with them.
+  test("a two-line paste, Ctrl+J and Alt+Enter make a multi-line task", async () => {
+    const h = await openTui();
+    await h.s.mockInput.pasteBracketedText("pasted line one\npasted line two");
+    await waitFor("the paste", () => h.tui.prompt.value === "pasted line one\npasted line two");
+    h.s.mockInput.pressKey("\n");
+    await h.s.mockInput.typeText("third");
+    h.s.mockInput.pressEnter({ meta: true });
+    await h.s.mockInput.typeText("fourth");
+    await waitFor("four lines", () => h.tui.prompt.value.split("\n").length === 4);
+    h.s.mockInput.pressEnter();
+    await h.idle(1);
+    expect(messagesOf(h.requests()[0])[1].content).toBe("pasted line one\npasted line two\nthird\nfourth");
+  });
+
+  // 6. A command the person approved that waits for input is not stopped: the person's keys reach it.
+  test("a hand-approved command waiting for input gets the person's keys", async () => {
+    process.env.AIC_INPUT_WAIT_MS = "700";
+    try {
+      const h = await openTui({ request: "run: printf 'Name? '; read n; echo hello-$n" });
+      await h.until((f) => f.includes("Approve command?"));
+      h.s.mockInput.pressKey("y");
+      await h.until((f) => footer(f).includes("waits for input"));
+      await h.s.mockInput.typeText("Ada");
+      h.s.mockInput.pressEnter();
+      await h.idle(2);
+      expect(messagesOf(h.requests()[1]).at(-1).content).toContain("hello-Ada");
+      expect(messagesOf(h.requests()[1]).at(-1).content).toContain("exit code 0");
+    } finally {
+      delete process.env.AIC_INPUT_WAIT_MS;
+    }
+  });
+
+  // 7. A resume shows the restored conversation, newest turns whole, older ones counted.
+  test("after a resume the agent pane shows the restored conversation", async () => {
+    const dir = scratch("aic-tui-");
+    const history = [{ role: "system", content: "s" }];
+    for (let i = 1; i <= 30; i++)
+      history.push({ role: "user", content: `task number ${i}` }, { role: "assistant", content: `answer number ${i}` });
+    writeFileSync(join(dir, ".aicsession"), JSON.stringify({ aic_session_version: 1, messages: history }));
+    const h = await openTui({ dir, height: 60, width: 140 });
+    const frame = await h.until((f) => f.includes("restored conversation above") && f.includes("answer number 30"));
+    expect(frame).toContain("> task number 30");
+    expect(frame).not.toContain("task number 1\n");
+    const text = agentColumn(await h.frame()).join("\n");
+    expect(text).not.toContain("task number 5 ");
+  });
+
+  // 8. The footer keeps what matters at every width; the start-up warning fits.
+  test("at 80 columns the footer keeps auto-approve, step and context whole, and the warning fits", async () => {
+    const h = await openTui({ width: 80, height: 24 });
+    const frame = await h.until((f) => footer(f).includes("auto-approve off"));
+    for (const field of ["step 0/500", "ctx "]) expect(footer(frame)).toContain(field);
+    const banner = frame.split("\n").find((row) => row.includes("⚠"))!;
+    expect(banner.trimEnd().endsWith("auto-approve")).toBe(true);
+  });
+
+  test("at 120 columns with an approval pending, the footer shows it and the session id whole", async () => {
+    const h = await openTui({ request: "run: true", width: 120 });
+    const frame = await h.until((f) => footer(f).includes("⚠ approval pending"));
+    expect(footer(frame)).toContain(`#${h.tui.session!.sessionId}`);
+    expect(footer(frame)).toContain("auto-approve off");
+  });
+
+  // 9. Markdown in the agent pane, word wrap, and colours kept in the console.
+  test("the model's Markdown is rendered: no heading marks or asterisks, code without fences", async () => {
+    const h = await openTui();
+    await h.type("say: ## Result\\n\\nAll **twelve** tests pass.\\n\\n```ts\\nconst answer = 42;\\n```");
+    const frame = await h.until((f) => f.includes("All twelve tests pass.") && f.includes("const answer = 42;"));
+    // The person's own prompt is echoed raw ("> say: ## Result…"); the answer's rows are rendered.
+    const rows = agentColumn(frame).map((r) => r.replace(/^│|│$/g, "").trim());
+    expect(rows).toContain("Result");
+    expect(rows).toContain("All twelve tests pass.");
+    expect(rows).toContain("const answer = 42;");
+    expect(rows.filter((r) => r.startsWith("## ") || r.startsWith("```"))).toEqual([]);
+  });
+
+  test("the agent pane wraps at word boundaries", async () => {
+    const h = await openTui({ width: 80, height: 30 });
+    const text =
+      "the project lives in /tmp/aic-wrap-check/a-rather-long/directory-name/of-ours and nowhere else at all";
+    await h.type(`say: ${text}`);
+    const frame = await h.until((f) => f.includes("[completed]"));
+    const rows = agentColumn(frame).map((r) => r.replace(/^│|│$/g, "").trimEnd());
+    // The answer's rows are pieces of the text, in order; every break between two of them falls at a space or
+    // right after a "/" or "-", never inside a word.
+    const pieces = rows.map((r) => r.trim()).filter((r) => r.length > 3 && text.includes(r) && !r.startsWith(">"));
+    expect(pieces.length).toBeGreaterThanOrEqual(2);
+    let at = 0;
+    for (const piece of pieces.slice(0, -1)) {
+      at = text.indexOf(piece, at) + piece.length;
+      expect(text[at] === " " || "/-".includes(text[at - 1] ?? "")).toBe(true);
+    }
+  });
+
+  test("the console keeps the colours a command printed", async () => {
+    const h = await openTui({ args: ["--auto-approve"] });
+    await h.type("run: printf '\\033[31mred-word\\033[0m plain-word\\n'");
+    await h.idle(2);
+    await h.until((f) => f.includes("red-word"));
+    // The output's own row (the command line above it is drawn in the command colour).
+    const row = h.s.captureSpans().lines.find((l: any) => {
+      const text = l.spans.map((s: any) => s.text).join("");
+      return text.includes("red-word plain-word") && !text.includes("printf");
+    });
+    expect(row).toBeDefined();
+    const red = row!.spans.find((s: any) => s.text.includes("red-word"))!;
+    const plain = row!.spans.find((s: any) => s.text.includes("plain-word"))!;
+    expect(red).toBeDefined();
+    expect(plain).toBeDefined();
+    expect(String(red.fg)).not.toBe(String(plain.fg));
+  });
+
+  // 10. /help lists the keys; an unknown command says so; the Shell tab's prompt says where the keys go.
+  test("/help lists the keys, /foo is unknown, and the Shell tab changes the prompt's hint", async () => {
+    const h = await openTui({ width: 160, height: 60 });
+    await h.type("/help");
+    let frame = await h.until((f) => f.includes("Keys:"));
+    for (const key of ["Tab", "Shift+Tab", "PgUp/PgDn", "Ctrl+R", "Esc", "Ctrl+C", "Alt+Enter"])
+      expect(frame).toContain(key);
+    await h.type("/foo");
+    frame = await h.until((f) => f.includes("Unknown command /foo."));
+    process.env.SHELL = "/bin/sh";
+    h.s.mockInput.pressTab();
+    frame = await h.until((f) => f.includes("The Shell tab has your keys"));
+    expect(frame).not.toContain("Type a task");
+  });
+
+  // 12. The smaller things.
+  test("tok/s falls back to 0 once the answer has streamed", async () => {
+    const h = await openTui();
+    await h.type("slow: streaming a few tokens");
+    await h.until((f) => /[1-9]\d* tok\/s/.test(footer(f)));
+    await h.idle(1);
+    await h.until((f) => footer(f).includes("│0 tok/s"));
+  });
+
+  test("/suggest with nothing pending keeps its text; /clear while the agent runs says it stops it", async () => {
+    const h = await openTui();
+    await h.type("/suggest try the other flag");
+    await h.until((f) => f.includes("your text is back in the prompt"));
+    expect(h.tui.prompt.value).toBe("/suggest try the other flag");
+    h.tui.prompt.value = "";
+    await h.type("hang");
+    await waitFor("the agent to run", () => h.tui.agent.running);
+    await h.type("/clear");
+    await h.until((f) => f.includes("cleared"));
+    expect(agentColumn(await h.frame()).join("\n")).toContain("cleared");
+  });
+
+  test("the Ctrl+R line sits above the prompt, never over the panes' border", async () => {
+    const h = await openTui({ history: ["find me later"] });
+    h.s.mockInput.pressKey("\x12");
+    const frame = await h.until((f) => f.includes("reverse-i-search"));
+    const rows = frame.split("\n");
+    const search = rows.findIndex((r) => r.includes("reverse-i-search"));
+    expect(rows[search - 1]?.includes("└") || rows[search - 2]?.includes("└")).toBe(true);
+    expect(rows[search]!.includes("└")).toBe(false);
   });
 });

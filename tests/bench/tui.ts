@@ -6,7 +6,7 @@
  * OpenTUI's in-memory test renderer (120×40; the renderer's own on-demand
  * frame loop, as in a terminal, with the test-only per-frame verification
  * off). The fake model runs in a child process (so its work is not counted
- * here) and answers with 5,000 tokens at ~1,000 tokens/s, then one command
+ * here) and answers with 5,000 tokens of Markdown at ~1,000 tokens/s, then one command
  * that prints 10 MB (`head -c 7500000 /dev/urandom | base64`), with
  * `--auto-approve --max-output-bytes 200000` (runaway limit 20 MB, so the
  * command runs to the end) and `--max-prompt-len 1000000` (so the 200 KB
@@ -55,12 +55,30 @@ const TYPED = "fix the flaky test in src/parser, then run npm test and tell me w
   .repeat(3)
   .slice(0, 200);
 
-/** Exactly TOKENS pieces of 4 characters ("word" + space), a new line every 16 words. */
+/**
+ * Exactly TOKENS pieces of Markdown, the way a model writes a report: every 16
+ * pieces a line that is by turns a heading, a list item with **bold** and
+ * `code`, a plain paragraph line, or a line of a fenced code block (so the
+ * agent pane's Markdown renderer parses and lays out all of them while the
+ * tokens stream). A piece is a word and its space, or a line's marker.
+ */
 function streamedText(): string {
-  const words = ["the", "cat", "ran", "far", "and", "got", "lost", "near", "old", "mill"].map((w) => w.slice(0, 3));
-  let text = "";
-  for (let i = 0; i < TOKENS; i++) text += words[i % words.length] + (i % 16 === 15 ? "\n" : " ");
-  return text;
+  const words = ["the", "cat", "ran", "far", "and", "got", "lost", "near", "old", "mill"];
+  const pieces: string[] = [];
+  let line = 0;
+  while (pieces.length < TOKENS) {
+    const kind = line % 8;
+    const start = kind === 0 ? "\n## " : kind === 1 ? "- **" : kind === 5 ? "```sh\n" : "";
+    const row: string[] = [];
+    for (let i = 0; i < 16; i++) row.push(words[(line + i) % words.length]!);
+    if (kind === 1) row[1] = `${row[1]}** \`${row[2]}\``;
+    const text = start + row.join(" ") + (kind === 5 ? "\n```" : "") + "\n";
+    // Split the line into 16 pieces at its spaces, so the stream carries it word by word.
+    const parts = text.split(/(?<= )/);
+    for (const part of parts) if (pieces.length < TOKENS) pieces.push(part);
+    line++;
+  }
+  return pieces.join("");
 }
 
 /** The fake model as a child process: prints its base URL, serves the scripted turns. */
