@@ -85,12 +85,24 @@ const STREAM_IDLE_MS = Number(process.env.AIC_STREAM_IDLE_MS) > 0 ? Number(proce
 const COMMAND_COLUMNS = 160;
 const COMMAND_ROWS = 50;
 
+/** Background jobs running at once; a command that would start one more has its new ones stopped. */
+const MAX_JOBS = 8;
+/** How often running jobs are looked at (ended? orphans to reap or to adopt?). */
+const JOB_POLL_MS = 1000;
+/** The environment variable that marks every process a command starts, so its jobs are found even after setsid. */
+const JOB_MARKER_ENV = "AIC_COMMAND_ID";
+
+/** Claims of completion refused in a row by --done-when before the run gives up. */
+const MAX_REFUSED_CLAIMS = 5;
+
 const EXIT = {
   ok: 0,
   failure: 1,
   usage: 2,
   stepLimit: 3,
   needsApproval: 4,
+  tokenBudget: 5,
+  unverified: 6,
   sighup: 129,
   sigint: 130,
   sigterm: 143,
@@ -143,6 +155,10 @@ interface Config {
   fast: boolean;
   reasoningEffort: string | undefined;
   json: boolean;
+  /** A shell command whose exit 0 confirms a claim of completion. */
+  doneWhen: string | undefined;
+  /** Input plus output tokens this aic process may spend on model calls. */
+  maxTokens: number | undefined;
   request: string | undefined;
   /** Warnings found while parsing that are not errors (an unknown algorithm name). */
   warnings: string[];
@@ -263,6 +279,21 @@ const FLAGS: readonly FlagSpec[] = [
   { name: "--fast", kind: "bool", key: "fast", help: "Force truncate and the short system prompt." },
   { name: "--reasoning-effort", kind: "string", key: "reasoningEffort", help: "Passed through as reasoning_effort." },
   { name: "--json", kind: "bool", key: "json", help: "With --nogui: JSON Lines events on stdout." },
+  {
+    name: "--done-when",
+    kind: "string",
+    key: "doneWhen",
+    env: ["AIC_DONE_WHEN"],
+    help: "Shell command that must exit 0 for a claim of completion to count (exit 6 after 5 refusals).",
+  },
+  {
+    name: "--max-tokens",
+    kind: "int",
+    key: "maxTokens",
+    env: ["AIC_MAX_TOKENS"],
+    max: 1_000_000_000_000,
+    help: "Token budget for all model calls, input plus output (exit 5 when the next call would pass it).",
+  },
 ];
 
 class UsageError extends Error {}
@@ -292,7 +323,8 @@ function helpText(): string {
   );
   lines.push(
     "",
-    "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 129/130/143 signals.",
+    "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 5 token budget spent,",
+    "  6 completion refused 5 times by --done-when, 129/130/143 signals.",
   );
   return lines.join("\n");
 }
@@ -448,6 +480,7 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
     c.compressAlg = "truncate";
   }
   if (c.fast) c.compressAlg = "truncate";
+  if (c.doneWhen !== undefined && !c.doneWhen.trim()) throw new UsageError("--done-when needs a command");
   c.request = words.length ? words.join(" ") : undefined;
   if (c.nogui && !c.request) throw new UsageError("--nogui needs a request (the task), or - to read it from stdin");
   return { kind: "run", config: c };
@@ -617,6 +650,8 @@ interface PromptFacts {
   /** How to call this very executable, for the search recipe. */
   selfCommand: string;
   projectInstructions?: { files: string[]; text: string };
+  /** The --done-when check, which the model is told about. */
+  doneWhen?: string;
 }
 
 function buildSystemPrompt(f: PromptFacts): string {
@@ -630,10 +665,13 @@ function buildSystemPrompt(f: PromptFacts): string {
     : `No sandbox confines your commands (${s.status}); they can change anything this user can, so be careful with destructive commands.`;
   const search = `To search the web run: ${f.selfCommand} search "QUERY" (it prints a JSON array of {title, href, body}). To read a page, fetch it with curl -sL or wget -qO-.`;
   const capRule = `Each command's output reaches you capped at ${f.maxOutputBytes} bytes. When it is longer you get its head and tail, a line naming a file that holds the whole output, and the final line "${TRUNCATION_SENTINEL}". When you see that, do not re-run the command: read the saved file in slices (sed -n '100,200p', head -c, tail -c) or search it with grep and wc. For commands you expect to be long, redirect their output to a file yourself and read it the same way.`;
-  const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work in the background (nohup … > log 2>&1 &) and poll it, split it into smaller steps, or bound it with timeout.`;
+  const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work (a server, a long build) in the background with & and its output redirected (cmd > log 2>&1 &): it keeps running after your command returns, as a background job (at most ${MAX_JOBS} at once), and every later tool result ends with a line per job saying whether it still runs. Poll its log, stop it with kill when you are done with it. Otherwise split the work into smaller steps or bound it with timeout.`;
+  const doneWhen = f.doneWhen
+    ? ` Your claim is checked by running \`${f.doneWhen}\`: if that fails, you get its output and keep working.`
+    : "";
   const honesty =
     "Never invent the output of a command or claim a result you have not seen. Do not write execution metadata (exit codes, timings, tool-call syntax) yourself; aic reports those.";
-  const marker = `When, and only when, the whole task is finished and you have checked the result, answer with the single word ${MARKER} on its own and no tool call. Never write that word earlier, in a plan, or in a message that also calls a tool.`;
+  const marker = `When, and only when, the whole task is finished and you have checked the result, answer with the single word ${MARKER} on its own and no tool call. Never write that word earlier, in a plan, or in a message that also calls a tool.${doneWhen}`;
   if (f.fast) {
     return (
       [
@@ -774,7 +812,7 @@ function describeCommandResult(r: CommandResult, timeoutSec: number, maxOutputBy
     case "exited":
       return `Command executed with exit code ${r.exitCode}.\nOutput:\n${r.output}`;
     case "timed_out":
-      return `Command timed out after ${timeoutSec} seconds and was killed (exit code ${r.exitCode}). For long jobs run them in the background with nohup … &, split the work, or wrap them in timeout.\nOutput before it was stopped:\n${r.output}`;
+      return `Command timed out after ${timeoutSec} seconds and was killed (exit code ${r.exitCode}). For long work start it in the background (cmd > log 2>&1 &) and poll the log, split the work, or wrap it in timeout.\nOutput before it was stopped:\n${r.output}`;
     case "waiting_for_input":
       return `Command stopped: it was waiting for input from the terminal and nobody can answer it (exit code ${r.exitCode}). Re-run it non-interactively: use flags such as -y/--yes/--non-interactive, pipe answers with yes |, or feed a here-document.\nOutput before it was stopped:\n${r.output}`;
     case "runaway":
@@ -860,12 +898,42 @@ type AgentEvent =
       total: Usage;
       context_estimate: number;
       budget: number;
+      /** Input plus output tokens of every model call of this process, against --max-tokens (null: no budget). */
+      spent: number;
+      max_tokens: number | null;
+    }
+  | { type: "job_started"; id: number; pid: number; command: string; log: string }
+  | { type: "job_ended"; id: number; pid: number; exit_code: number | null; how: Job["state"] }
+  | {
+      type: "verify";
+      command: string;
+      exit_code: number | null;
+      status: CommandStatus;
+      passed: boolean;
+      output: string;
     }
   | { type: "error"; message: string }
-  | { type: "end"; status: RunStatus; exit_code: number; steps: number; usage: Usage };
+  | {
+      type: "end";
+      status: RunStatus;
+      exit_code: number;
+      steps: number;
+      usage: Usage;
+      /** True when --done-when confirmed the completion. */
+      verified: boolean;
+    };
 
 type AgentEventType = AgentEvent["type"];
-type RunStatus = "completed" | "step_limit" | "stopped" | "interrupted" | "needs_approval" | "failed" | "terminal";
+type RunStatus =
+  | "completed"
+  | "step_limit"
+  | "stopped"
+  | "interrupted"
+  | "needs_approval"
+  | "failed"
+  | "terminal"
+  | "token_budget"
+  | "unverified";
 
 interface EventSink {
   emit(event: AgentEvent): void;
@@ -981,8 +1049,31 @@ function describeEvent(e: AgentEvent): EventLine[] {
         "summary",
         `[COMPRESSION] ${e.algorithm}: ${e.before_tokens} → ${e.after_tokens} tokens; ${e.detail}`,
       );
-    case "end":
-      return agent(e.exit_code === 0 ? "ok" : "warning", `[${e.status}] ${e.steps} step(s) · ${usageText(e.usage)}`);
+    case "job_started":
+      return console("info", `[job ${e.id} started: pid ${e.pid}, ${e.command}; its terminal is logged to ${e.log}]`);
+    case "job_ended": {
+      const code = e.exit_code === null ? "exit code unknown" : `exit code ${e.exit_code}`;
+      const how = e.how === "killed" ? "stopped" : e.how === "stopped_at_exit" ? "stopped as aic exits" : "ended";
+      return console("dim", `[job ${e.id} ${how}: pid ${e.pid}, ${code}]`);
+    }
+    case "verify": {
+      const code = e.exit_code === null ? e.status.replace(/_/g, " ") : `exit code ${e.exit_code}`;
+      return [
+        ...console("command", `$ ${e.command}   (completion check)`),
+        ...(e.output.trim() ? console("dim", e.output.trimEnd()) : []),
+        ...console(
+          e.passed ? "ok" : "bad",
+          e.passed ? `[completion verified: ${code}]` : `[completion refused: ${code}]`,
+        ),
+      ];
+    }
+    case "end": {
+      const verified = e.verified ? " · verified by --done-when" : "";
+      return agent(
+        e.exit_code === 0 ? "ok" : "warning",
+        `[${e.status}] ${e.steps} step(s) · ${usageText(e.usage)}${verified}`,
+      );
+    }
     default:
       return [];
   }
@@ -1364,6 +1455,46 @@ function validateOutgoing(messages: readonly Message[]): { messages: Message[]; 
   }
   const last = out[out.length - 1];
   return { messages: out, terminal: last?.role === "assistant" && !last.tool_calls?.length };
+}
+
+/** Every tool call id gets exactly one answer, also when the run stops halfway through a turn. */
+function answerOpenCalls(messages: Message[], content: string): void {
+  let i = messages.length - 1;
+  const answered = new Set<string>();
+  while (i >= 0 && messages[i]!.role === "tool") answered.add(messages[i--]!.tool_call_id ?? "");
+  const call = messages[i];
+  if (call?.role !== "assistant" || !call.tool_calls) return;
+  for (const c of call.tool_calls)
+    if (!answered.has(c.id)) messages.push({ role: "tool", tool_call_id: c.id, content });
+}
+
+/**
+ * A request whose run failed before the model answered it leaves the history
+ * (the person still has it, in the prompt history or the command line):
+ * otherwise failed attempts would pile up as unanswered requests that a
+ * model later takes as still pending. True when it was taken out.
+ */
+function withdrawUnanswered(messages: Message[], request: Message): boolean {
+  const at = messages.indexOf(request);
+  if (at < 0 || messages.slice(at).some((m) => m.role === "assistant")) return false;
+  messages.splice(at);
+  return true;
+}
+
+/** One call's token figures, as the server reports them or aic counts them. */
+type CallUsage = { prompt_tokens: number; completion_tokens: number; cached_tokens: number };
+
+/** A server that reports no usage still gets counted: tiktoken over what was sent and what came back. */
+async function countTurnUsage(
+  counter: TokenCounter,
+  sent: readonly Message[],
+  turn: { content: string; reasoning: string; toolCalls: ToolCall[] },
+): Promise<CallUsage> {
+  const prompt = Math.ceil((await counter.countRawYielding(sent)) * counter.ratio);
+  let completion = counter.tokensOf(turn.content) + counter.tokensOf(turn.reasoning);
+  for (const call of turn.toolCalls)
+    completion += counter.tokensOf(call.function.name) + counter.tokensOf(call.function.arguments);
+  return { prompt_tokens: prompt, completion_tokens: completion, cached_tokens: 0 };
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -2090,6 +2221,7 @@ function openLinuxLibc() {
     execve: { args: [FFIType.cstring, FFIType.ptr, FFIType.ptr], returns: FFIType.i32 },
     flock: { args: [FFIType.i32, FFIType.i32], returns: FFIType.i32 },
     fcntl: { args: [FFIType.i32, FFIType.i32, FFIType.i64], returns: FFIType.i32 },
+    waitpid: { args: [FFIType.i32, FFIType.ptr, FFIType.i32], returns: FFIType.i32 },
   });
 }
 
@@ -2514,6 +2646,8 @@ interface SessionState {
   usage: Usage;
   /** Where the agent works now (the start directory unless it followed the Shell tab). */
   cwd?: string;
+  /** The background jobs this process started, and how each ended (stopped when aic exited, say). */
+  jobs?: JobRecord[];
 }
 
 interface LoadedSession extends Partial<SessionState> {
@@ -2552,6 +2686,7 @@ const SESSION_KEYS = new Set([
   "usage",
   "messages",
   "output_dir",
+  "jobs",
 ]);
 
 /** Stands in for the message list while the rest of the document is stringified. */
@@ -2787,6 +2922,7 @@ class SessionStore {
       messages: MESSAGES_SLOT,
     };
     if (this.outputDir) doc.output_dir = this.outputDir;
+    if (state.jobs) doc.jobs = state.jobs;
     for (const [key, value] of Object.entries(this.extra)) if (!(key in doc)) doc[key] = value;
     try {
       // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
@@ -3280,6 +3416,13 @@ interface PtyProcess {
   eof: Promise<void>;
 }
 
+/**
+ * The children Bun itself started and will reap (commands' shells, the Shell
+ * tab). Anything else that becomes aic's child is an orphan adopted through
+ * the subreaper, which aic must reap itself; these it must never touch.
+ */
+const bunChildren = new Set<number>();
+
 /** Starts `argv` on a fresh PTY; the child leads its own session and process group. Shared by commands and the Shell tab. */
 function spawnPty(
   argv: string[],
@@ -3304,6 +3447,8 @@ function spawnPty(
       exit: () => eofReached(),
     },
   });
+  bunChildren.add(proc.pid);
+  void proc.exited.then(() => bunChildren.delete(proc.pid));
   return { proc, terminal: proc.terminal!, eof };
 }
 
@@ -3315,51 +3460,127 @@ function exitCodeOf(proc: Bun.Subprocess): number | null {
   return signal && SIGNAL_NUMBERS[signal] ? 128 + SIGNAL_NUMBERS[signal] : null;
 }
 
-/** SIGTERM to the whole group, SIGKILL half a second later for whatever is left. */
-/** Sends `sig` to every process of the group led by `pid`; a group that is already gone is fine. */
-function signalGroup(pid: number, sig: NodeJS.Signals): void {
+/** Sends `sig` to every process of the group `pgid`; a group that is already gone is fine. */
+function signalGroup(pgid: number, sig: NodeJS.Signals): void {
   try {
-    process.kill(-pid, sig);
+    process.kill(-pgid, sig);
   } catch {
     /* the group is already gone */
   }
 }
 
-/**
- * SIGTERM to the whole group, SIGKILL half a second later for whatever is
- * left: background grandchildren get the same grace as the shell itself.
- */
-async function killProcessGroup(pid: number): Promise<void> {
-  signalGroup(pid, "SIGTERM");
-  signalGroup(pid, "SIGCONT"); // a group paused for back-pressure must wake to act on SIGTERM
-  const deadline = Date.now() + KILL_GRACE_MS;
-  while (Date.now() < deadline && groupAlive(pid)) await Bun.sleep(KILL_POLL_MS);
-  signalGroup(pid, "SIGKILL");
+/** One process, as its /proc/<pid>/stat line says. */
+interface ProcessInfo {
+  pid: number;
+  ppid: number;
+  pgid: number;
+  sid: number;
+  /** The foreground group of its controlling terminal (meaningful for a session leader). */
+  tpgid: number;
+  zombie: boolean;
+  /** Stopped by a signal (state T). */
+  stopped: boolean;
 }
 
-function groupAlive(pid: number): boolean {
+/** What /proc says about `pid`, or undefined once it is gone. The name in parentheses may hold anything, so fields are read after the last ")". */
+function processInfo(pid: number): ProcessInfo | undefined {
+  let stat: string;
   try {
-    process.kill(-pid, 0);
-    return process.platform !== "linux" || processesInGroup(pid).length > 0;
+    stat = fs.readFileSync(`/proc/${pid}/stat`, "utf8");
   } catch {
-    return false;
+    return undefined;
   }
+  const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+  return {
+    pid,
+    ppid: Number(f[1]),
+    pgid: Number(f[2]),
+    sid: Number(f[3]),
+    tpgid: Number(f[5]),
+    zombie: f[0] === "Z",
+    stopped: f[0] === "T",
+  };
+}
+
+/** Every process on the machine (those that vanish meanwhile are left out). */
+function allProcesses(): ProcessInfo[] {
+  const list: ProcessInfo[] = [];
+  for (const entry of fs.readdirSync("/proc")) {
+    if (!/^\d+$/.test(entry)) continue;
+    const info = processInfo(Number(entry));
+    if (info) list.push(info);
+  }
+  return list;
 }
 
 /** Every live process whose process group is `pgid`. */
 function processesInGroup(pgid: number): number[] {
-  const pids: number[] = [];
-  for (const entry of fs.readdirSync("/proc")) {
-    if (!/^\d+$/.test(entry)) continue;
-    try {
-      const stat = fs.readFileSync(`/proc/${entry}/stat`, "utf8");
-      const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-      if (Number(fields[2]) === pgid && fields[0] !== "Z") pids.push(Number(entry));
-    } catch {
-      /* gone meanwhile */
-    }
+  return allProcesses()
+    .filter((p) => p.pgid === pgid && !p.zombie)
+    .map((p) => p.pid);
+}
+
+/**
+ * The process groups that make up a command's foreground: its shell's own,
+ * and the one the shell made foreground on the terminal (job control gives
+ * each pipeline its own group). Background jobs are in neither, so timeouts,
+ * stops and the waiting-for-input rule never touch them.
+ */
+function foregroundGroups(shellPid: number): number[] {
+  const tpgid = processInfo(shellPid)?.tpgid ?? 0;
+  return tpgid > 0 && tpgid !== shellPid ? [shellPid, tpgid] : [shellPid];
+}
+
+/** How long a pause waits for the shell to be stopped before it stops the shell's job. */
+const STOP_WAIT_MS = 50;
+
+/** Waits (a moment, blocking) until `pid` is stopped; false if it is not within STOP_WAIT_MS (it then stays unpaused). */
+function untilStopped(pid: number): boolean {
+  const deadline = performance.now() + STOP_WAIT_MS;
+  for (;;) {
+    const info = processInfo(pid);
+    if (!info || info.zombie) return false;
+    if (info.stopped) return true;
+    if (performance.now() > deadline) return false;
   }
-  return pids;
+}
+
+/**
+ * SIGTERM to every group of `groups`, SIGKILL half a second later for
+ * whatever is left: children in those groups get the same grace as their
+ * parent. `wait` sleeps (asynchronously in the loop, synchronously at exit).
+ */
+async function killGroups(groups: readonly number[]): Promise<void> {
+  for (const g of groups) {
+    signalGroup(g, "SIGTERM");
+    signalGroup(g, "SIGCONT"); // a group paused for back-pressure must wake to act on SIGTERM
+  }
+  const deadline = Date.now() + KILL_GRACE_MS;
+  while (Date.now() < deadline && groups.some(groupAlive)) await Bun.sleep(KILL_POLL_MS);
+  for (const g of groups) signalGroup(g, "SIGKILL");
+}
+
+/** The same, blocking: for the last moments of the process, when no timer will run again. */
+function killGroupsNow(groups: readonly number[]): void {
+  for (const g of groups) {
+    signalGroup(g, "SIGTERM");
+    signalGroup(g, "SIGCONT");
+  }
+  const deadline = Date.now() + KILL_GRACE_MS;
+  while (Date.now() < deadline && groups.some(groupAlive)) {
+    reapAdoptedZombies();
+    Bun.sleepSync(KILL_POLL_MS);
+  }
+  for (const g of groups) signalGroup(g, "SIGKILL");
+}
+
+function groupAlive(pgid: number): boolean {
+  try {
+    process.kill(-pgid, 0);
+    return process.platform !== "linux" || processesInGroup(pgid).length > 0;
+  } catch {
+    return false;
+  }
 }
 
 /** aic's environment minus the API key, for commands and the Shell tab. */
@@ -3451,8 +3672,8 @@ class OutputStore {
     }
   }
 
-  /** A new file for one command's whole output: its descriptor, and the path to give the model. */
-  createFile(): { fd: number; path: string } {
+  /** A new file for one command's whole output (or a job's terminal): its descriptor, and the path to give the model. */
+  createFile(kind: "output" | "job" = "output"): { fd: number; path: string } {
     // A command may have renamed the directory and put something else at its path: start a new one.
     if (this.dir && !this.dir.isStillAtPath()) {
       this.dir.close();
@@ -3462,7 +3683,7 @@ class OutputStore {
       this.dir = HeldDirectory.createTemporary(`${OUTPUT_DIR_PREFIX}${this.tag}-`);
       this.onDirectory(this.dir.path);
     }
-    const name = `output-${Date.now()}-${randomName()}.txt`;
+    const name = `${kind}-${Date.now()}-${randomName()}.${kind === "job" ? "log" : "txt"}`;
     return { fd: this.dir.createExclusive(name), path: this.dir.display(name) };
   }
 
@@ -3844,16 +4065,19 @@ function pollsOnlyItsTerminal(pid: number): boolean {
 }
 
 /**
- * True when the whole group is stuck on its terminal: at least one process
+ * True when the whole foreground is stuck on its terminal: at least one process
  * blocked reading the PTY (directly, or polling with nothing but the
  * terminal to wait for) and every other one waiting for a child. A command
  * that is merely slow (sleeping, computing, on the network) is not.
  */
-function groupWaitsForTerminalInput(pgid: number): boolean {
+function groupsWaitForTerminalInput(pgids: readonly number[]): boolean {
   const table = SYSCALLS[process.arch];
   if (!table || process.platform !== "linux") return false;
   let readers = 0;
-  for (const pid of processesInGroup(pgid)) {
+  const pids = allProcesses()
+    .filter((p) => pgids.includes(p.pgid) && !p.zombie)
+    .map((p) => p.pid);
+  for (const pid of pids) {
     let fields: string[];
     try {
       fields = fs.readFileSync(`/proc/${pid}/syscall`, "utf8").trim().split(" ");
@@ -3902,11 +4126,22 @@ interface RunOptions {
   onWaitingForInput?(): void;
   /** Lets the caller forward a person's keystrokes to the command; returns a detach function. */
   attachInput?(write: (data: string | Uint8Array) => void): () => void;
+  /** Takes over what the command leaves running as background jobs (without one, leftovers die with the terminal). */
+  jobs?: JobTable;
+}
+
+/** What runCommand adds to a result when the command left processes running. */
+interface JobsLeft {
+  started: Job[];
+  refused: Job[];
 }
 
 function commandWrapper(command: string): string {
   const ua = BROWSER_USER_AGENT.replace(/'/g, "");
   return [
+    // Job control: each `&` job gets a process group of its own, so it outlives the shell and the
+    // timeout, stops and the input watch (which act on the foreground) never reach it.
+    "set -m 2>/dev/null",
     `export HTTP_USER_AGENT='${ua}'`,
     `curl() { command curl -A "$HTTP_USER_AGENT" "$@"; }`,
     `wget() { command wget -U "$HTTP_USER_AGENT" "$@"; }`,
@@ -3914,7 +4149,7 @@ function commandWrapper(command: string): string {
   ].join("\n");
 }
 
-async function runCommand(opts: RunOptions): Promise<CommandResult> {
+async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: JobsLeft }> {
   const Terminal = await loadXterm();
   const rendered = new RenderedOutput(opts.maxOutputBytes, opts.outputs);
   // Made on the first byte: most commands print nothing and need no emulator.
@@ -3925,30 +4160,45 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
   let status: CommandStatus = "exited";
   let stopping: Promise<void> | undefined;
 
-  const env = { ...commandEnvironment(), ...COMMAND_ENV };
+  const marker = opts.jobs?.nextMarker() ?? "";
+  const env = { ...commandEnvironment(), ...COMMAND_ENV, ...(marker ? { [JOB_MARKER_ENV]: marker } : {}) };
+  let deliver = (bytes: Uint8Array) => {
+    if (stopping && status === "runaway") return;
+    lastOutputAt = Date.now();
+    rawBytes += bytes.length;
+    (renderer ??= new TerminalRenderer(Terminal, rendered, flow)).write(bytes);
+    opts.onData(bytes);
+    if (rawBytes > runawayLimit) stop("runaway");
+  };
   const pty = spawnPty(opts.sandbox.wrap(["/bin/sh", "-c", commandWrapper(opts.command)]), {
     cwd: opts.cwd,
     env,
     cols: COMMAND_COLUMNS,
     rows: COMMAND_ROWS,
-    onData: (bytes) => {
-      if (stopping && status === "runaway") return;
-      lastOutputAt = Date.now();
-      rawBytes += bytes.length;
-      (renderer ??= new TerminalRenderer(Terminal, rendered, flow)).write(bytes);
-      opts.onData(bytes);
-      if (rawBytes > runawayLimit) stop("runaway");
-    },
+    onData: (bytes) => deliver(bytes),
   });
+  const shell = pty.proc.pid;
   const exited = pty.proc.exited;
   const stop = (why: CommandStatus) => {
     if (stopping) return;
     status = why;
-    stopping = killProcessGroup(pty.proc.pid);
+    stopping = killGroups(foregroundGroups(shell));
   };
+  // Back-pressure pauses what runs in the foreground; a background job writing to the same terminal is not held.
+  // A shell with job control that saw its foreground job stop would give up on it and go on (exit 128+19), so the
+  // shell is stopped first and resumed last: it never sees the job stopped.
+  let paused: number[] = [];
   const flow = {
-    pause: () => signalGroup(pty.proc.pid, "SIGSTOP"),
-    resume: () => signalGroup(pty.proc.pid, "SIGCONT"),
+    pause: () => {
+      paused = foregroundGroups(shell).filter((g) => g !== shell);
+      signalGroup(shell, "SIGSTOP");
+      if (paused.length && untilStopped(shell)) for (const g of paused) signalGroup(g, "SIGSTOP");
+    },
+    resume: () => {
+      for (const g of paused) signalGroup(g, "SIGCONT");
+      signalGroup(shell, "SIGCONT");
+      paused = [];
+    },
   };
 
   const timeout = setTimeout(() => stop("timed_out"), opts.timeoutSec * 1000);
@@ -3960,7 +4210,8 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
   const silence = inputWaitSilenceMs();
   const watcher = setInterval(
     () => {
-      if (stopping || told || Date.now() - lastOutputAt < silence || !groupWaitsForTerminalInput(pty.proc.pid)) return;
+      if (stopping || told || Date.now() - lastOutputAt < silence) return;
+      if (!groupsWaitForTerminalInput(foregroundGroups(shell))) return;
       if (!opts.canAnswerInput) return stop("waiting_for_input");
       told = true;
       opts.onWaitingForInput?.();
@@ -3969,21 +4220,475 @@ async function runCommand(opts: RunOptions): Promise<CommandResult> {
   );
   const detachInput = opts.attachInput?.((data) => pty.terminal.write(data));
 
+  let jobs: JobsLeft | undefined;
   try {
     await exited;
     // Output written just before exit can still be in flight.
     await Promise.race([pty.eof, Bun.sleep(PTY_DRAIN_GRACE_MS)]);
     if (stopping) await stopping;
+    jobs = opts.jobs?.adopt({
+      command: opts.command,
+      session: shell,
+      marker,
+      terminal: pty.terminal,
+      eof: pty.eof,
+      redirect: (sink) => (deliver = sink),
+    });
   } finally {
     clearTimeout(timeout);
     clearInterval(watcher);
     opts.signal.removeEventListener("abort", onAbort);
     detachInput?.();
-    pty.terminal.close();
+    if (!jobs) pty.terminal.close();
   }
   await renderer?.finish();
   const { text, savedTo } = rendered.finish();
-  return { exitCode: exitCodeOf(pty.proc), status, output: text, savedTo };
+  return { exitCode: exitCodeOf(pty.proc), status, output: text, savedTo, jobs };
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Background jobs
+// Owns: what a command leaves running when its shell exits (a dev server, a
+// build started with `&`, a double-forked daemon): found, kept alive, its
+// terminal drained to a log, reported on every later tool result, and
+// stopped on every way out of aic but kill -9.
+//
+// How they are found: each command's shell runs with job control (`set -m`),
+// so a `&` job gets a process group of its own and survives the shell's exit;
+// every process a command starts carries JOB_MARKER_ENV and sits in the
+// command's session (until it calls setsid); and aic is a child subreaper,
+// so an orphan, daemons included, becomes aic's child instead of init's.
+// ════════════════════════════════════════════════════════════════════════════
+
+const PR_SET_CHILD_SUBREAPER = 36;
+const WNOHANG = 1;
+
+/** Makes aic the reaper of its orphaned descendants, so a daemon a command starts stays findable. */
+function becomeSubreaper(): void {
+  libc()?.symbols.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+}
+
+/** The pids of aic's own children, across all its threads (an adopted orphan may be listed under any). */
+function ownChildren(): number[] {
+  const pids = new Set<number>();
+  try {
+    for (const task of fs.readdirSync("/proc/self/task"))
+      for (const pid of fs.readFileSync(`/proc/self/task/${task}/children`, "utf8").split(" "))
+        if (pid.trim()) pids.add(Number(pid));
+  } catch {
+    /* no /proc: no jobs either */
+  }
+  return [...pids];
+}
+
+/** Exit codes of adopted children aic reaped, by pid: a job's leader is looked up here when its group ends. */
+const reapedExitCodes = new Map<number, number>();
+
+/**
+ * Waits for every adopted child that has ended (never one of Bun's own,
+ * which Bun reaps), so no zombie piles up, and keeps its exit code as a
+ * shell does: the code, or 128 + the signal.
+ */
+function reapAdoptedZombies(): void {
+  const c = libc()?.symbols;
+  if (!c) return;
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  const status = new Int32Array(1);
+  for (const pid of ownChildren()) {
+    if (bunChildren.has(pid) || !processInfo(pid)?.zombie) continue;
+    if (c.waitpid(pid, ptr(status), WNOHANG) !== pid) continue;
+    const s = status[0]!;
+    reapedExitCodes.set(pid, (s & 0x7f) === 0 ? (s >> 8) & 0xff : 128 + (s & 0x7f));
+    if (reapedExitCodes.size > 1000) reapedExitCodes.delete(reapedExitCodes.keys().next().value!);
+  }
+}
+
+/** The value of JOB_MARKER_ENV in a process's environment, if it can be read. */
+function jobMarkerOf(pid: number): string | undefined {
+  let environ: Buffer;
+  try {
+    environ = fs.readFileSync(`/proc/${pid}/environ`);
+  } catch {
+    return undefined;
+  }
+  const prefix = `${JOB_MARKER_ENV}=`;
+  for (const entry of environ.toString("utf8").split("\0"))
+    if (entry.startsWith(prefix)) return entry.slice(prefix.length);
+  return undefined;
+}
+
+/** `text` on one line (runs of whitespace made one space), cut to `max` characters. */
+function oneLine(text: string, max: number): string {
+  const flat = text.replace(/\s+/g, " ").trim();
+  return flat.length > max ? `${flat.slice(0, max - 1)}…` : flat;
+}
+
+/** A process's command line as one line, for a job's description. */
+function commandLineOf(pid: number): string {
+  try {
+    const argv = fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").split("\0").filter(Boolean);
+    return visibleControls(oneLine(argv.join(" "), 120)) || `pid ${pid}`;
+  } catch {
+    return `pid ${pid}`;
+  }
+}
+
+/**
+ * The terminal of a command whose jobs outlived it: aic keeps reading it (a
+ * job that writes there and finds nobody reading would block), into a log
+ * in the private outputs directory. The log is bounded: past `limit` bytes
+ * it starts again with a line saying so, keeping the latest output.
+ */
+class JobTerminal {
+  readonly path: string;
+  private readonly fd: number;
+  private written = 0;
+  private closed = false;
+
+  constructor(
+    private readonly terminal: Bun.Terminal,
+    outputs: OutputStore,
+    private readonly limit: number,
+  ) {
+    try {
+      const file = outputs.createFile("job");
+      this.fd = file.fd;
+      this.path = file.path;
+    } catch (error) {
+      // The job still runs and its terminal is still drained; only the log is missing, and the model is told why.
+      this.fd = -1;
+      this.path = `(no log: ${(error as Error).message})`;
+    }
+  }
+
+  write(bytes: Uint8Array): void {
+    if (this.closed || this.fd < 0) return;
+    try {
+      if (this.written + bytes.length > this.limit) {
+        fs.ftruncateSync(this.fd, 0);
+        this.written = 0;
+        this.append(
+          utf8.encode(`[aic: this log passed ${this.limit} bytes at ${localIsoSeconds()} and started again]\n`),
+        );
+      }
+      this.append(bytes);
+    } catch {
+      /* the log is best effort; the job must not block on it */
+    }
+  }
+
+  private append(bytes: Uint8Array): void {
+    fs.writeSync(this.fd, bytes, 0, bytes.length, this.written);
+    this.written += bytes.length;
+  }
+
+  close(): void {
+    if (this.closed) return;
+    this.closed = true;
+    if (this.fd >= 0) fs.closeSync(this.fd);
+    this.terminal.close();
+  }
+}
+
+/** One background job: a process group (or several, if it spawned new ones) that outlived the command that started it. */
+interface Job {
+  id: number;
+  /** The process whose exit code is the job's: the group's leader. */
+  pid: number;
+  command: string;
+  /** The session of the command that started it, and the marker its processes carry. */
+  session: number;
+  marker: string;
+  groups: Set<number>;
+  terminal: JobTerminal;
+  startedAt: number;
+  endedAt?: number;
+  exitCode: number | null;
+  state: "running" | "ended" | "killed" | "stopped_at_exit" | "refused";
+  /** The model has been told this job ended. */
+  told: boolean;
+}
+
+/** What a session file keeps of a job. */
+interface JobRecord {
+  id: number;
+  pid: number;
+  command: string;
+  log: string;
+  started_at: string;
+  state: Job["state"];
+  exit_code: number | null;
+}
+
+/** What a command left behind, for `adopt`. */
+interface Leftovers {
+  /** The command as the model wrote it: the name of a job that is a subshell of it. */
+  command: string;
+  session: number;
+  marker: string;
+  terminal: Bun.Terminal;
+  eof: Promise<void>;
+  /** Points the terminal's output at the job log from now on. */
+  redirect(sink: (bytes: Uint8Array) => void): void;
+}
+
+/** Every job table of this process: the exit handler stops their jobs on a path that skipped close(). */
+const liveJobTables = new Set<JobTable>();
+let exitHandlerInstalled = false;
+
+/**
+ * The jobs of one aic process. Commands hand over what they leave running;
+ * a timer (only while jobs run) notices when they end; every tool result
+ * gets `report()`; the person can list and kill them; `stopAll` ends them
+ * when aic exits.
+ */
+class JobTable {
+  private readonly jobs: Job[] = [];
+  private nextId = 1;
+  private commands = 0;
+  private timer: ReturnType<typeof setInterval> | undefined;
+
+  constructor(
+    private readonly emit: (event: AgentEvent) => void,
+    private readonly outputs: OutputStore,
+    private readonly logLimit: number,
+  ) {
+    liveJobTables.add(this);
+    if (!exitHandlerInstalled) {
+      exitHandlerInstalled = true;
+      // The last resort (process.exit from deep inside, a crash): jobs never outlive aic.
+      process.once("exit", () => liveJobTables.forEach((t) => t.stopAll()));
+    }
+  }
+
+  /** A marker for the next command's environment. */
+  nextMarker(): string {
+    return `${process.pid}.${++this.commands}`;
+  }
+
+  get running(): Job[] {
+    return this.jobs.filter((j) => j.state === "running");
+  }
+
+  /**
+   * Called when a command's shell has exited: whatever of it still runs
+   * becomes a job per process group, up to MAX_JOBS; past that, the new
+   * ones are stopped and the model is told. Returns undefined (and leaves
+   * the terminal to the caller) when nothing is left.
+   */
+  adopt(left: Leftovers): { started: Job[]; refused: Job[] } | undefined {
+    if (process.platform !== "linux") return undefined;
+    reapAdoptedZombies();
+    // The shell is gone, so whatever of the command lives has an ancestor that is now aic's own child (the
+    // subreaper adopts orphans). No such new child, nothing left: the usual case costs no scan of /proc.
+    const known = new Set(this.running.flatMap((j) => [...j.groups]));
+    const adopted = ownChildren().filter((pid) => {
+      if (bunChildren.has(pid)) return false;
+      const info = processInfo(pid);
+      return info !== undefined && !info.zombie && !known.has(info.pgid);
+    });
+    if (adopted.length === 0) return undefined;
+    const members = this.membersOf(left.session, left.marker);
+    if (members.length === 0) return undefined;
+    const terminal = new JobTerminal(left.terminal, this.outputs, this.logLimit);
+    left.redirect((bytes) => terminal.write(bytes));
+    void left.eof.then(() => this.closeTerminalIfIdle(terminal, true));
+    const started: Job[] = [];
+    const refused: Job[] = [];
+    for (const pgid of new Set(members.map((m) => m.pgid))) {
+      const inGroup = members.filter((m) => m.pgid === pgid);
+      const leader = inGroup.find((m) => m.pid === pgid) ?? inGroup[0]!;
+      const line = commandLineOf(leader.pid);
+      const job: Job = {
+        id: this.nextId++,
+        pid: leader.pid,
+        // A `( … ) &` job is a fork of the command's own shell, whose command line is aic's wrapper: name the command instead.
+        command: line.startsWith("/bin/sh -c set -m") ? `a subshell of: ${oneLine(left.command, 100)}` : line,
+        session: left.session,
+        marker: left.marker,
+        groups: new Set([pgid]),
+        terminal,
+        startedAt: Date.now(),
+        exitCode: null,
+        state: "running",
+        told: false,
+      };
+      this.jobs.push(job);
+      if (this.running.length > MAX_JOBS) {
+        job.state = "refused";
+        refused.push(job);
+        void killGroups([...job.groups]);
+        continue;
+      }
+      started.push(job);
+      this.emit({ type: "job_started", id: job.id, pid: job.pid, command: job.command, log: terminal.path });
+    }
+    if (started.length === 0) this.closeTerminalIfIdle(terminal);
+    this.watch();
+    return { started, refused };
+  }
+
+  /**
+   * The live processes of a command: those still in its session, and those
+   * that carry its marker (they left the session with setsid) and descend
+   * from aic, which a subreaper's descendants always do.
+   */
+  private membersOf(session: number, marker: string): ProcessInfo[] {
+    const all = allProcesses().filter((p) => !p.zombie);
+    const parent = new Map(all.map((p) => [p.pid, p.ppid]));
+    const descendsFromAic = (pid: number) => {
+      for (let p = parent.get(pid), depth = 0; p !== undefined && depth < 64; p = parent.get(p), depth++)
+        if (p === process.pid) return true;
+      return false;
+    };
+    return all.filter(
+      (p) =>
+        p.pid !== process.pid &&
+        !bunChildren.has(p.pid) &&
+        (p.sid === session || (descendsFromAic(p.pid) && jobMarkerOf(p.pid) === marker)),
+    );
+  }
+
+  private watch(): void {
+    if (this.timer || this.running.length === 0) return;
+    this.timer = setInterval(() => this.poll(), JOB_POLL_MS);
+    this.timer.unref?.();
+  }
+
+  /** Reaps what ended, adopts orphans of a job that left its groups, and ends jobs whose groups are empty. */
+  private poll(): void {
+    reapAdoptedZombies();
+    const running = this.running;
+    for (const pid of ownChildren()) {
+      if (bunChildren.has(pid)) continue;
+      const info = processInfo(pid);
+      if (!info || info.zombie || running.some((j) => j.groups.has(info.pgid))) continue;
+      const marker = jobMarkerOf(pid);
+      running.find((j) => j.marker === marker)?.groups.add(info.pgid);
+    }
+    for (const job of running) if (![...job.groups].some(groupExists)) this.finish(job, "ended");
+    if (this.running.length === 0 && this.timer) {
+      clearInterval(this.timer);
+      this.timer = undefined;
+    }
+  }
+
+  private finish(job: Job, state: Job["state"]): void {
+    if (job.state !== "running") return;
+    job.state = state;
+    job.endedAt = Date.now();
+    job.exitCode = reapedExitCodes.get(job.pid) ?? null;
+    this.emit({ type: "job_ended", id: job.id, pid: job.pid, exit_code: job.exitCode, how: state });
+    this.closeTerminalIfIdle(job.terminal);
+  }
+
+  /** A job's terminal is closed once none of its jobs runs, or once every process has closed it (`eof`). */
+  private closeTerminalIfIdle(terminal: JobTerminal, eof = false): void {
+    if (eof || !this.jobs.some((j) => j.terminal === terminal && j.state === "running")) terminal.close();
+  }
+
+  /**
+   * The groups that hold a job's processes now, checked in /proc (a group id
+   * is never signalled on trust). A group of the same command that no job
+   * knows yet (started after the command returned) goes with the command's
+   * first running job.
+   */
+  private liveGroups(job: Job): number[] {
+    const siblings = this.jobs.filter((j) => j.marker === job.marker && j !== job);
+    const first = this.jobs.find((j) => j.marker === job.marker && j.state === "running") === job;
+    const groups = new Set(
+      this.membersOf(job.session, job.marker)
+        .filter((p) => job.groups.has(p.pgid) || (first && !siblings.some((s) => s.groups.has(p.pgid))))
+        .map((p) => p.pgid),
+    );
+    for (const g of groups) job.groups.add(g);
+    return [...groups];
+  }
+
+  /** `/jobs kill N`: SIGTERM, then SIGKILL half a second later. */
+  async kill(id: number): Promise<string> {
+    const job = this.jobs.find((j) => j.id === id);
+    if (!job) return `There is no job ${id}.`;
+    if (job.state !== "running") return `Job ${id} is not running (${jobStateText(job)}).`;
+    await killGroups(this.liveGroups(job));
+    reapAdoptedZombies();
+    this.finish(job, "killed");
+    return `Stopped job ${id} (${job.command}).`;
+  }
+
+  /** On every way out: each running job's groups get SIGTERM, then SIGKILL 0.5 s later. Blocking, so it also works from an exit handler. */
+  stopAll(): void {
+    liveJobTables.delete(this);
+    if (this.running.length) this.poll(); // a job that ended by itself is reported as such, not as stopped
+    const running = this.running;
+    if (running.length === 0) return;
+    killGroupsNow(running.flatMap((job) => this.liveGroups(job)));
+    reapAdoptedZombies();
+    for (const job of running) this.finish(job, "stopped_at_exit");
+    if (this.timer) clearInterval(this.timer);
+    this.timer = undefined;
+  }
+
+  /** The lines every tool result ends with: each running job, and each that ended since the last result. */
+  report(): string {
+    if (this.running.length) this.poll();
+    const lines: string[] = [];
+    for (const job of this.jobs) {
+      if (job.state === "refused" || job.told) continue;
+      if (job.state !== "running") job.told = true;
+      lines.push(jobLine(job));
+    }
+    return lines.join("\n");
+  }
+
+  /** `/jobs`: every job this process started, newest last. */
+  list(): string[] {
+    return this.jobs.filter((j) => j.state !== "refused").map(jobLine);
+  }
+
+  records(): JobRecord[] {
+    return this.jobs.map((j) => ({
+      id: j.id,
+      pid: j.pid,
+      command: j.command,
+      log: j.terminal.path,
+      started_at: new Date(j.startedAt).toISOString(),
+      state: j.state,
+      exit_code: j.exitCode,
+    }));
+  }
+}
+
+function groupExists(pgid: number): boolean {
+  try {
+    process.kill(-pgid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+function jobStateText(job: Job): string {
+  const code = job.exitCode === null ? "exit code unknown" : `exit code ${job.exitCode}`;
+  const took = waitText((job.endedAt ?? Date.now()) - job.startedAt);
+  switch (job.state) {
+    case "running":
+      return `running for ${took}`;
+    case "killed":
+      return `stopped by the person after ${took}`;
+    case "stopped_at_exit":
+      return `stopped when aic exited, after ${took}`;
+    case "refused":
+      return `stopped at once: too many jobs`;
+    default:
+      return `ended after ${took}, ${code}`;
+  }
+}
+
+/** `[job 1] running for 12 s: pid 4242, python3 -m http.server 8123; its terminal is logged to /tmp/…/job-….log` */
+function jobLine(job: Job): string {
+  const log = job.state === "running" ? `; its terminal is logged to ${job.terminal.path}` : "";
+  return `[job ${job.id}] ${jobStateText(job)}: pid ${job.pid}, ${job.command}${log}`;
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -4019,6 +4724,8 @@ interface AgentOptions {
   attachInput?: RunOptions["attachInput"];
   /** Runs right before each command starts (the TUI syncs the cwd with its shell here). */
   beforeCommand?: () => void;
+  /** Takes over what commands leave running. */
+  jobs: JobTable;
 }
 
 /** What answering one tool call came to: a tool message, a rejection with the person's suggestion, or no one to ask. */
@@ -4075,26 +4782,15 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
   }
   if (signal.aborted) return { kind: "done", content: notExecuted(signal) };
   o.beforeCommand?.();
-  let result: CommandResult;
-  try {
-    result = await runCommand({
-      command,
-      cwd: ctx.cwd(),
-      timeoutSec: o.config.timeoutSec,
-      maxOutputBytes: o.config.maxOutputBytes,
-      canAnswerInput: o.canAnswerInput() && !ctx.autoApprove,
-      signal,
-      sandbox: o.sandbox,
-      outputs: o.outputs,
-      onData: (data) => emit({ type: "command_output", id: call.id, data }),
-      onWaitingForInput: () => emit({ type: "command_waiting", id: call.id }),
-      attachInput: o.attachInput,
-    });
-  } catch (error) {
-    // The model can do something about a command that cannot start (a vanished cwd, say); the run goes on.
-    result = { exitCode: null, status: "not_started", output: (error as Error).message };
-  }
-  const content = describeCommandResult(result, o.config.timeoutSec, o.config.maxOutputBytes);
+  const result = await runForAgent(command, o, ctx.cwd(), signal, {
+    canAnswerInput: o.canAnswerInput() && !ctx.autoApprove,
+    onData: (data) => emit({ type: "command_output", id: call.id, data }),
+    onWaitingForInput: () => emit({ type: "command_waiting", id: call.id }),
+    attachInput: o.attachInput,
+  });
+  let content = describeCommandResult(result, o.config.timeoutSec, o.config.maxOutputBytes);
+  if (result.jobs?.refused.length)
+    content += `\nThis command left ${result.jobs.refused.length} more process group(s) running, but at most ${MAX_JOBS} background jobs run at once, so aic stopped them: ${result.jobs.refused.map((j) => j.command).join("; ")}. Stop a job you no longer need (kill its pid) before starting another.`;
   emit({
     type: "command_result",
     id: call.id,
@@ -4104,6 +4800,65 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
     saved_to: result.savedTo,
   });
   return { kind: "done", content };
+}
+
+/**
+ * Runs a command with the run's settings (timeout, output cap, sandbox, saved
+ * outputs, jobs). A command that cannot even start is a result too: the
+ * model can do something about it (a vanished cwd, say), and the run goes on.
+ */
+async function runForAgent(
+  command: string,
+  o: AgentOptions,
+  cwd: string,
+  signal: AbortSignal,
+  io: Pick<RunOptions, "canAnswerInput" | "onData" | "onWaitingForInput" | "attachInput">,
+): Promise<CommandResult & { jobs?: JobsLeft }> {
+  try {
+    return await runCommand({
+      command,
+      cwd,
+      timeoutSec: o.config.timeoutSec,
+      maxOutputBytes: o.config.maxOutputBytes,
+      signal,
+      sandbox: o.sandbox,
+      outputs: o.outputs,
+      jobs: o.jobs,
+      ...io,
+    });
+  } catch (error) {
+    return { exitCode: null, status: "not_started", output: (error as Error).message };
+  }
+}
+
+/**
+ * Runs the --done-when check like any command (the cwd, the sandbox, the
+ * timeout) but without asking: the person gave it. Passed only on exit 0.
+ * A failure is worded for the model with the check's output, head and tail.
+ */
+async function checkCompletion(
+  command: string,
+  ctx: Pick<ToolCallContext, "options" | "cwd" | "signal" | "emit">,
+): Promise<{ passed: boolean; refusal: string }> {
+  const result = await runForAgent(command, ctx.options, ctx.cwd(), ctx.signal, {
+    canAnswerInput: false,
+    onData: () => {},
+  });
+  const passed = result.status === "exited" && result.exitCode === 0;
+  ctx.emit({
+    type: "verify",
+    command,
+    exit_code: result.exitCode,
+    status: result.status,
+    passed,
+    output: result.output,
+  });
+  const how = result.status === "exited" ? "" : ` (${result.status.replace(/_/g, " ")})`;
+  const code = result.exitCode ?? "without an exit code";
+  return {
+    passed,
+    refusal: `[Completion check failed] ${command} exited ${code}${how}:\n${result.output.trim() ? result.output : "(no output)"}\nThe task is not finished: keep working, and claim completion again only once this check would pass.`,
+  };
 }
 
 /** The abort reason of a run the person interrupted (rather than one stopped by a signal or /stop). */
@@ -4133,6 +4888,218 @@ function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T | 
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// Model calls and their tokens
+// Owns: each model call of the agent (turns and the summariser), what it
+// costs against --max-tokens, the context figure, and noticing a server that
+// reports far fewer prompt tokens than aic sent (it is cutting the prompt to
+// a smaller window than aic thinks it has).
+// ════════════════════════════════════════════════════════════════════════════
+
+/** Thrown before a model call that would pass --max-tokens: the run ends with exit 5, the session saved. */
+class TokenBudgetError extends Error {}
+
+/** A prompt reported at under this fraction of what aic counted looks cut by the server. */
+const TRUNCATION_SUSPECT_RATIO = 0.5;
+
+/**
+ * The run's token spending and its trust in the server's prompt figures.
+ * Every model call counts, the summariser's too: the server's usage, or
+ * aic's own count where it reports none.
+ */
+class TokenLedger {
+  /** The conversation's totals (restored with a session, so they span runs). */
+  usage: Usage = emptyUsage();
+  /** Input plus output tokens of every model call of this process. */
+  spent = 0;
+  private lowReportsInRow = 0;
+  private warned = false;
+
+  constructor(
+    private readonly config: Pick<Config, "maxTokens" | "maxPromptLen">,
+    private readonly emit: (event: AgentEvent) => void,
+  ) {}
+
+  get maxTokens(): number | undefined {
+    return this.config.maxTokens;
+  }
+
+  /** Before a call that sends about `input` tokens: refuses it when it would pass the budget. */
+  beforeCall(input: number, what: string): void {
+    const max = this.config.maxTokens;
+    if (max === undefined || this.spent + input <= max) return;
+    throw new TokenBudgetError(
+      `the token budget is spent: ${this.spent} of --max-tokens ${max} used, and the next ${what} would send about ${input} more; stopped before it (the session is saved; a larger --max-tokens goes on from here)`,
+    );
+  }
+
+  /** Counts one call (`estimated`: by aic, since the server reported nothing) and tells the sink. */
+  record(u: CallUsage, estimated: boolean, contextEstimate: number, budget: number): void {
+    const t = this.usage;
+    t.input_tokens += u.prompt_tokens;
+    t.output_tokens += u.completion_tokens;
+    t.cached_tokens += u.cached_tokens;
+    t.billable_tokens = t.input_tokens - t.cached_tokens + t.output_tokens;
+    if (estimated) t.estimated = true;
+    this.spent += u.prompt_tokens + u.completion_tokens;
+    this.emit({
+      type: "usage",
+      prompt_tokens: u.prompt_tokens,
+      completion_tokens: u.completion_tokens,
+      cached_tokens: u.cached_tokens,
+      estimated,
+      total: { ...t },
+      context_estimate: contextEstimate,
+      budget,
+      spent: this.spent,
+      max_tokens: this.config.maxTokens ?? null,
+    });
+  }
+
+  /**
+   * Whether the server's prompt figure can be believed. Under half of what
+   * aic counted, it is not used to calibrate anything; twice in a row, the
+   * person is told once that the server is probably cutting the prompt.
+   */
+  trustsPromptReport(reported: number, counted: number): boolean {
+    const low = counted > 0 && reported < counted * TRUNCATION_SUSPECT_RATIO;
+    this.lowReportsInRow = low ? this.lowReportsInRow + 1 : 0;
+    if (this.lowReportsInRow >= 2 && !this.warned) {
+      this.warned = true;
+      this.emit({
+        type: "warning",
+        text: `the server reported ${reported} prompt tokens for a prompt aic counts at about ${counted}, twice in a row: it is probably cutting the prompt to a smaller context window than --max-prompt-len ${this.config.maxPromptLen} (Ollama's num_ctx, llama.cpp's -c). Give the server a larger context or lower --max-prompt-len to what it holds; aic does not adjust its estimates from these figures`,
+      });
+    }
+    return !low;
+  }
+}
+
+/**
+ * The agent's side of the model: every call streamed through the client,
+ * what it costs counted (against --max-tokens too), and the token counter
+ * and context figure that compression reads. The conversation itself stays
+ * with the Agent; this class only sends what it is given.
+ */
+class ModelCalls {
+  readonly ledger: TokenLedger;
+  /** tiktoken, once loaded; until then sizes are bounded by byte counts. */
+  counter: TokenCounter | undefined;
+  private counterLoading: Promise<TokenCounter> | undefined;
+  /** The last estimate of the prompt, in the server's tokens; every change is told to the sink as a `context` event. */
+  private context = 0;
+  private readonly client: ModelClient;
+
+  constructor(
+    private readonly config: Config,
+    private readonly sink: EventSink,
+  ) {
+    this.client = new ModelClient(config, sink);
+    this.ledger = new TokenLedger(config, (e) => sink.emit(e));
+  }
+
+  private get budget(): number {
+    return promptBudget(this.config);
+  }
+
+  get contextEstimate(): number {
+    return this.context;
+  }
+
+  set contextEstimate(tokens: number) {
+    if (tokens === this.context) return;
+    this.context = tokens;
+    this.sink.emit({ type: "context", estimate: tokens, budget: this.budget });
+  }
+
+  /** Loading tiktoken takes a moment of CPU; it starts during the first model call instead of before it. */
+  tokenCounter(): Promise<TokenCounter> {
+    this.counterLoading ??= TokenCounter.create().then((counter) => (this.counter = counter));
+    return this.counterLoading;
+  }
+
+  newRun(): void {
+    this.client.newRun();
+  }
+
+  /**
+   * One streamed turn of the agent. `beforeSending` gets the prompt's
+   * estimate first (the debug dump, the checkpoint); then the budget may
+   * refuse the call; afterwards the server's figures are judged, counted,
+   * and (when believable) calibrate the counter.
+   */
+  async turn(
+    messages: Message[],
+    signal: AbortSignal,
+    beforeSending: (estimate: number) => void,
+  ): Promise<AssistantTurn> {
+    // A budget is checked against a real count: the byte bound used before tiktoken is loaded overstates.
+    if (this.ledger.maxTokens !== undefined) await this.tokenCounter();
+    const counter = this.counter;
+    const rawSent = counter ? counter.countRaw(messages) : tokenUpperBound(messages);
+    this.contextEstimate = Math.ceil(rawSent * (counter?.ratio ?? 1));
+    beforeSending(this.contextEstimate);
+    this.ledger.beforeCall(this.contextEstimate, "model call");
+    let thinking = false;
+    void this.tokenCounter();
+    const emit = (e: AgentEvent) => this.sink.emit(e);
+    const turn = await this.client.completeWithRetries(() => ({ messages, tools: true, temperature: 0.2 }), signal, {
+      onContent: (text) => emit({ type: "assistant_delta", text }),
+      onReasoning: (text) => {
+        thinking = true;
+        emit({ type: "reasoning_delta", text });
+      },
+      onThinkingComplete: () => {
+        if (thinking) emit({ type: "thinking_complete" });
+        thinking = false;
+      },
+      onDiscard: (reason) => emit({ type: "discarded", reason }),
+    });
+    if (turn.usage) {
+      // The server's figure is judged against tiktoken's own count (the byte bound cannot judge it).
+      const counted = (await this.tokenCounter()).countRaw(messages);
+      const trusted = this.ledger.trustsPromptReport(turn.usage.prompt_tokens, counted);
+      if (trusted) counter?.calibrate(rawSent, turn.usage.prompt_tokens);
+      this.addUsage(turn.usage, false, trusted);
+    } else this.addUsage(await countTurnUsage(await this.tokenCounter(), messages, turn), true);
+    return turn;
+  }
+
+  /** Counts a call's tokens; unless the prompt figure looks cut by the server, it becomes the context figure. */
+  private addUsage(u: CallUsage, estimated: boolean, trusted = true): void {
+    if (trusted) this.contextEstimate = u.prompt_tokens;
+    this.ledger.record(u, estimated, this.contextEstimate, this.budget);
+  }
+
+  /** The summariser call: no tools, temperature 1.0, its text shown as [SESSION SUMMARY] away from the agent's own output. */
+  async summarise(request: Message[], signal: AbortSignal): Promise<string | undefined> {
+    if (this.ledger.maxTokens !== undefined) {
+      const counter = await this.tokenCounter();
+      this.ledger.beforeCall(Math.ceil(counter.countRaw(request) * counter.ratio), "summariser call");
+    }
+    this.sink.emit({ type: "summary_delta", text: "[SESSION SUMMARY]\n" });
+    try {
+      const turn = await this.client.completeWithRetries(
+        () => ({ messages: request, tools: false, temperature: 1.0 }),
+        signal,
+        {
+          onContent: (text) => this.sink.emit({ type: "summary_delta", text }),
+        },
+      );
+      this.sink.emit({ type: "summary_delta", text: "\n" });
+      this.addUsage(turn.usage ?? (await countTurnUsage(await this.tokenCounter(), request, turn)), !turn.usage);
+      return turn.content;
+    } catch (error) {
+      if (error instanceof StoppedError) throw error;
+      this.sink.emit({
+        type: "warning",
+        text: `the summariser failed (${(error as Error).message}); using ${SUMMARY_UNAVAILABLE}`,
+      });
+      return undefined;
+    }
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // Agent loop
 // Owns: the ralph loop — history, steering suggestions, compression at the start
 // of each step, one streamed model turn, the approval gate and the commands —
@@ -4148,28 +5115,37 @@ function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T | 
 class Agent {
   messages: Message[] = [];
   stepCount = 0;
-  usage: Usage = emptyUsage();
   private autoApprove: boolean;
   private isRunning = false;
   /** Where commands run: the start directory, or wherever the person's Shell tab went. */
   private cwd = process.cwd();
-  /** The last estimate of the prompt, in the server's tokens; every change is told to the sink as a `context` event. */
-  private context = 0;
   private basePrompt: string;
   private summary: string | undefined;
   private suggestions: string[] = [];
   private abort: AbortController | undefined;
-  private counter: TokenCounter | undefined;
-  private readonly client: ModelClient;
+  /** The model side: calls, token counts, the context figure, the budget. */
+  private readonly model: ModelCalls;
+  /** Claims of completion --done-when refused during this run, and whether the last one was confirmed. */
+  private refusedClaims = 0;
+  private verified = false;
 
   constructor(private readonly o: AgentOptions) {
     this.autoApprove = o.config.autoApprove;
     this.basePrompt = o.systemPrompt;
-    this.client = new ModelClient(o.config, o.sink);
+    this.model = new ModelCalls(o.config, o.sink);
   }
 
   get budget(): number {
     return promptBudget(this.o.config);
+  }
+
+  /** The conversation's token totals. */
+  get usage(): Usage {
+    return this.model.ledger.usage;
+  }
+
+  private set usage(totals: Usage) {
+    this.model.ledger.usage = totals;
   }
 
   get running(): boolean {
@@ -4193,13 +5169,11 @@ class Agent {
   }
 
   get contextEstimate(): number {
-    return this.context;
+    return this.model.contextEstimate;
   }
 
   private set contextEstimate(tokens: number) {
-    if (tokens === this.context) return;
-    this.context = tokens;
-    this.emit({ type: "context", estimate: tokens, budget: this.budget });
+    this.model.contextEstimate = tokens;
   }
 
   /** Takes over a restored session; the stored summary stays after the fresh system prompt. */
@@ -4268,11 +5242,13 @@ class Agent {
   }
 
   checkpoint(reason: string): void {
+    const jobs = this.o.jobs.records();
     this.o.session?.save(reason, {
       messages: this.messages,
       stepCount: this.stepCount,
       usage: this.usage,
       cwd: this.cwd,
+      jobs: jobs.length ? jobs : undefined,
     });
   }
 
@@ -4280,11 +5256,8 @@ class Agent {
     this.o.sink.emit(e);
   }
 
-  private counterLoading: Promise<TokenCounter> | undefined;
-  /** Loading tiktoken takes a moment of CPU; it starts during the first model call instead of before it. */
   private tokenCounter(): Promise<TokenCounter> {
-    this.counterLoading ??= TokenCounter.create().then((counter) => (this.counter = counter));
-    return this.counterLoading;
+    return this.model.tokenCounter();
   }
 
   async run(request: string): Promise<RunOutcome> {
@@ -4295,7 +5268,9 @@ class Agent {
     else this.refreshSystemPrompt();
     const requestMessage: Message = { role: "user", content: request };
     this.messages.push(requestMessage);
-    this.client.newRun();
+    this.model.newRun();
+    this.refusedClaims = 0;
+    this.verified = false;
     this.checkpoint("user_request");
     let status: RunStatus = "step_limit";
     let steps = 0;
@@ -4329,7 +5304,10 @@ class Agent {
       }
     } catch (error) {
       if (error instanceof StoppedError || abort.signal.aborted) status = stoppedStatus(abort.signal);
-      else {
+      else if (error instanceof TokenBudgetError) {
+        status = "token_budget";
+        this.emit({ type: "warning", text: error.message });
+      } else {
         status = "failed";
         this.emit({
           type: "error",
@@ -4338,8 +5316,12 @@ class Agent {
         });
       }
     } finally {
-      this.answerOpenCalls(notExecuted(abort.signal));
-      if (status === "failed") this.withdrawUnanswered(requestMessage);
+      answerOpenCalls(this.messages, notExecuted(abort.signal));
+      if (status === "failed" && withdrawUnanswered(this.messages, requestMessage))
+        this.emit({
+          type: "info",
+          text: "the request was taken back out of the conversation, since the model never answered it",
+        });
       this.isRunning = false;
       this.abort = undefined;
       this.checkpoint(status === "stopped" || status === "interrupted" ? "interrupted" : "loop_terminated");
@@ -4350,24 +5332,15 @@ class Agent {
         text: `stopped after ${this.o.config.maxSteps} steps (--max-steps) without the task being marked complete`,
       });
     const exitCode = status === "stopped" ? this.stopExitCode : EXIT_FOR_STATUS[status];
-    this.emit({ type: "end", status, exit_code: exitCode, steps, usage: { ...this.usage } });
-    return { status, exitCode };
-  }
-
-  /**
-   * A request whose run failed before the model answered it leaves the
-   * history (the person still has it, in the prompt history or the command
-   * line): otherwise failed attempts would pile up as unanswered requests
-   * that a model later takes as still pending.
-   */
-  private withdrawUnanswered(request: Message): void {
-    const at = this.messages.indexOf(request);
-    if (at < 0 || this.messages.slice(at).some((m) => m.role === "assistant")) return;
-    this.messages.splice(at);
     this.emit({
-      type: "info",
-      text: "the request was taken back out of the conversation, since the model never answered it",
+      type: "end",
+      status,
+      exit_code: exitCode,
+      steps,
+      usage: { ...this.usage },
+      verified: status === "completed" && this.verified,
     });
+    return { status, exitCode };
   }
 
   /** Streams one model turn; a context overflow compresses harder and tries again. */
@@ -4375,35 +5348,11 @@ class Agent {
     let fraction = this.o.config.compressTarget;
     for (let overflow = 0; ; overflow++) {
       const { messages } = validateOutgoing(this.messages);
-      const counter = this.counter;
-      const rawSent = counter ? counter.countRaw(messages) : tokenUpperBound(messages);
-      this.contextEstimate = Math.ceil(rawSent * (counter?.ratio ?? 1));
-      if (this.o.config.debug) writeDebugDump(this.o.workDir, messages, this.contextEstimate, this.budget);
-      this.checkpoint("before_llm_call");
-      let thinking = false;
-      void this.tokenCounter();
       try {
-        const turn = await this.client.completeWithRetries(
-          () => ({ messages, tools: true, temperature: 0.2 }),
-          signal,
-          {
-            onContent: (text) => this.emit({ type: "assistant_delta", text }),
-            onReasoning: (text) => {
-              thinking = true;
-              this.emit({ type: "reasoning_delta", text });
-            },
-            onThinkingComplete: () => {
-              if (thinking) this.emit({ type: "thinking_complete" });
-              thinking = false;
-            },
-            onDiscard: (reason) => this.emit({ type: "discarded", reason }),
-          },
-        );
-        if (turn.usage) {
-          counter?.calibrate(rawSent, turn.usage.prompt_tokens);
-          this.addUsage(turn.usage, false);
-        } else this.addUsage(await this.estimateUsage(messages, turn), true);
-        return turn;
+        return await this.model.turn(messages, signal, (estimate) => {
+          if (this.o.config.debug) writeDebugDump(this.o.workDir, messages, estimate, this.budget);
+          this.checkpoint("before_llm_call");
+        });
       } catch (error) {
         if (!(error instanceof ModelError) || error.kind !== "context" || overflow >= MAX_CONTEXT_RETRIES) throw error;
         fraction /= 2;
@@ -4415,39 +5364,6 @@ class Agent {
         await this.compressIfNeeded(signal, fraction, true, this.contextEstimate);
       }
     }
-  }
-
-  /** `estimated`: the server reported no usage, so aic counted the figures itself. */
-  private addUsage(u: NonNullable<AssistantTurn["usage"]>, estimated: boolean): void {
-    this.usage.input_tokens += u.prompt_tokens;
-    this.usage.output_tokens += u.completion_tokens;
-    this.usage.cached_tokens += u.cached_tokens;
-    this.usage.billable_tokens = this.usage.input_tokens - this.usage.cached_tokens + this.usage.output_tokens;
-    if (estimated) this.usage.estimated = true;
-    this.contextEstimate = u.prompt_tokens;
-    this.emit({
-      type: "usage",
-      prompt_tokens: u.prompt_tokens,
-      completion_tokens: u.completion_tokens,
-      cached_tokens: u.cached_tokens,
-      estimated,
-      total: { ...this.usage },
-      context_estimate: this.contextEstimate,
-      budget: this.budget,
-    });
-  }
-
-  /** A server that reports no usage still gets counted: tiktoken over what was sent and what came back. */
-  private async estimateUsage(
-    sent: readonly Message[],
-    turn: AssistantTurn,
-  ): Promise<NonNullable<AssistantTurn["usage"]>> {
-    const counter = await this.tokenCounter();
-    const prompt = Math.ceil((await counter.countRawYielding(sent)) * counter.ratio);
-    let completion = counter.tokensOf(turn.content) + counter.tokensOf(turn.reasoning);
-    for (const call of turn.toolCalls)
-      completion += counter.tokensOf(call.function.name) + counter.tokensOf(call.function.arguments);
-    return { prompt_tokens: prompt, completion_tokens: completion, cached_tokens: 0 };
   }
 
   /** Stores the assistant turn and acts on it; returns a final status, or undefined to go on. */
@@ -4465,7 +5381,7 @@ class Agent {
     this.checkpoint("assistant_message");
     if (!turn.toolCalls.length) {
       // A suggestion typed during the last step is heard before the task counts as done.
-      if (turn.content.includes(MARKER)) return this.suggestions.length ? undefined : "completed";
+      if (turn.content.includes(MARKER)) return this.suggestions.length ? undefined : this.judgeClaim(signal);
       this.messages.push({ role: "user", content: CONTINUE_MESSAGE });
       return undefined;
     }
@@ -4486,7 +5402,7 @@ class Agent {
         emit: (event) => this.emit(event),
       });
       if (result.kind === "no_input") {
-        this.answerOpenCalls(NOT_EXECUTED_STOPPED);
+        answerOpenCalls(this.messages, NOT_EXECUTED_STOPPED);
         return "needs_approval";
       }
       this.answer(call.id, result.content);
@@ -4496,20 +5412,40 @@ class Agent {
     return signal.aborted ? stoppedStatus(signal) : undefined;
   }
 
-  private answer(id: string, content: string): void {
-    this.messages.push({ role: "tool", tool_call_id: id, content });
-    this.checkpoint("tool_result");
+  /**
+   * A claim of completion: taken at its word without --done-when; with it,
+   * the check decides. A refusal goes back to the model with the check's
+   * output; MAX_REFUSED_CLAIMS in a row end the run (exit 6).
+   */
+  private async judgeClaim(signal: AbortSignal): Promise<RunStatus | undefined> {
+    const check = this.o.config.doneWhen;
+    if (!check) return "completed";
+    const { passed, refusal } = await checkCompletion(check, {
+      options: this.o,
+      cwd: () => this.cwd,
+      signal,
+      emit: (e) => this.emit(e),
+    });
+    if (signal.aborted) return stoppedStatus(signal);
+    if (passed) {
+      this.verified = true;
+      return "completed";
+    }
+    this.messages.push({ role: "user", content: refusal });
+    this.checkpoint("completion_refused");
+    if (++this.refusedClaims < MAX_REFUSED_CLAIMS) return undefined;
+    this.emit({
+      type: "warning",
+      text: `--done-when refused ${this.refusedClaims} claims of completion in a row (${check} kept failing); giving up`,
+    });
+    return "unverified";
   }
 
-  /** Every tool call id gets exactly one answer, also when the run stops halfway through a turn. */
-  private answerOpenCalls(content: string): void {
-    let i = this.messages.length - 1;
-    const answered = new Set<string>();
-    while (i >= 0 && this.messages[i]!.role === "tool") answered.add(this.messages[i--]!.tool_call_id ?? "");
-    const call = this.messages[i];
-    if (call?.role !== "assistant" || !call.tool_calls) return;
-    for (const c of call.tool_calls)
-      if (!answered.has(c.id)) this.messages.push({ role: "tool", tool_call_id: c.id, content });
+  /** Every tool result ends with the background jobs' lines: those running, and those that ended since the last. */
+  private answer(id: string, content: string): void {
+    const jobs = this.o.jobs.report();
+    this.messages.push({ role: "tool", tool_call_id: id, content: jobs ? `${content}\n${jobs}` : content });
+    this.checkpoint("tool_result");
   }
 
   /**
@@ -4526,7 +5462,7 @@ class Agent {
   ): Promise<void> {
     if (this.messages.length <= 2) return;
     // Before tiktoken is loaded, a byte count bounds the tokens: a short history needs no counting at all.
-    if (!force && !this.counter && tokenUpperBound(this.messages) <= this.budget) return;
+    if (!force && !this.model.counter && tokenUpperBound(this.messages) <= this.budget) return;
     const counter = await this.tokenCounter();
     const before = Math.ceil((await counter.countRawYielding(this.messages)) * counter.ratio);
     this.contextEstimate = before;
@@ -4542,7 +5478,7 @@ class Agent {
         this.summary,
         counter,
         targetRaw,
-        (request) => this.summarise(request, signal),
+        (request) => this.model.summarise(request, signal),
         Math.floor(this.budget / counter.ratio),
       );
       this.summary = anchored.summary;
@@ -4560,30 +5496,6 @@ class Agent {
       detail: result.detail,
     });
     this.checkpoint("compressed");
-  }
-
-  /** The summariser call: no tools, temperature 1.0, its text shown as [SESSION SUMMARY] away from the agent's own output. */
-  private async summarise(request: Message[], signal: AbortSignal): Promise<string | undefined> {
-    this.emit({ type: "summary_delta", text: "[SESSION SUMMARY]\n" });
-    try {
-      const turn = await this.client.completeWithRetries(
-        () => ({ messages: request, tools: false, temperature: 1.0 }),
-        signal,
-        {
-          onContent: (text) => this.emit({ type: "summary_delta", text }),
-        },
-      );
-      this.emit({ type: "summary_delta", text: "\n" });
-      this.addUsage(turn.usage ?? (await this.estimateUsage(request, turn)), !turn.usage);
-      return turn.content;
-    } catch (error) {
-      if (error instanceof StoppedError) throw error;
-      this.emit({
-        type: "warning",
-        text: `the summariser failed (${(error as Error).message}); using ${SUMMARY_UNAVAILABLE}`,
-      });
-      return undefined;
-    }
   }
 }
 
@@ -4662,6 +5574,7 @@ function prepareParts(config: Config): PreparedRun {
     sandbox,
     selfCommand: selfCommand(),
     projectInstructions: readProjectInstructions(process.cwd()),
+    doneWhen: config.doneWhen,
   });
   return { sandbox, systemPrompt };
 }
@@ -4686,6 +5599,8 @@ const EXIT_FOR_STATUS: Record<RunStatus, number> = {
   failed: EXIT.failure,
   stopped: EXIT.sigint,
   interrupted: EXIT.sigint,
+  token_budget: EXIT.tokenBudget,
+  unverified: EXIT.unverified,
 };
 
 /** What a front end gives a run: where its events go, how approvals are answered, and who can type into a command. */
@@ -4703,6 +5618,8 @@ interface FrontEnd {
 interface Run {
   readonly agent: Agent;
   readonly session: SessionStore | undefined;
+  /** What commands left running (the TUI's /jobs). */
+  readonly jobs: JobTable;
   /** What the session file restored, if anything (its usage shows at once). */
   readonly restored: LoadedSession | undefined;
   /** Saves the session with `reason`, releases its lock, keeps or removes the saved outputs: once, on every exit path. */
@@ -4741,6 +5658,9 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     },
   );
   const workDir = HeldDirectory.open(process.cwd());
+  // Before the first command: a daemon it double-forks must become aic's, to be found and stopped later.
+  becomeSubreaper();
+  const jobs = new JobTable((e) => front.sink.emit(e), outputs, RUNAWAY_FACTOR * config.maxOutputBytes);
   const agent = new Agent({
     config,
     sink: front.sink,
@@ -4753,6 +5673,7 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     canAnswerInput: front.canAnswerInput,
     attachInput: front.attachInput,
     beforeCommand: front.beforeCommand,
+    jobs,
   });
   if (loaded) {
     for (const line of loaded.reports) front.sink.emit({ type: "info", text: `[SESSION] ${line}` });
@@ -4762,10 +5683,13 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   return {
     agent,
     session,
+    jobs,
     restored: loaded,
     close(reason) {
       if (closed) return;
       closed = true;
+      // Jobs first, so the session records how each of them ended.
+      jobs.stopAll();
       agent.checkpoint(reason);
       session?.release();
       outputs.close();
@@ -5013,10 +5937,11 @@ async function runSearch(query: string, maxResults: number): Promise<number> {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// TUI parts: prompt history and figures
+// TUI parts: prompt history, figures, footer and banner
 // Owns: the prompt history file shared by every aic of the person (locked,
-// merged, replaced atomically), walking it with Up/Down and Ctrl+R, and the
-// footer's small figures. Loaded only by the TUI.
+// merged, replaced atomically), walking it with Up/Down and Ctrl+R (and the
+// search line that shows it), and the footer and banner: which figures they
+// show and what gives way when the terminal is narrow. Loaded only by the TUI.
 // ════════════════════════════════════════════════════════════════════════════
 
 const HISTORY_LIMIT = 1000;
@@ -5160,6 +6085,248 @@ function compactCount(n: number): string {
   if (n < 10_000) return String(n);
   if (n < 1_000_000) return `${(n / 1000).toFixed(n < 100_000 ? 1 : 0)}k`;
   return `${(n / 1_000_000).toFixed(1)}M`;
+}
+
+/** The figures the footer shows, kept up to date from the agent's events. */
+interface FooterFigures {
+  sandboxOn: boolean;
+  step: number;
+  maxSteps: number;
+  context: number;
+  budget: number;
+  tokens: number;
+  /** Spent against --max-tokens, when there is a budget. */
+  spending?: { spent: number; max: number };
+  /** Background jobs running now. */
+  jobs: number;
+  rate: number;
+  state: "pending" | "running" | "idle";
+  autoApprove: boolean;
+  model: string;
+  session: string;
+  /** A notice that must be seen now ("Ctrl+C again to quit", "keys go to the command"). */
+  notice?: string;
+}
+
+/** The figures the TUI keeps itself; the rest (rate, state, auto-approve) are read when the footer is drawn. */
+type TuiFigures = Omit<FooterFigures, "rate" | "state" | "autoApprove">;
+
+/** What an agent event changes in the footer's figures; true when it changed something. */
+function updateFigures(f: TuiFigures, e: AgentEvent): boolean {
+  switch (e.type) {
+    case "step":
+      f.step = e.step;
+      return true;
+    case "usage":
+      f.tokens = e.total.billable_tokens;
+      f.context = e.context_estimate;
+      if (e.max_tokens !== null) f.spending = { spent: e.spent, max: e.max_tokens };
+      return true;
+    case "context":
+      f.context = e.estimate;
+      f.budget = e.budget;
+      return true;
+    // Each job starts once and ends once, so the two events keep the count.
+    case "job_started":
+      f.jobs++;
+      return true;
+    case "job_ended":
+      f.jobs = Math.max(0, f.jobs - 1);
+      return true;
+    default:
+      return false;
+  }
+}
+
+/** One field of the footer; a lower `keep` is more important. 0 is never dropped. */
+interface FooterField {
+  text: string;
+  short?: string;
+  keep: number;
+  color?: string;
+}
+
+function footerFields(f: FooterFigures): FooterField[] {
+  const fields: FooterField[] = [
+    {
+      text: `Sandbox: ${f.sandboxOn ? "on" : "off"}`,
+      short: `SB ${f.sandboxOn ? "on" : "off"}`,
+      keep: 3,
+      color: f.sandboxOn ? COLORS.ok : COLORS.error,
+    },
+  ];
+  if (f.notice) fields.push({ text: f.notice, keep: 0, color: COLORS.warning });
+  fields.push(
+    f.state === "pending"
+      ? { text: "⚠ approval pending", short: "⚠ pending", keep: 0, color: COLORS.warning }
+      : { text: f.state, keep: 4 },
+    { text: `auto-approve ${f.autoApprove ? "ON" : "off"}`, short: `AA ${f.autoApprove ? "ON" : "off"}`, keep: 0 },
+    { text: `step ${f.step}/${f.maxSteps}`, short: `${f.step}/${f.maxSteps}`, keep: 1 },
+    {
+      text: `ctx ${compactCount(f.context)}/${compactCount(f.budget)}`,
+      short: `ctx ${compactCount(f.context)}`,
+      keep: 1,
+    },
+    f.spending
+      ? {
+          text: `${compactCount(f.spending.spent)}/${compactCount(f.spending.max)} tok`,
+          keep: 1,
+          color: f.spending.spent > 0.9 * f.spending.max ? COLORS.warning : undefined,
+        }
+      : { text: `${compactCount(f.tokens)} tok`, keep: 5 },
+    ...(f.jobs ? [{ text: `${f.jobs} job${f.jobs === 1 ? "" : "s"}`, keep: 2 }] : []),
+    { text: `${f.rate} tok/s`, keep: 6 },
+    { text: f.model, short: f.model.length > 14 ? `${f.model.slice(0, 13)}…` : undefined, keep: 7 },
+    { text: f.session, short: f.session.includes("#") ? f.session.slice(f.session.indexOf("#")) : undefined, keep: 8 },
+  );
+  return fields;
+}
+
+/**
+ * The footer for `width` columns: the least important fields are shortened
+ * first, then dropped, so what a person needs most (a pending approval, the
+ * auto-approve state, the step, the context) stays whole at any width.
+ */
+function fitFooter(fields: FooterField[], width: number): FooterField[] {
+  const length = (list: FooterField[]) => 1 + list.reduce((n, f) => n + Bun.stringWidth(f.text) + 1, 0);
+  const out = fields.map((f) => ({ ...f }));
+  // Least important first: shortened, then dropped if that is not enough, before anything more important is touched.
+  for (const f of [...out].sort((a, b) => b.keep - a.keep)) {
+    if (length(out) <= width) break;
+    if (f.short !== undefined) f.text = f.short;
+    if (length(out) > width && f.keep > 0) out.splice(out.indexOf(f), 1);
+  }
+  return out;
+}
+
+/**
+ * Ctrl+R over the prompt history, drawn on one line above the prompt:
+ * typing narrows the search, Ctrl+R steps to an older match, Enter takes the
+ * match, Escape or Ctrl+G puts the prompt back as it was.
+ */
+class SearchLine {
+  readonly node: TextNode;
+  private readonly search: ReverseSearch;
+  private saved: string | undefined;
+
+  constructor(
+    ot: OpenTui,
+    r: CliRenderer,
+    history: () => readonly string[],
+    /** Puts a value into the prompt when the search ends. */
+    private readonly done: (value: string) => void,
+  ) {
+    this.node = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#ffd75f", content: "", visible: false });
+    this.search = new ReverseSearch(history);
+  }
+
+  get active(): boolean {
+    return this.saved !== undefined;
+  }
+
+  start(current: string): void {
+    this.saved = current;
+    this.search.setQuery("");
+    this.draw();
+  }
+
+  /** A key while searching; "quit" when the person pressed Ctrl+C. */
+  key(key: KeyEvent, id: string): "quit" | undefined {
+    key.preventDefault();
+    if (id === "C-c") return "quit";
+    if (id === "C-r") this.search.next();
+    else if (id === "return") return void this.end(this.search.text ?? this.saved ?? "");
+    else if (id === "escape" || id === "C-g") return void this.cancel();
+    else if (id === "backspace") this.search.setQuery(this.search.query.slice(0, -1));
+    else if (!key.ctrl && !key.meta && key.sequence && !key.sequence.startsWith("\x1b") && key.sequence >= " ")
+      this.search.setQuery(this.search.query + key.sequence);
+    this.draw();
+    return undefined;
+  }
+
+  /** Ends the search leaving the prompt as it was (a dialog opened, the tab changed). */
+  cancel(): void {
+    if (this.saved !== undefined) this.end(this.saved);
+  }
+
+  private end(value: string): void {
+    this.saved = undefined;
+    this.node.visible = false;
+    this.done(value);
+  }
+
+  private draw(): void {
+    const match = this.search.text;
+    const failed = this.search.query && match === undefined ? "failing " : "";
+    this.node.content = `(${failed}reverse-i-search)\`${this.search.query}': ${match ?? ""}   [Ctrl+R older · Enter accept · Esc cancel]`;
+    this.node.visible = true;
+  }
+}
+
+/** How long the warning that commands run for real stays up, unless an approval is pending. */
+const BANNER_HIDE_MS = 20_000;
+
+/**
+ * The footer line and the banner above the prompt: the banner warns that
+ * commands run for real (for a while after start), or names the command that
+ * waits for approval. Both fit the terminal's width.
+ */
+class StatusBar {
+  readonly footer: TextNode;
+  readonly banner: TextNode;
+  private footerText = "";
+  private readonly startedAt = Date.now();
+
+  constructor(
+    private readonly ot: OpenTui,
+    r: CliRenderer,
+  ) {
+    this.banner = new ot.TextRenderable(r, { height: 1, width: "100%", bg: "#5f0000", fg: "#ffffaf", content: "" });
+    this.footer = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#b0b0b0", bg: "#202020", content: "" });
+  }
+
+  draw(figures: FooterFigures, pending: ApprovalRequest | undefined, width: number): void {
+    const fields = fitFooter(footerFields(figures), width);
+    const text = fields.map((f) => f.text).join("│");
+    if (text !== this.footerText) {
+      this.footerText = text;
+      const { ot } = this;
+      const chunks: TextChunk[] = [];
+      fields.forEach((f, i) =>
+        chunks.push({
+          __isChunk: true,
+          text: `${i ? "│" : " "}${f.text}`,
+          fg: f.color ? ot.parseColor(f.color) : undefined,
+        } as TextChunk),
+      );
+      this.footer.content = new ot.StyledText(chunks);
+    }
+    const banner = bannerText(pending, !figures.autoApprove && Date.now() - this.startedAt < BANNER_HIDE_MS, width);
+    if (this.banner.content.toString() !== banner) this.banner.content = banner;
+    this.banner.visible = banner !== "";
+  }
+}
+
+/** The banner's words for `width` columns: the longest variant that fits. */
+function bannerText(pending: ApprovalRequest | undefined, warn: boolean, width: number): string {
+  const fits = (t: string) => Bun.stringWidth(t) <= width;
+  if (pending) {
+    const which = pending.total > 1 ? ` (${pending.index} of ${pending.total})` : "";
+    const hint = "  —  Y/Enter approves · N/Esc rejects · type to suggest";
+    const head = ` ⚠ Approval needed${which}: `;
+    const command = visibleControls(pending.command.split("\n")[0] ?? "");
+    const room = width - Bun.stringWidth(head) - (fits(head + command + hint) ? Bun.stringWidth(hint) : 0);
+    const shown = Bun.stringWidth(command) <= room ? command : `${command.slice(0, Math.max(0, room - 1))}…`;
+    return head + shown + (fits(head + command + hint) ? hint : "");
+  }
+  if (!warn) return "";
+  return (
+    [
+      " ⚠ Commands the agent proposes run for real on this machine once you approve them. /aa turns on auto-approve.",
+      " ⚠ Approved commands run for real on this machine · /aa turns on auto-approve",
+      " ⚠ Approved commands run for real",
+    ].find(fits) ?? ""
+  );
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -5825,10 +6992,10 @@ function keyToBytes(key: KeyEvent, applicationCursor = false): string {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// TUI parts: the approval dialog, the Shell tab and the footer
-// Owns: the dialog that shows the command waiting for approval, the person's
-// own shell (not sandboxed) behind the Shell tab, and the footer's line. The
-// app decides which keys reach them.
+// TUI parts: the approval dialog and the Shell tab
+// Owns: the dialog that shows the command waiting for approval (and the
+// request it waits on), and the person's own shell (not sandboxed) behind the
+// Shell tab. The app decides which keys reach them.
 // ════════════════════════════════════════════════════════════════════════════
 
 /**
@@ -5839,6 +7006,7 @@ function keyToBytes(key: KeyEvent, applicationCursor = false): string {
  */
 class ApprovalDialog {
   readonly overlay: BoxNode;
+  private waiting: { request: ApprovalRequest; resolve(a: Approval): void } | undefined;
   private readonly body: ScrollBoxNode;
   private readonly text: TextNode;
 
@@ -5900,7 +7068,36 @@ class ApprovalDialog {
     r.root.add(this.overlay);
   }
 
-  show(request: { command: string; index: number; total: number }): void {
+  /** Shows `request` and resolves with the person's answer (keys, buttons or slash commands give it through `answer`). */
+  ask(request: ApprovalRequest): Promise<Approval> {
+    return new Promise((resolve) => {
+      this.waiting = { request, resolve };
+      this.show(request);
+    });
+  }
+
+  /** Answers the request waiting in the dialog; false when none waits. */
+  answer(answer: Approval): boolean {
+    const waiting = this.waiting;
+    if (!waiting) return false;
+    this.waiting = undefined;
+    this.hide();
+    waiting.resolve(answer);
+    return true;
+  }
+
+  /** The run that asked has ended: nothing waits any longer, and the dialog must not swallow the next key. */
+  withdraw(): void {
+    this.waiting = undefined;
+    this.hide();
+  }
+
+  /** The command waiting for an answer, if any. */
+  get request(): ApprovalRequest | undefined {
+    return this.waiting?.request;
+  }
+
+  private show(request: ApprovalRequest): void {
     const lines = request.command.split("\n").length;
     const which = request.total > 1 ? ` ${request.index} of ${request.total}` : "";
     this.overlay.title = ` Approve command${which}? · ${lines} line${lines === 1 ? "" : "s"} `;
@@ -5909,7 +7106,7 @@ class ApprovalDialog {
     this.overlay.visible = true;
   }
 
-  hide(): void {
+  private hide(): void {
     this.overlay.visible = false;
   }
 
@@ -6072,211 +7269,11 @@ class ShellTab {
   }
 }
 
-/** The figures the footer shows, kept up to date from the agent's events. */
-interface FooterFigures {
-  sandboxOn: boolean;
-  step: number;
-  maxSteps: number;
-  context: number;
-  budget: number;
-  tokens: number;
-  rate: number;
-  state: "pending" | "running" | "idle";
-  autoApprove: boolean;
-  model: string;
-  session: string;
-  /** A notice that must be seen now ("Ctrl+C again to quit", "keys go to the command"). */
-  notice?: string;
-}
-
-/** One field of the footer; a lower `keep` is more important. 0 is never dropped. */
-interface FooterField {
-  text: string;
-  short?: string;
-  keep: number;
-  color?: string;
-}
-
-function footerFields(f: FooterFigures): FooterField[] {
-  const fields: FooterField[] = [
-    {
-      text: `Sandbox: ${f.sandboxOn ? "on" : "off"}`,
-      short: `SB ${f.sandboxOn ? "on" : "off"}`,
-      keep: 3,
-      color: f.sandboxOn ? COLORS.ok : COLORS.error,
-    },
-  ];
-  if (f.notice) fields.push({ text: f.notice, keep: 0, color: COLORS.warning });
-  fields.push(
-    f.state === "pending"
-      ? { text: "⚠ approval pending", short: "⚠ pending", keep: 0, color: COLORS.warning }
-      : { text: f.state, keep: 4 },
-    { text: `auto-approve ${f.autoApprove ? "ON" : "off"}`, short: `AA ${f.autoApprove ? "ON" : "off"}`, keep: 0 },
-    { text: `step ${f.step}/${f.maxSteps}`, short: `${f.step}/${f.maxSteps}`, keep: 1 },
-    {
-      text: `ctx ${compactCount(f.context)}/${compactCount(f.budget)}`,
-      short: `ctx ${compactCount(f.context)}`,
-      keep: 1,
-    },
-    { text: `${compactCount(f.tokens)} tok`, keep: 5 },
-    { text: `${f.rate} tok/s`, keep: 6 },
-    { text: f.model, short: f.model.length > 14 ? `${f.model.slice(0, 13)}…` : undefined, keep: 7 },
-    { text: f.session, short: f.session.includes("#") ? f.session.slice(f.session.indexOf("#")) : undefined, keep: 8 },
-  );
-  return fields;
-}
-
-/**
- * The footer for `width` columns: the least important fields are shortened
- * first, then dropped, so what a person needs most (a pending approval, the
- * auto-approve state, the step, the context) stays whole at any width.
- */
-function fitFooter(fields: FooterField[], width: number): FooterField[] {
-  const length = (list: FooterField[]) => 1 + list.reduce((n, f) => n + Bun.stringWidth(f.text) + 1, 0);
-  const out = fields.map((f) => ({ ...f }));
-  // Least important first: shortened, then dropped if that is not enough, before anything more important is touched.
-  for (const f of [...out].sort((a, b) => b.keep - a.keep)) {
-    if (length(out) <= width) break;
-    if (f.short !== undefined) f.text = f.short;
-    if (length(out) > width && f.keep > 0) out.splice(out.indexOf(f), 1);
-  }
-  return out;
-}
-
-/**
- * Ctrl+R over the prompt history, drawn on one line above the prompt:
- * typing narrows the search, Ctrl+R steps to an older match, Enter takes the
- * match, Escape or Ctrl+G puts the prompt back as it was.
- */
-class SearchLine {
-  readonly node: TextNode;
-  private readonly search: ReverseSearch;
-  private saved: string | undefined;
-
-  constructor(
-    ot: OpenTui,
-    r: CliRenderer,
-    history: () => readonly string[],
-    /** Puts a value into the prompt when the search ends. */
-    private readonly done: (value: string) => void,
-  ) {
-    this.node = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#ffd75f", content: "", visible: false });
-    this.search = new ReverseSearch(history);
-  }
-
-  get active(): boolean {
-    return this.saved !== undefined;
-  }
-
-  start(current: string): void {
-    this.saved = current;
-    this.search.setQuery("");
-    this.draw();
-  }
-
-  /** A key while searching; "quit" when the person pressed Ctrl+C. */
-  key(key: KeyEvent, id: string): "quit" | undefined {
-    key.preventDefault();
-    if (id === "C-c") return "quit";
-    if (id === "C-r") this.search.next();
-    else if (id === "return") return void this.end(this.search.text ?? this.saved ?? "");
-    else if (id === "escape" || id === "C-g") return void this.cancel();
-    else if (id === "backspace") this.search.setQuery(this.search.query.slice(0, -1));
-    else if (!key.ctrl && !key.meta && key.sequence && !key.sequence.startsWith("\x1b") && key.sequence >= " ")
-      this.search.setQuery(this.search.query + key.sequence);
-    this.draw();
-    return undefined;
-  }
-
-  /** Ends the search leaving the prompt as it was (a dialog opened, the tab changed). */
-  cancel(): void {
-    if (this.saved !== undefined) this.end(this.saved);
-  }
-
-  private end(value: string): void {
-    this.saved = undefined;
-    this.node.visible = false;
-    this.done(value);
-  }
-
-  private draw(): void {
-    const match = this.search.text;
-    const failed = this.search.query && match === undefined ? "failing " : "";
-    this.node.content = `(${failed}reverse-i-search)\`${this.search.query}': ${match ?? ""}   [Ctrl+R older · Enter accept · Esc cancel]`;
-    this.node.visible = true;
-  }
-}
-
-/** How long the warning that commands run for real stays up, unless an approval is pending. */
-const BANNER_HIDE_MS = 20_000;
-
-/**
- * The footer line and the banner above the prompt: the banner warns that
- * commands run for real (for a while after start), or names the command that
- * waits for approval. Both fit the terminal's width.
- */
-class StatusBar {
-  readonly footer: TextNode;
-  readonly banner: TextNode;
-  private footerText = "";
-  private readonly startedAt = Date.now();
-
-  constructor(
-    private readonly ot: OpenTui,
-    r: CliRenderer,
-  ) {
-    this.banner = new ot.TextRenderable(r, { height: 1, width: "100%", bg: "#5f0000", fg: "#ffffaf", content: "" });
-    this.footer = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#b0b0b0", bg: "#202020", content: "" });
-  }
-
-  draw(figures: FooterFigures, pending: ApprovalRequest | undefined, width: number): void {
-    const fields = fitFooter(footerFields(figures), width);
-    const text = fields.map((f) => f.text).join("│");
-    if (text !== this.footerText) {
-      this.footerText = text;
-      const { ot } = this;
-      const chunks: TextChunk[] = [];
-      fields.forEach((f, i) =>
-        chunks.push({
-          __isChunk: true,
-          text: `${i ? "│" : " "}${f.text}`,
-          fg: f.color ? ot.parseColor(f.color) : undefined,
-        } as TextChunk),
-      );
-      this.footer.content = new ot.StyledText(chunks);
-    }
-    const banner = bannerText(pending, !figures.autoApprove && Date.now() - this.startedAt < BANNER_HIDE_MS, width);
-    if (this.banner.content.toString() !== banner) this.banner.content = banner;
-    this.banner.visible = banner !== "";
-  }
-}
-
-/** The banner's words for `width` columns: the longest variant that fits. */
-function bannerText(pending: ApprovalRequest | undefined, warn: boolean, width: number): string {
-  const fits = (t: string) => Bun.stringWidth(t) <= width;
-  if (pending) {
-    const which = pending.total > 1 ? ` (${pending.index} of ${pending.total})` : "";
-    const hint = "  —  Y/Enter approves · N/Esc rejects · type to suggest";
-    const head = ` ⚠ Approval needed${which}: `;
-    const command = visibleControls(pending.command.split("\n")[0] ?? "");
-    const room = width - Bun.stringWidth(head) - (fits(head + command + hint) ? Bun.stringWidth(hint) : 0);
-    const shown = Bun.stringWidth(command) <= room ? command : `${command.slice(0, Math.max(0, room - 1))}…`;
-    return head + shown + (fits(head + command + hint) ? hint : "");
-  }
-  if (!warn) return "";
-  return (
-    [
-      " ⚠ Commands the agent proposes run for real on this machine once you approve them. /aa turns on auto-approve.",
-      " ⚠ Approved commands run for real on this machine · /aa turns on auto-approve",
-      " ⚠ Approved commands run for real",
-    ].find(fits) ?? ""
-  );
-}
-
 // ════════════════════════════════════════════════════════════════════════════
-// TUI parts: how events look, and the prompt
-// Owns: drawing the agent's events into the two panes, and the prompt line
-// with its history (Up/Down, Ctrl+R) shared by every aic of the person.
+// TUI parts: how events look, the prompt, and the layout
+// Owns: drawing the agent's events into the two panes, the prompt line with
+// its history (Up/Down, Ctrl+R) shared by every aic of the person, and where
+// every part of the screen goes.
 // ════════════════════════════════════════════════════════════════════════════
 
 /** How the model's Markdown looks: headings, emphasis, inline code, lists, quotes, links and highlighted code. */
@@ -6542,6 +7539,39 @@ class PromptBar {
   }
 }
 
+/**
+ * The screen: [agent | console/shell tabs] over the banner, the search line,
+ * the prompt and the footer. Clicking a tab's title switches to it.
+ */
+function layOutTui(
+  ot: OpenTui,
+  r: CliRenderer,
+  view: AgentView,
+  shellBox: BoxNode,
+  prompt: PromptBar,
+  status: StatusBar,
+  onTab: (tab: "console" | "shell") => void,
+): { root: BoxNode; tabConsole: TextNode; tabShell: TextNode } {
+  const root = new ot.BoxRenderable(r, { flexDirection: "column", width: "100%", height: "100%" });
+  const top = new ot.BoxRenderable(r, { flexDirection: "row", flexGrow: 1, flexShrink: 1, width: "100%" });
+  const right = new ot.BoxRenderable(r, { flexDirection: "column", flexGrow: 1, height: "100%", border: true });
+  const tabs = new ot.BoxRenderable(r, { flexDirection: "row", height: 1, gap: 1 });
+  const tabConsole = new ot.TextRenderable(r, { content: " Console Output " });
+  const tabShell = new ot.TextRenderable(r, { content: " Shell " });
+  tabConsole.onMouseDown = () => onTab("console");
+  tabShell.onMouseDown = () => onTab("shell");
+  tabs.add(tabConsole);
+  tabs.add(tabShell);
+  right.add(tabs);
+  right.add(view.consolePane.box);
+  right.add(shellBox);
+  top.add(view.agentPane.box);
+  top.add(right);
+  for (const child of [top, status.banner, prompt.search.node, prompt.input, status.footer]) root.add(child);
+  r.root.add(root);
+  return { root, tabConsole, tabShell };
+}
+
 // ════════════════════════════════════════════════════════════════════════════
 // TUI app
 // Owns: the split-pane @opentui/core interface: one more sink for the agent's
@@ -6572,10 +7602,10 @@ class Tui implements EventSink {
   readonly agent: Agent;
   readonly session: SessionStore | undefined;
   readonly prompt: PromptBar;
-  private readonly run: Run;
-  private readonly systemPrompt: string;
+  readonly run: Run;
+  readonly systemPrompt: string;
   private readonly r: CliRenderer;
-  private readonly view: AgentView;
+  readonly view: AgentView;
   private readonly root: BoxNode;
   private readonly tabConsole: TextNode;
   private readonly tabShell: TextNode;
@@ -6584,12 +7614,11 @@ class Tui implements EventSink {
   private readonly dialog: ApprovalDialog;
   private readonly tooSmall: BoxNode;
   private tab: "console" | "shell" = "console";
-  private pending: { request: ApprovalRequest; resolve(a: Approval): void } | undefined;
   private running: Promise<RunOutcome> | undefined;
   private readonly rate = new TokenRate();
   /** Runs only while tokens stream and until tok/s has decayed to 0: nothing ticks at rest. */
   private rateTimer: ReturnType<typeof setInterval> | undefined;
-  private readonly figures: Omit<FooterFigures, "rate" | "state" | "autoApprove">;
+  readonly figures: TuiFigures;
   /** Where the person's keys go for a command that waits for input (auto-approve off): set while one runs. */
   private commandInput: ((data: string | Uint8Array) => void) | undefined;
   private commandWaiting = false;
@@ -6615,22 +7644,13 @@ class Tui implements EventSink {
       context: 0,
       budget: promptBudget(config),
       tokens: 0,
+      spending: config.maxTokens === undefined ? undefined : { spent: 0, max: config.maxTokens },
+      jobs: 0,
       model: config.model,
       session: "no session",
     };
 
-    // Layout: [agent | console/shell] over banner, search line, prompt, footer.
-    this.root = new ot.BoxRenderable(r, { flexDirection: "column", width: "100%", height: "100%" });
-    const top = new ot.BoxRenderable(r, { flexDirection: "row", flexGrow: 1, flexShrink: 1, width: "100%" });
     this.view = new AgentView(ot, r, !config.noThinking);
-    const right = new ot.BoxRenderable(r, { flexDirection: "column", flexGrow: 1, height: "100%", border: true });
-    const tabs = new ot.BoxRenderable(r, { flexDirection: "row", height: 1, gap: 1 });
-    this.tabConsole = new ot.TextRenderable(r, { content: " Console Output " });
-    this.tabShell = new ot.TextRenderable(r, { content: " Shell " });
-    this.tabConsole.onMouseDown = () => this.setTab("console");
-    this.tabShell.onMouseDown = () => this.setTab("shell");
-    tabs.add(this.tabConsole);
-    tabs.add(this.tabShell);
     this.shellTab = new ShellTab(ot, r, o.Terminal, {
       onCwd: (dir) => this.agent.moveTo(dir),
       onError: (message) => this.agentPane.line(message, COLORS.error),
@@ -6640,15 +7660,12 @@ class Tui implements EventSink {
         if (this.tab === "shell") this.setTab("console");
       },
     });
-    right.add(tabs);
-    right.add(this.consolePane.box);
-    right.add(this.shellTab.box);
-    top.add(this.agentPane.box);
-    top.add(right);
     this.status = new StatusBar(ot, r);
-    for (const child of [top, this.status.banner, this.prompt.search.node, this.prompt.input, this.status.footer])
-      this.root.add(child);
-    r.root.add(this.root);
+    ({
+      root: this.root,
+      tabConsole: this.tabConsole,
+      tabShell: this.tabShell,
+    } = layOutTui(ot, r, this.view, this.shellTab.box, this.prompt, this.status, (tab) => this.setTab(tab)));
 
     this.dialog = new ApprovalDialog(ot, r, (answer) => this.answerApproval(answer));
     this.tooSmall = tooSmallOverlay(ot, r);
@@ -6695,11 +7712,21 @@ class Tui implements EventSink {
     }, WARM_UP_DELAY_MS);
   }
 
+  /** Whether a command waits for the person's approval. */
+  get awaitingApproval(): boolean {
+    return this.dialog.request !== undefined;
+  }
+
+  /** The run the agent is doing now, if any (/clear waits for it to wind down). */
+  get runInFlight(): Promise<RunOutcome> | undefined {
+    return this.running;
+  }
+
   get history(): PromptHistory {
     return this.prompt.history;
   }
 
-  private get agentPane(): LogPane {
+  get agentPane(): LogPane {
     return this.view.agentPane;
   }
 
@@ -6711,46 +7738,15 @@ class Tui implements EventSink {
 
   /** An approval brings the person back to the console, whichever tab they were on, and shows the dialog. */
   private requestApproval(request: ApprovalRequest): Promise<Approval> {
-    return new Promise((resolve) => {
-      this.prompt.search.cancel();
-      this.pending = { request, resolve };
-      if (this.tab !== "console") this.setTab("console");
-      this.dialog.show(request);
-      this.refreshStatus();
-    });
+    this.prompt.search.cancel();
+    const answer = this.dialog.ask(request);
+    if (this.tab !== "console") this.setTab("console");
+    this.refreshStatus();
+    return answer;
   }
 
   answerApproval(answer: Approval): void {
-    const pending = this.pending;
-    if (!pending) return this.agentPane.line("No command is waiting for approval.", COLORS.warning);
-    this.pending = undefined;
-    this.dialog.hide();
-    pending.resolve(answer);
-    this.refreshStatus();
-  }
-
-  suggestInstead(text: string): void {
-    if (!text.trim()) return this.agentPane.line("Usage: /suggest <what the agent should do instead>", COLORS.warning);
-    if (this.pending) return this.answerApproval({ kind: "suggest", text: text.trim() });
-    if (this.agent.running) {
-      this.agent.suggest(text.trim());
-      return this.agentPane.line(`[queued suggestion] ${text.trim()}`, COLORS.info);
-    }
-    // Nothing to steer: the text is not lost, it goes back where it was typed.
-    this.prompt.value = `/suggest ${text.trim()}`;
-    this.agentPane.line(
-      "No command is waiting for approval and the agent is idle; your text is back in the prompt.",
-      COLORS.warning,
-    );
-  }
-
-  toggleAutoApprove(): void {
-    const on = !this.agent.autoApproving;
-    this.agent.setAutoApprove(on);
-    this.agentPane.line(
-      `Auto-approve is now ${on ? "ON: commands run without asking" : "OFF: each command waits for your approval"}.`,
-      on ? COLORS.warning : COLORS.ok,
-    );
+    if (!this.dialog.answer(answer)) return this.agentPane.line("No command is waiting for approval.", COLORS.warning);
     this.refreshStatus();
   }
 
@@ -6767,7 +7763,7 @@ class Tui implements EventSink {
     if (!text) return;
     if (text.startsWith("/")) return this.runSlash(text);
     this.prompt.remember(text, (why) => this.agentPane.line(`cannot save the prompt history: ${why}`, COLORS.warning));
-    if (this.pending) return this.answerApproval({ kind: "suggest", text });
+    if (this.awaitingApproval) return this.answerApproval({ kind: "suggest", text });
     if (this.agent.running) {
       this.agent.suggest(text);
       this.agentPane.line(`[queued suggestion] ${text}`, COLORS.info);
@@ -6791,20 +7787,9 @@ class Tui implements EventSink {
     const command = SLASH_COMMANDS.find((c) => c.names.includes(word.toLowerCase()));
     if (!command) {
       this.agentPane.line(`Unknown command ${word}.`, COLORS.warning);
-      return this.showHelp();
+      return showHelp(this);
     }
     await command.run(this, text.slice(word.length).trim() || rest.join(" "));
-  }
-
-  showHelp(): void {
-    this.agentPane.line("Commands:", COLORS.info);
-    for (const c of SLASH_COMMANDS)
-      this.agentPane.line(
-        `  ${[c.names.join(", "), c.args].filter(Boolean).join(" ").padEnd(24)} ${c.help}`,
-        COLORS.info,
-      );
-    this.agentPane.line("Keys:", COLORS.info);
-    for (const [keys, what] of TUI_KEY_HELP) this.agentPane.line(`  ${keys.padEnd(24)} ${what}`, COLORS.info);
   }
 
   stopAgent(): void {
@@ -6817,49 +7802,7 @@ class Tui implements EventSink {
     if (!this.agent.running) return;
     this.agentPane.line("Interrupted: the agent stops; type the next task when you are ready.", COLORS.warning);
     this.agent.interrupt();
-    if (this.pending) {
-      this.pending = undefined;
-      this.dialog.hide();
-    }
-    this.refreshStatus();
-  }
-
-  async clearConversation(): Promise<void> {
-    if (this.running) {
-      this.agentPane.line("Stopping the agent to clear the conversation…", COLORS.warning);
-      this.agent.interrupt();
-      await this.running;
-    }
-    this.agent.clear();
-    this.figures.step = 0;
-    this.figures.tokens = 0;
-    this.view.clear();
-    this.agentPane.line(`[SESSION] cleared; new session ${this.session?.sessionId ?? "(not saved)"}`, COLORS.info);
-    if (this.session) this.figures.session = `${path.basename(this.session.path)}#${this.session.sessionId}`;
-    this.refreshStatus();
-  }
-
-  showSession(): void {
-    if (!this.session) return this.agentPane.line("[SESSION] off (--no-session): nothing is saved.", COLORS.info);
-    this.agentPane.line(
-      this.session
-        .describe()
-        .map((l) => `[SESSION] ${l}`)
-        .join("\n"),
-      COLORS.info,
-    );
-  }
-
-  reloadSession(): void {
-    if (this.agent.running)
-      return this.agentPane.line("/reload works only while the agent is stopped (/stop first).", COLORS.warning);
-    if (!this.session) return this.agentPane.line("[SESSION] off (--no-session): nothing to reload.", COLORS.info);
-    const loaded = this.session.load(this.systemPrompt);
-    for (const line of loaded.reports) this.agentPane.line(`[SESSION] ${line}`, COLORS.info);
-    this.agent.restore(loaded.messages ? loaded : { ...loaded, messages: [], stepCount: 0, usage: emptyUsage() });
-    if (loaded.messages) this.view.showConversation(loaded.messages);
-    this.figures.step = 0;
-    this.figures.tokens = loaded.usage?.billable_tokens ?? 0;
+    this.dialog.withdraw();
     this.refreshStatus();
   }
 
@@ -6887,7 +7830,7 @@ class Tui implements EventSink {
     }
     if (id === "tab") {
       take();
-      if (this.pending)
+      if (this.awaitingApproval)
         return this.agentPane.line("A command waits for your approval: answer it first (Y or N).", COLORS.warning);
       return this.setTab(this.tab === "console" ? "shell" : "console");
     }
@@ -7007,12 +7950,12 @@ class Tui implements EventSink {
 
   // ── status ───────────────────────────────────────────────────────────────
 
-  private refreshStatus(): void {
-    const state = this.pending ? "pending" : this.agent?.running ? "running" : "idle";
+  refreshStatus(): void {
+    const state = this.awaitingApproval ? "pending" : this.agent?.running ? "running" : "idle";
     const autoApprove = this.agent?.autoApproving ?? this.o.config.autoApprove;
     this.status.draw(
       { ...this.figures, rate: this.rate.rate(), state, autoApprove },
-      this.pending?.request,
+      this.dialog.request,
       this.r.width,
     );
   }
@@ -7032,18 +7975,12 @@ class Tui implements EventSink {
   // ── events from the agent ────────────────────────────────────────────────
 
   emit(e: AgentEvent): void {
+    if (updateFigures(this.figures, e)) this.refreshStatus();
     switch (e.type) {
       case "step":
-        this.figures.step = e.step;
-        return this.refreshStatus();
       case "usage":
-        this.figures.tokens = e.total.billable_tokens;
-        this.figures.context = e.context_estimate;
-        return this.refreshStatus();
       case "context":
-        this.figures.context = e.estimate;
-        this.figures.budget = e.budget;
-        return this.refreshStatus();
+        return;
       case "reasoning_delta":
       case "assistant_delta":
         this.countToken();
@@ -7056,10 +7993,7 @@ class Tui implements EventSink {
         break;
       case "end":
         // A stopped run no longer waits for an answer: the dialog must not swallow the next key.
-        if (this.pending) {
-          this.pending = undefined;
-          this.dialog.hide();
-        }
+        this.dialog.withdraw();
         break;
     }
     this.view.show(e);
@@ -7067,17 +8001,6 @@ class Tui implements EventSink {
   }
 
   // ── leaving ──────────────────────────────────────────────────────────────
-
-  /** The one line left on the restored terminal: where the conversation is, and how to continue it. */
-  private exitLine(): string {
-    if (!this.session) return "aic: nothing was saved (--no-session).\n";
-    const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
-    const how =
-      this.o.config.session === undefined
-        ? `cd ${quote(process.cwd())} && aic`
-        : `aic --session ${quote(this.session.path)}`;
-    return `aic: the conversation is saved in ${this.session.path} (session ${this.session.sessionId}); to continue it: ${how}\n`;
-  }
 
   /**
    * Stops the agent, saves the session, ends the shell, restores the
@@ -7090,7 +8013,7 @@ class Tui implements EventSink {
     clearInterval(this.rateTimer);
     clearTimeout(this.ctrlCTimer);
     this.agent.stop(code);
-    if (this.pending) this.answerApproval({ kind: "reject" });
+    this.dialog.answer({ kind: "reject" });
     if (this.running) await Promise.race([this.running, Bun.sleep(QUIT_RUN_WAIT_MS)]);
     this.run.close(reason);
     this.shellTab.stop();
@@ -7101,7 +8024,7 @@ class Tui implements EventSink {
     } catch {
       /* the terminal is gone; nothing left to restore */
     } finally {
-      writeOut(2, (message ?? "") + this.exitLine());
+      writeOut(2, (message ?? "") + exitLine(this.session, this.o.config));
       this.o.onExit(code);
     }
   }
@@ -7124,7 +8047,7 @@ const SLASH_COMMANDS: readonly SlashCommand[] = [
   {
     names: ["/autoapprove", "/aa"],
     help: "toggle auto-approve (takes effect for the next command)",
-    run: (t) => t.toggleAutoApprove(),
+    run: (t) => toggleAutoApprove(t),
   },
   {
     names: ["/approve"],
@@ -7140,19 +8063,125 @@ const SLASH_COMMANDS: readonly SlashCommand[] = [
     names: ["/suggest"],
     args: "<text>",
     help: "skip it and tell the agent what to do instead",
-    run: (t, text) => t.suggestInstead(text),
+    run: (t, text) => suggestInstead(t, text),
   },
   {
     names: ["/clear", "/new"],
     help: "forget the conversation and start a new session",
-    run: (t) => t.clearConversation(),
+    run: (t) => clearConversation(t),
   },
-  { names: ["/session"], help: "show the session file and what is saved in it", run: (t) => t.showSession() },
-  { names: ["/reload"], help: "re-read the session file (agent stopped)", run: (t) => t.reloadSession() },
+  { names: ["/session"], help: "show the session file and what is saved in it", run: (t) => showSession(t) },
+  { names: ["/reload"], help: "re-read the session file (agent stopped)", run: (t) => reloadSession(t) },
   { names: ["/stop"], help: "interrupt the agent", run: (t) => t.stopAgent() },
-  { names: ["/help"], help: "these commands and the keys", run: (t) => t.showHelp() },
+  {
+    names: ["/jobs"],
+    args: "[kill N]",
+    help: "list what commands left running; /jobs kill N stops job N",
+    run: (t, text) => jobsCommand(t, text),
+  },
+  { names: ["/help"], help: "these commands and the keys", run: (t) => showHelp(t) },
   { names: ["/quit", "/exit"], help: "stop the agent and quit", run: (t) => t.quit(EXIT.ok, "process_exit") },
 ];
+
+/** /help: the commands, then the keys. */
+function showHelp(t: Tui): void {
+  t.agentPane.line("Commands:", COLORS.info);
+  for (const c of SLASH_COMMANDS)
+    t.agentPane.line(`  ${[c.names.join(", "), c.args].filter(Boolean).join(" ").padEnd(24)} ${c.help}`, COLORS.info);
+  t.agentPane.line("Keys:", COLORS.info);
+  for (const [keys, what] of TUI_KEY_HELP) t.agentPane.line(`  ${keys.padEnd(24)} ${what}`, COLORS.info);
+}
+
+/** `/jobs` lists the background jobs; `/jobs kill N` stops one (SIGTERM, then SIGKILL). */
+async function jobsCommand(t: Tui, args: string): Promise<void> {
+  const kill = /^kill\s+(\d+)$/.exec(args.trim());
+  if (kill) {
+    t.agentPane.line(await t.run.jobs.kill(Number(kill[1])), COLORS.info);
+    return t.refreshStatus();
+  }
+  if (args.trim()) return t.agentPane.line("Usage: /jobs, or /jobs kill N", COLORS.warning);
+  const lines = t.run.jobs.list();
+  if (!lines.length) return t.agentPane.line("No background jobs: no command has left anything running.", COLORS.info);
+  for (const line of lines) t.agentPane.line(visibleControls(line), COLORS.info);
+}
+
+/** /clear: a new conversation and session; a running agent is interrupted first, and the person told. */
+async function clearConversation(t: Tui): Promise<void> {
+  if (t.runInFlight) {
+    t.agentPane.line("Stopping the agent to clear the conversation…", COLORS.warning);
+    t.agent.interrupt();
+    await t.runInFlight;
+  }
+  t.agent.clear();
+  t.figures.step = 0;
+  t.figures.tokens = 0;
+  t.view.clear();
+  t.agentPane.line(`[SESSION] cleared; new session ${t.session?.sessionId ?? "(not saved)"}`, COLORS.info);
+  if (t.session) t.figures.session = `${path.basename(t.session.path)}#${t.session.sessionId}`;
+  t.refreshStatus();
+}
+
+/** /session: the session file, its id and what is on disk. */
+function showSession(t: Tui): void {
+  if (!t.session) return t.agentPane.line("[SESSION] off (--no-session): nothing is saved.", COLORS.info);
+  t.agentPane.line(
+    t.session
+      .describe()
+      .map((l) => `[SESSION] ${l}`)
+      .join("\n"),
+    COLORS.info,
+  );
+}
+
+/** /reload: the session file as it is now on disk (a person may have edited it), while the agent is stopped. */
+function reloadSession(t: Tui): void {
+  if (t.agent.running)
+    return t.agentPane.line("/reload works only while the agent is stopped (/stop first).", COLORS.warning);
+  if (!t.session) return t.agentPane.line("[SESSION] off (--no-session): nothing to reload.", COLORS.info);
+  const loaded = t.session.load(t.systemPrompt);
+  for (const line of loaded.reports) t.agentPane.line(`[SESSION] ${line}`, COLORS.info);
+  t.agent.restore(loaded.messages ? loaded : { ...loaded, messages: [], stepCount: 0, usage: emptyUsage() });
+  if (loaded.messages) t.view.showConversation(loaded.messages);
+  t.figures.step = 0;
+  t.figures.tokens = loaded.usage?.billable_tokens ?? 0;
+  t.refreshStatus();
+}
+
+/** /suggest: instead of the pending command; queued while the agent works; back in the prompt when there is nothing to steer. */
+function suggestInstead(t: Tui, text: string): void {
+  if (!text.trim()) return t.agentPane.line("Usage: /suggest <what the agent should do instead>", COLORS.warning);
+  if (t.awaitingApproval) return t.answerApproval({ kind: "suggest", text: text.trim() });
+  if (t.agent.running) {
+    t.agent.suggest(text.trim());
+    return t.agentPane.line(`[queued suggestion] ${text.trim()}`, COLORS.info);
+  }
+  // Nothing to steer: the text is not lost, it goes back where it was typed.
+  t.prompt.value = `/suggest ${text.trim()}`;
+  t.agentPane.line(
+    "No command is waiting for approval and the agent is idle; your text is back in the prompt.",
+    COLORS.warning,
+  );
+}
+
+/** /aa: auto-approve on or off, from the next command. */
+function toggleAutoApprove(t: Tui): void {
+  const on = !t.agent.autoApproving;
+  t.agent.setAutoApprove(on);
+  t.agentPane.line(
+    `Auto-approve is now ${on ? "ON: commands run without asking" : "OFF: each command waits for your approval"}.`,
+    on ? COLORS.warning : COLORS.ok,
+  );
+  t.refreshStatus();
+}
+
+/** The one line left on the restored terminal: where the conversation is, and how to continue it. */
+function exitLine(session: SessionStore | undefined, config: Config): string {
+  if (!session) return "aic: nothing was saved (--no-session).\n";
+  const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
+  const how =
+    config.session === undefined ? `cd ${quote(process.cwd())} && aic` : `aic --session ${quote(session.path)}`;
+  return `aic: the conversation is saved in ${session.path} (session ${session.sessionId}); to continue it: ${how}\n`;
+}
 
 interface TuiOptions {
   config: Config;
@@ -7313,6 +8342,7 @@ if (import.meta.main) {
 
 export {
   Agent,
+  JobTable,
   sandboxOff,
   HeldDirectory,
   OutputStore,

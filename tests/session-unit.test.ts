@@ -12,6 +12,7 @@ import {
   Agent,
   HeldDirectory,
   OutputStore,
+  JobTable,
   SessionStore,
   parseArgs,
   sandboxOff,
@@ -270,6 +271,7 @@ describe("Agent.clear() (/clear)", () => {
       outputs: new OutputStore(false, "unit"),
       workDir: HeldDirectory.open(dir),
       canAnswerInput: () => false,
+      jobs: new JobTable(() => {}, new OutputStore(false, "unit-jobs"), 1_000_000),
     });
     agent.restore(store.load(SYSTEM));
     expect(agent.messages).toHaveLength(4);

@@ -1122,6 +1122,28 @@ describe("a TUI a person can trust (round 2)", () => {
     expect(agentColumn(await h.frame()).join("\n")).toContain("cleared");
   });
 
+  // Background jobs in the TUI: announced in the console, counted in the footer, listed by /jobs and
+  // stopped by /jobs kill N (the process is gone from /proc).
+  test("/jobs lists what a command left running and /jobs kill stops it", async () => {
+    const h = await openTui({ request: "run: sleep 300 & echo started", args: ["--auto-approve"] });
+    let frame = await h.until((f) => /\[job 1 started: pid \d+, sleep 300/.test(f));
+    const pid = Number(/\[job 1 started: pid (\d+)/.exec(frame)![1]);
+    expect(readFileSync(`/proc/${pid}/cmdline`, "utf8")).toBe("sleep\x00300\x00");
+    await h.idle(2);
+    frame = await h.until((f) => footer(f).includes("1 job"));
+    await h.type("/jobs");
+    await h.until((f) => new RegExp(`\\[job 1\\] running for \\d+ m?s: pid ${pid}, sleep 300`).test(f));
+    await h.type("/jobs kill 1");
+    frame = await h.until((f) => f.includes("Stopped job 1 (sleep 300)."));
+    await waitFor("the job's process to be gone", () => {
+      const stat = existsSync(`/proc/${pid}/stat`) ? readFileSync(`/proc/${pid}/stat`, "utf8") : "";
+      return !stat || / Z /.test(stat);
+    });
+    frame = await h.until((f) => !footer(f).includes("job"));
+    await h.type("/jobs kill 1");
+    await h.until((f) => f.includes("Job 1 is not running (stopped by the person after"));
+  });
+
   test("the Ctrl+R line sits above the prompt, never over the panes' border", async () => {
     const h = await openTui({ history: ["find me later"] });
     h.s.mockInput.pressKey("\x12");
