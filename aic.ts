@@ -159,6 +159,8 @@ interface Config {
   doneWhen: string | undefined;
   /** Input plus output tokens this aic process may spend on model calls. */
   maxTokens: number | undefined;
+  /** The command rules file (default ./.aicrules, which may be absent). */
+  rules: string | undefined;
   request: string | undefined;
   /** Warnings found while parsing that are not errors (an unknown algorithm name). */
   warnings: string[];
@@ -285,6 +287,12 @@ const FLAGS: readonly FlagSpec[] = [
     key: "doneWhen",
     env: ["AIC_DONE_WHEN"],
     help: "Shell command that must exit 0 for a claim of completion to count (exit 6 after 5 refusals).",
+  },
+  {
+    name: "--rules",
+    kind: "string",
+    key: "rules",
+    help: "Command rules file: allow / ask / deny lines (default ./.aicrules when it exists).",
   },
   {
     name: "--max-tokens",
@@ -716,6 +724,25 @@ function invalidArgumentsMessage(name: string, args: string, error: string): str
   ].join("\n");
 }
 
+/** The tool answer for a command a deny rule refused: which part, which rule, why. */
+function deniedByRuleMessage(v: RuleVerdict, file: string): string {
+  const why = v.rule?.reason ? `: ${v.rule.reason}` : "";
+  return `Command refused: \`${v.part}\` is forbidden by the rule "${v.rule?.written}" in ${file}${why}. Nothing ran. Do not try to get around this rule; if the task cannot be done without it, say so.`;
+}
+
+/** The tool answer for a command that needed a person when nobody can answer (--nogui, no terminal, rules present). */
+function needsPersonMessage(v: RuleVerdict, file: string, allowed: string[]): string {
+  const why = v.unreadable
+    ? `aic could not read it for its rules (${v.unreadable})`
+    : v.rule
+      ? `the rule "${v.rule.written}" in ${file} asks for a person${v.part ? ` for \`${v.part}\`` : ""}`
+      : `no rule in ${file} allows \`${v.part ?? "it"}\``;
+  const list = allowed.length
+    ? ` Commands that run without asking: ${allowed.map((a) => `\`${a}\``).join(", ")}.`
+    : " No command runs without asking in this run.";
+  return `Command not run: it needs a person's approval (${why}), and nobody can answer in this run.${list} Use allowed commands, or finish without this one.`;
+}
+
 const CONTINUE_MESSAGE = `You answered without calling a tool. Keep working on the task with execute_bash. When the task is truly finished and verified, reply with ${MARKER} alone.`;
 
 /** The summariser sees each evicted message whole up to this size; a longer one keeps its head and tail. */
@@ -849,6 +876,8 @@ type AgentEvent =
       cwd: string;
       sandbox: string;
       sandbox_rules: number;
+      /** The command rules file in force, or null when there is none. */
+      rules: string | null;
       session: string | null;
       request: string;
     }
@@ -867,8 +896,12 @@ type AgentEvent =
   | {
       type: "approval";
       id: string;
-      decision: "approved" | "auto" | "rejected" | "suggestion" | "no_input";
+      /** allowed / denied: by a rule of the rules file, named in `rule`. */
+      decision: "approved" | "auto" | "allowed" | "denied" | "rejected" | "suggestion" | "no_input";
       suggestion?: string;
+      rule?: string;
+      /** Lines an "always allow" answer added to the rules file. */
+      added_rules?: string[];
     }
   | { type: "command_output"; id: string; data: Uint8Array }
   | { type: "command_waiting"; id: string }
@@ -1036,6 +1069,8 @@ function describeEvent(e: AgentEvent): EventLine[] {
     case "approval":
       if (e.decision === "rejected") return console("bad", "(command rejected)");
       if (e.decision === "suggestion") return console("bad", `(command rejected with a suggestion: ${e.suggestion})`);
+      if (e.decision === "denied") return console("bad", `(refused by the rule: ${e.rule})`);
+      if (e.decision === "allowed") return console("dim", `(runs without asking: ${e.rule})`);
       return [];
     case "command_result": {
       const note =
@@ -4692,19 +4727,934 @@ function jobLine(job: Job): string {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// Command rules: reading a command line
+// Owns: turning the text of a command into the simple commands it can run,
+// through the `unbash` parser (chosen by measurement: the only JavaScript
+// parser that split every line of the test corpus as bash runs it). Each word
+// is known (its value after quote removal) or dynamic (only known when it
+// runs). Code that bash would run out of data ("hidden code": arithmetic on
+// a string, ${!x}, test -v 'a[$(…)]') is reported so it can never be allowed.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** A word of a simple command: its value when it is known before it runs, else only its source text. */
+type ShellWord = { known: true; value: string; text: string } | { known: false; text: string };
+
+/** What a shell run by a command would read as its script from standard input. */
+interface StdinScript {
+  kind: "heredoc" | "herestring";
+  /** A here-document whose delimiter is quoted: its body is taken literally. */
+  quoted: boolean;
+  body: string;
+  /** The body or word holds expansions, so the script is only known when it runs. */
+  dynamic: boolean;
+  text: string;
+}
+
+/** A simple command as the parser found it, before wrappers are looked through. */
+interface ParsedCommand {
+  words: ShellWord[];
+  /** Leading NAME=value assignments (and bare ones). */
+  assignments: { name: string; text: string; subscript?: string }[];
+  stdin: StdinScript[];
+}
+
+/** A command line the rules refuse to read: it is then always asked about. */
+class UnreadableCommand extends Error {}
+
+/** Arithmetic made only of numbers and operators: anything else (a name, a subscript) may run code. */
+const PLAIN_ARITHMETIC = /^[\s0-9+\-*/%<>=!&|^~?:,()]*$/;
+const NUMBER = /^-?(0[xX][0-9a-fA-F]+|[0-9]+)$/;
+const IDENTIFIER = /^[A-Za-z_][A-Za-z0-9_]*$/;
+const ARITHMETIC_TESTS = new Set(["-eq", "-ne", "-lt", "-le", "-gt", "-ge"]);
+
+type Unbash = typeof import("unbash");
+type UnbashNode = import("unbash").SyntaxNode;
+type UnbashWordPart = import("unbash").WordPart | import("unbash").DoubleQuotedChild;
+
+let unbash: Unbash | undefined;
+
+/**
+ * Whether a word part is only known when the command runs. `$'…'` and `$"…"`
+ * are refused outright: /bin/sh is dash on many systems, and dash splits
+ * `echo $'\' ; git push ; echo '\'` into three commands where bash sees one.
+ */
+function partIsDynamic(part: UnbashWordPart): boolean {
+  switch (part.type) {
+    case "Literal":
+    case "SingleQuoted":
+      return false;
+    case "AnsiCQuoted":
+    case "LocaleString":
+      throw new UnreadableCommand(
+        `${part.type === "AnsiCQuoted" ? "$'…'" : '$"…"'} quoting (dash and bash read it differently)`,
+      );
+    case "DoubleQuoted":
+      return part.parts.some(partIsDynamic);
+    default:
+      return true; // an expansion, a glob, brace expansion
+  }
+}
+
+const wordIsDynamic = (w: import("unbash").Word | undefined) => Boolean(w?.parts?.some(partIsDynamic));
+
+function shellWord(w: import("unbash").Word | import("unbash").Assignment): ShellWord {
+  if (w.type === "Assignment") {
+    const v = w.value;
+    if (v.type !== "Word" || wordIsDynamic(v) || wordIsDynamic(w.index)) return { known: false, text: w.text };
+    const index = w.index ? `[${w.index.value}]` : "";
+    return { known: true, value: `${w.name}${index}${w.append ? "+=" : "="}${v.value}`, text: w.text };
+  }
+  // A leading unquoted ~ becomes a home directory only when the command runs.
+  if (w.text.startsWith("~") || wordIsDynamic(w)) return { known: false, text: w.text };
+  return { known: true, value: w.value, text: w.text };
+}
+
+/** Whether an arithmetic expression of a C-style for loop holds anything but numbers. */
+function arithmeticRunsCode(e: import("unbash").ArithmeticExpression | undefined): boolean {
+  if (!e) return false;
+  switch (e.type) {
+    case "ArithmeticWord":
+      return !NUMBER.test(e.value) || e.parts !== undefined;
+    case "ArithmeticCommandExpansion":
+      return true;
+    case "ArithmeticBinary":
+      return arithmeticRunsCode(e.left) || arithmeticRunsCode(e.right);
+    case "ArithmeticUnary":
+      return arithmeticRunsCode(e.operand);
+    case "ArithmeticTernary":
+      return arithmeticRunsCode(e.test) || arithmeticRunsCode(e.consequent) || arithmeticRunsCode(e.alternate);
+    case "ArithmeticGroup":
+      return arithmeticRunsCode(e.expression);
+  }
+}
+
+/** Whether a [[ ]] test evaluates a string as arithmetic or as a variable name with a subscript. */
+function testRunsCode(e: import("unbash").TestExpression | undefined): boolean {
+  if (!e) return false;
+  switch (e.type) {
+    case "TestBinary":
+      return (
+        ARITHMETIC_TESTS.has(e.operator) && [e.left, e.right].some((w) => wordIsDynamic(w) || !NUMBER.test(w.value))
+      );
+    case "TestUnary":
+      return e.operator === "-v" && (wordIsDynamic(e.operand) || !IDENTIFIER.test(e.operand.value));
+    case "TestLogical":
+      return e.operands.some(testRunsCode);
+    case "TestNot":
+      return testRunsCode(e.operand);
+    case "TestGroup":
+      return testRunsCode(e.expression);
+  }
+}
+
+/** A ${…} that runs code out of data: indirection, prompt expansion, a computed subscript, offset or length. */
+function expansionRunsCode(p: import("unbash").ParameterExpansionPart): boolean {
+  const op = p.operation;
+  const i = p.index;
+  const indexOk = !i || (!wordIsDynamic(i) && (NUMBER.test(i.value) || i.value === "@" || i.value === "*"));
+  const sliceOk =
+    op?.type !== "Slice" ||
+    [op.offset, op.length].every((w) => !w || (!wordIsDynamic(w) && PLAIN_ARITHMETIC.test(w.value)));
+  const prompt = op?.type === "Transform" && op.operand.value === "P";
+  return p.prefix === "!" || prompt || !indexOk || !sliceOk;
+}
+
+/**
+ * The simple commands of `source` (in every list, pipeline, compound,
+ * function body, substitution and here-document), and the hidden code in it.
+ * Throws UnreadableCommand for anything the rules cannot be sure of.
+ */
+function readCommandLine(source: string): { commands: ParsedCommand[]; hidden: string[] } {
+  unbash ??= require("unbash") as Unbash;
+  const commands: ParsedCommand[] = [];
+  const hidden: string[] = [];
+  const visit = (node: UnbashNode, text: string, inSubstitution: boolean): void => {
+    switch (node.type) {
+      case "Script":
+        if (node.errors?.length) throw new UnreadableCommand(node.errors[0]!.message);
+        if (node.source !== undefined) text = node.source;
+        break;
+      case "Command":
+        commands.push(parsedCommand(node, inSubstitution));
+        break;
+      case "AnsiCQuoted":
+      case "LocaleString":
+        partIsDynamic(node);
+        break;
+      case "ArithmeticExpansion": {
+        const inner = node.text.startsWith("$((") ? node.text.slice(3, -2) : node.text.slice(2, -1);
+        if (!PLAIN_ARITHMETIC.test(inner)) hidden.push(node.text);
+        break;
+      }
+      case "ArithmeticCommand":
+        if (!PLAIN_ARITHMETIC.test(node.body)) hidden.push(text.slice(node.pos, node.end));
+        break;
+      case "ArithmeticFor":
+        if ([node.initialize, node.test, node.update].some(arithmeticRunsCode))
+          hidden.push(text.slice(node.pos, node.body.pos));
+        break;
+      case "ParameterExpansion":
+        if (expansionRunsCode(node)) hidden.push(node.text);
+        break;
+      case "TestCommand":
+        if (testRunsCode(node.expression)) hidden.push(text.slice(node.pos, node.end));
+        break;
+    }
+    const nested =
+      inSubstitution ||
+      node.type === "CommandExpansion" ||
+      node.type === "ProcessSubstitution" ||
+      node.type === "ArithmeticCommandExpansion";
+    unbash!.forEachChild(node, (child) => visit(child, text, nested));
+  };
+  visit(unbash.parse(source), source, false);
+  return { commands, hidden };
+}
+
+function parsedCommand(node: import("unbash").Command, inSubstitution: boolean): ParsedCommand {
+  const words: ShellWord[] = node.name ? [shellWord(node.name)] : [];
+  const assignments: ParsedCommand["assignments"] = [];
+  const stdin: StdinScript[] = [];
+  for (const p of node.prefix)
+    if (p.type === "Assignment") {
+      shellWord(p); // refuses $'…' in the value
+      const subscript = p.index ? (wordIsDynamic(p.index) ? p.index.text : p.index.value) : undefined;
+      assignments.push({ name: p.name, text: p.text, subscript });
+    }
+  for (const s of node.suffix) if (s.type === "Word" || s.type === "Assignment") words.push(shellWord(s));
+  for (const r of node.redirects) {
+    const fromStdin =
+      r.descriptor === undefined || (r.descriptor.type === "FileDescriptor" && r.descriptor.value === 0);
+    if (r.type === "HereDoc") {
+      if (!r.closing) throw new UnreadableCommand("a here-document without its end line");
+      // bash 5.2 re-reads such a substitution and loses a ; after the here-document: what runs is not what is read.
+      if (inSubstitution) throw new UnreadableCommand("a here-document inside a command substitution");
+      if (fromStdin)
+        stdin.push({
+          kind: "heredoc",
+          quoted: Boolean(r.delimiter?.quoted),
+          body: r.body.text,
+          dynamic: Boolean(r.body.parts?.some(partIsDynamic)),
+          text: r.body.text,
+        });
+    } else if (r.type === "HereString" && r.target) {
+      const w = shellWord(r.target);
+      if (fromStdin)
+        stdin.push({
+          kind: "herestring",
+          quoted: false,
+          body: w.known ? w.value : "",
+          dynamic: !w.known,
+          text: w.text,
+        });
+    } else if (r.target) shellWord(r.target); // refuses $'…' in a file name
+  }
+  return { words, assignments, stdin };
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Command rules: what a command line runs
+// Owns: the parts a rule is matched against: every simple command of a line,
+// with wrappers looked through (`env`, `timeout`, `nohup`, `nice`, `command`,
+// `exec`, `time`, `xargs`, `sudo`), the scripts of shells (`sh -c`,
+// `bash -lc`, a here-document fed to `sh`), `eval` and `trap`, and a part
+// that can never be allowed for each piece of hidden code or risky variable.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** One simple command a line can run, as the rules match it. */
+type CommandPart = ShellWord[];
+
+/**
+ * Variables that make programs run code or read other files: setting one on
+ * a command (`GIT_PAGER=… git log`, `env LD_PRELOAD=… ls`) changes what an
+ * allowed program does, so such an assignment is a part of its own.
+ */
+const RISKY_VARIABLE =
+  /^(PATH|LD_\w*|BASH_ENV|ENV|PROMPT_COMMAND|PS4|IFS|SHELLOPTS|BASHOPTS|BASH_FUNC_.*|GIT_\w*|PAGER|MANPAGER|LESSOPEN|LESSCLOSE|EDITOR|VISUAL|SHELL|BROWSER|NODE_OPTIONS|NODE_PATH|PYTHONPATH|PYTHONSTARTUP|PYTHONHOME|PERL5OPT|PERL5LIB|PERLLIB|RUBYOPT|RUBYLIB|npm_config_\w*|NPM_CONFIG_\w*)$/;
+const NUMERIC_SUBSCRIPT = /^(0[xX][0-9a-fA-F]+|[0-9]+(#[0-9A-Za-z@_]+)?)$/;
+const SHELL_PROGRAMS = new Set(["sh", "bash", "dash", "zsh", "ksh", "mksh", "ash"]);
+/** Scripts inside scripts (sh -c "sh -c '…'") deeper than this are not read. */
+const MAX_SCRIPT_DEPTH = 20;
+
+const known = (value: string): ShellWord => ({ known: true, value, text: value });
+const dynamic = (text: string): ShellWord => ({ known: false, text });
+/** The arguments xargs adds from its input. */
+const XARGS_INPUT: ShellWord = dynamic("");
+const baseName = (s: string) => s.slice(s.lastIndexOf("/") + 1);
+const valueOf = (w: ShellWord | undefined) => (w?.known ? w.value : undefined);
+/** A part that is only known when it runs: the whole text of what could not be looked through. */
+const opaque = (words: ShellWord[]): CommandPart[] => [[dynamic(words.map((w) => w.text).join(" "))]];
+
+/** Every simple command `source` can run, wrappers and nested scripts looked through. Throws UnreadableCommand. */
+function commandParts(source: string, depth = 0): CommandPart[] {
+  if (depth > MAX_SCRIPT_DEPTH) throw new UnreadableCommand("scripts nested too deep");
+  const { commands, hidden } = readCommandLine(source);
+  const parts: CommandPart[] = [];
+  for (const c of commands) {
+    for (const a of c.assignments)
+      if (RISKY_VARIABLE.test(a.name) || (a.subscript !== undefined && !NUMERIC_SUBSCRIPT.test(a.subscript)))
+        parts.push([dynamic(a.text)]);
+    parts.push(...partsOf(c.words, c, depth));
+  }
+  for (const h of hidden) parts.push([dynamic(h)]);
+  return parts;
+}
+
+/** How a wrapper's options look: letters without and with an argument, long options, `-N` numbers. */
+interface OptionSyntax {
+  flags: string;
+  withArgument: string;
+  /** Letters whose argument may be attached or absent (xargs -i). */
+  optionalArgument?: string;
+  long?: Record<string, "flag" | "argument" | "optional">;
+  numeric?: boolean;
+}
+
+/**
+ * Reads a wrapper's options from `start`; returns where its operands begin,
+ * or -1 at an option it does not know (then it cannot be looked through).
+ * `seen` collects each option given and its argument.
+ */
+function skipOptions(
+  words: ShellWord[],
+  start: number,
+  syntax: OptionSyntax,
+  seen = new Map<string, string | true>(),
+): number {
+  let i = start;
+  while (i < words.length) {
+    const w = words[i]!;
+    if (!w.known) return /^['"]?-/.test(w.text) ? -1 : i;
+    const a = w.value;
+    if (a === "--") return i + 1;
+    if (!a.startsWith("-") || a === "-") return i;
+    const next = valueOf(words[i + 1]);
+    if (a.startsWith("--")) {
+      const eq = a.indexOf("=");
+      const name = eq < 0 ? a.slice(2) : a.slice(2, eq);
+      const kind = syntax.long?.[name];
+      if (!kind || (kind === "flag" && eq >= 0)) return -1;
+      if (kind === "argument" && eq < 0) {
+        if (next === undefined) return -1;
+        seen.set(name, next);
+        i += 2;
+      } else {
+        seen.set(name, eq < 0 ? true : a.slice(eq + 1));
+        i++;
+      }
+      continue;
+    }
+    if (syntax.numeric && /^-[0-9]+$/.test(a)) {
+      i++;
+      continue;
+    }
+    let step = 1;
+    for (let j = 1; j < a.length; j++) {
+      const c = a[j]!;
+      if (syntax.flags.includes(c)) {
+        seen.set(c, true);
+        continue;
+      }
+      if (syntax.withArgument.includes(c)) {
+        if (j + 1 < a.length) seen.set(c, a.slice(j + 1));
+        else if (next === undefined) return -1;
+        else {
+          seen.set(c, next);
+          step = 2;
+        }
+        break;
+      }
+      if (syntax.optionalArgument?.includes(c)) {
+        seen.set(c, j + 1 < a.length ? a.slice(j + 1) : true);
+        break;
+      }
+      return -1;
+    }
+    i += step;
+  }
+  return i;
+}
+
+/** Wrappers that run their operands as a command, after options of this syntax (and, for timeout, a duration). */
+const SIMPLE_WRAPPERS: Record<string, OptionSyntax & { skip?: number }> = {
+  timeout: {
+    flags: "fpv",
+    withArgument: "sk",
+    long: {
+      signal: "argument",
+      "kill-after": "argument",
+      foreground: "flag",
+      "preserve-status": "flag",
+      verbose: "flag",
+    },
+    skip: 1,
+  },
+  nice: { flags: "", withArgument: "n", long: { adjustment: "argument" }, numeric: true },
+  nohup: { flags: "", withArgument: "" },
+  builtin: { flags: "", withArgument: "" },
+  exec: { flags: "cl", withArgument: "a" },
+  time: {
+    flags: "pvqa",
+    withArgument: "fo",
+    long: {
+      portability: "flag",
+      verbose: "flag",
+      quiet: "flag",
+      append: "flag",
+      format: "argument",
+      output: "argument",
+    },
+  },
+};
+
+const XARGS_SYNTAX: OptionSyntax = {
+  flags: "0rtpxo",
+  withArgument: "adELnPsI",
+  optionalArgument: "iel",
+  long: {
+    null: "flag",
+    "no-run-if-empty": "flag",
+    verbose: "flag",
+    interactive: "flag",
+    exit: "flag",
+    "open-tty": "flag",
+    "show-limits": "flag",
+    "arg-file": "argument",
+    delimiter: "argument",
+    "max-lines": "optional",
+    "max-args": "argument",
+    "max-procs": "argument",
+    "max-chars": "argument",
+    "process-slot-var": "argument",
+    replace: "optional",
+    eof: "optional",
+  },
+};
+
+const SUDO_SYNTAX: OptionSyntax = {
+  flags: "AbEeHiKklnPSsVv",
+  withArgument: "ugCDhprtTU",
+  long: Object.fromEntries([
+    ...["login", "shell", "non-interactive", "set-home", "stdin", "background"].map((n) => [n, "flag" as const]),
+    ["preserve-env", "optional" as const],
+    ...[
+      "user",
+      "group",
+      "close-from",
+      "chdir",
+      "chroot",
+      "host",
+      "prompt",
+      "role",
+      "type",
+      "command-timeout",
+      "other-user",
+    ].map((n) => [n, "argument" as const]),
+  ]),
+};
+
+/** The script a word holds, read as a command line of its own (a dynamic word stays one opaque part). */
+function scriptParts(w: ShellWord, depth: number): CommandPart[] {
+  return w.known ? commandParts(w.value, depth + 1) : [[w]];
+}
+
+/** What the words of one simple command run: the command itself, or what its wrapper runs. */
+function partsOf(words: ShellWord[], c: ParsedCommand, depth: number): CommandPart[] {
+  const first = words[0];
+  if (!first) return [];
+  if (!first.known) return [words];
+  const name = baseName(first.value);
+  const rest = (i: number) => partsOf(words.slice(i), c, depth);
+  const simple = SIMPLE_WRAPPERS[name];
+  if (simple) {
+    const i = skipOptions(words, 1, simple);
+    if (i < 0) return opaque(words);
+    const at = i + (simple.skip ?? 0);
+    return at >= words.length ? [words] : rest(at);
+  }
+  switch (name) {
+    case "env":
+      return envParts(words, c, depth);
+    case "command": {
+      const seen = new Map<string, string | true>();
+      const i = skipOptions(words, 1, { flags: "pvV", withArgument: "" }, seen);
+      if (i < 0) return opaque(words);
+      return seen.has("v") || seen.has("V") || i >= words.length ? [words] : rest(i);
+    }
+    case "xargs":
+      return xargsParts(words, c, depth);
+    case "sudo": {
+      // sudo needs a rule of its own, and what it runs must still meet every deny rule.
+      const seen = new Map<string, string | true>();
+      const i = skipOptions(words, 1, SUDO_SYNTAX, seen);
+      if (i < 0) return [words, ...opaque(words)];
+      return seen.has("e") || i >= words.length ? [words] : [words, ...rest(i)];
+    }
+    case "eval": {
+      const args = words.slice(1);
+      const unknown = args.find((w) => !w.known);
+      if (unknown) return [[unknown]];
+      return args.length ? commandParts(args.map((w) => valueOf(w)).join(" "), depth + 1) : [];
+    }
+    case "trap": {
+      const ops = words.slice(valueOf(words[1]) === "--" ? 2 : 1);
+      const action = ops[0];
+      if (ops.length < 2 || !action || (action.known && (action.value.startsWith("-") || action.value === "")))
+        return [words];
+      return [words, ...scriptParts(action, depth)];
+    }
+  }
+  if (SHELL_PROGRAMS.has(name)) return shellParts(words, c, depth);
+  return [words, ...hiddenInBuiltin(name, words)];
+}
+
+/** `env [options] [NAME=value…] command…`: the command, and a part for each risky variable it sets. */
+function envParts(words: ShellWord[], c: ParsedCommand, depth: number): CommandPart[] {
+  let i = skipOptions(words, 1, {
+    flags: "i0v",
+    withArgument: "uC",
+    long: { "ignore-environment": "flag", null: "flag", debug: "flag", unset: "argument", chdir: "argument" },
+  });
+  if (i < 0) return opaque(words);
+  if (valueOf(words[i]) === "-") i++;
+  const parts: CommandPart[] = [];
+  for (; i < words.length; i++) {
+    const w = words[i]!;
+    const assignment = /^([A-Za-z_][A-Za-z0-9_]*)=/.exec(w.known ? w.value : w.text);
+    if (!assignment) break;
+    if (RISKY_VARIABLE.test(assignment[1]!)) parts.push([dynamic(w.text)]);
+  }
+  return i >= words.length ? [...parts, words] : [...parts, ...partsOf(words.slice(i), c, depth)];
+}
+
+/** `xargs [options] command…`: the command with its input's words added (or, with -I R, every word holding R unknown). */
+function xargsParts(words: ShellWord[], c: ParsedCommand, depth: number): CommandPart[] {
+  const seen = new Map<string, string | true>();
+  const i = skipOptions(words, 1, XARGS_SYNTAX, seen);
+  if (i < 0) return opaque(words);
+  const I = seen.get("I");
+  const legacy = seen.get("i") ?? seen.get("replace");
+  const replace = typeof I === "string" ? I : legacy === undefined ? undefined : legacy === true ? "{}" : legacy;
+  let inner = words.slice(i);
+  if (inner.length === 0) inner = [known("echo")];
+  inner =
+    replace === undefined
+      ? [...inner, XARGS_INPUT]
+      : inner.map((w) => (w.known && w.value.includes(replace) ? dynamic(w.text) : w));
+  return partsOf(inner, c, depth);
+}
+
+/** A shell: the script of -c, or the here-document or here-string it reads as its script; `bash file.sh` is itself. */
+function shellParts(words: ShellWord[], c: ParsedCommand, depth: number): CommandPart[] {
+  let i = 1;
+  let script = false;
+  let fromStdin = false;
+  for (; i < words.length; i++) {
+    const w = words[i]!;
+    if (!w.known) return [[w]];
+    const a = w.value;
+    if (a === "--" || a === "-") {
+      i++;
+      break;
+    }
+    if (a === "--rcfile" || a === "--init-file") {
+      i++;
+      continue;
+    }
+    if (a.startsWith("--")) continue;
+    if (!/^[-+][A-Za-z]+$/.test(a)) break;
+    for (const letter of a.slice(1)) {
+      if (letter === "c") script = true;
+      else if (letter === "s") fromStdin = true;
+      else if (letter === "o" || letter === "O") i++;
+    }
+  }
+  const operands = words.slice(i);
+  if (script) return operands[0] ? scriptParts(operands[0], depth) : opaque(words);
+  if (operands.length > 0 && !fromStdin) return [words];
+  // No script at all, or one from a pipe or a file: what runs is only known when it runs.
+  const input = c.stdin.at(-1);
+  if (!input) return [[dynamic(words[0]!.text)]];
+  if (input.kind === "heredoc" && input.quoted) return commandParts(input.body, depth + 1);
+  if (input.dynamic) return [[dynamic(input.text)]];
+  if (input.kind === "herestring") return commandParts(input.body, depth + 1);
+  // An unquoted here-document's backslashes escape $, ` and \ and join lines, as the shell that reads it sees it.
+  return commandParts(
+    input.body.replace(/\\([$`\\\n])/g, (_m, ch: string) => (ch === "\n" ? "" : ch)),
+    depth + 1,
+  );
+}
+
+/**
+ * Builtins that evaluate a variable-name operand as code when it carries a
+ * subscript (`test -v 'a[$(git push)]'`, `printf -v`, `read`, `declare`…):
+ * one opaque part per such operand.
+ */
+function hiddenInBuiltin(name: string, words: ShellWord[]): CommandPart[] {
+  const args = words.slice(1);
+  const plainName = (w: ShellWord) => w.known && IDENTIFIER.test(w.value);
+  const afterOption = (option: string) =>
+    args.filter((w, k) => k > 0 && valueOf(args[k - 1]) === option && !plainName(w));
+  let suspicious: ShellWord[] = [];
+  switch (name) {
+    case "test":
+    case "[":
+      suspicious = afterOption("-v");
+      break;
+    case "printf":
+      suspicious = afterOption("-v");
+      break;
+    case "wait":
+      suspicious = afterOption("-p");
+      break;
+    case "read":
+    case "mapfile":
+    case "readarray":
+    case "unset":
+    case "getopts":
+      suspicious = args.filter((w) => !w.known || (!w.value.startsWith("-") && /[[\]]/.test(w.value)));
+      break;
+    case "declare":
+    case "typeset":
+    case "local":
+    case "export":
+    case "readonly":
+      suspicious = args.filter((w) => {
+        if (w.known && w.value.startsWith("-")) return false;
+        const m = /^([A-Za-z_][A-Za-z0-9_]*)(\+?=|$)/.exec(w.known ? w.value : w.text);
+        return !m || (RISKY_VARIABLE.test(m[1]!) && Boolean(m[2]));
+      });
+      break;
+    case "let":
+      suspicious = args.filter((w) => !w.known || !PLAIN_ARITHMETIC.test(w.value));
+      break;
+  }
+  return suspicious.map((w) => [dynamic(w.text)]);
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Command rules: the rules file and the verdict
+// Owns: `.aicrules` (or --rules FILE): reading it as hostile ground (it sits
+// where commands write), its lines and what is wrong with them, the verdict
+// for a command (deny beats ask beats allow; a part no rule allows is asked),
+// noticing that the file changed on disk (a change takes no effect until the
+// person reloads it), and the line an "always allow" answer adds.
+// ════════════════════════════════════════════════════════════════════════════
+
+type RuleAction = "allow" | "ask" | "deny";
+
+/** One line of the rules file. */
+interface CommandRule {
+  action: RuleAction;
+  /** The pattern's words, without a trailing `*`. */
+  words: string[];
+  /** The pattern ends in `*`: any further words match. deny and ask patterns always match this way. */
+  anyRest: boolean;
+  /** The line as written, for messages: which rule decided. */
+  text: string;
+  /** The rule without its comment: `deny git push *`. */
+  written: string;
+  lineNumber: number;
+  /** What follows ` # ` on the line: the reason a deny gives the model. */
+  reason?: string;
+}
+
+/** What the rules say about one command line. */
+interface RuleVerdict {
+  verdict: RuleAction;
+  /** The rule that decided (none: no rule allows a part, or the line could not be read). */
+  rule?: CommandRule;
+  /** The part that decided, as words. */
+  part?: string;
+  /** Why the line could not be read, when it could not. */
+  unreadable?: string;
+  /** Every part, for an "always allow" answer. */
+  parts?: CommandPart[];
+}
+
+const RULES_FILE_NAME = ".aicrules";
+/** A rules file is a page of text; a bigger one is refused, not half-read. */
+const MAX_RULES_BYTES = 256 * 1024;
+/** How many patterns of each kind the system prompt names. */
+const PROMPT_RULES_LISTED = 30;
+
+/** Rule lines and, for each line that is not a rule, what is wrong with it (reported, then ignored). */
+function parseRuleLines(text: string): { rules: CommandRule[]; problems: string[] } {
+  const rules: CommandRule[] = [];
+  const problems: string[] = [];
+  text.split("\n").forEach((raw, index) => {
+    const line = raw.trim();
+    if (!line || line.startsWith("#")) return;
+    const lineNumber = index + 1;
+    const problem = (why: string) => problems.push(`line ${lineNumber}: ${why}: ${visibleControls(line)}`);
+    const hash = line.search(/\s#/);
+    const body = (hash < 0 ? line : line.slice(0, hash)).trim();
+    const reason = hash < 0 ? undefined : line.slice(hash).replace(/^\s*#\s*/, "") || undefined;
+    const [action, ...words] = body.split(/\s+/);
+    if (action !== "allow" && action !== "ask" && action !== "deny")
+      return problem("a rule starts with allow, ask or deny");
+    if (words.length === 0) return problem(`${action} needs a pattern (shell words, or * for any command)`);
+    if (words.some((w) => /['"\\`$]/.test(w)))
+      return problem("a pattern is plain words as the command's words read after quoting (no quotes, \\, $ or `)");
+    const anyRest = words.at(-1) === "*";
+    if (anyRest) words.pop();
+    if (words.includes("*")) return problem("* may only be a pattern's last word");
+    rules.push({
+      action,
+      words,
+      anyRest: anyRest || action !== "allow",
+      text: line,
+      written: body,
+      lineNumber,
+      reason,
+    });
+  });
+  return { rules, problems };
+}
+
+/**
+ * Whether `rule` matches `part`: "yes"; "maybe" when a word only known as it
+ * runs could make it match; "no". deny and ask patterns also match a command
+ * word by its base name (`/usr/bin/git push` is `git push`); allow patterns
+ * need it exactly (`./git status` is not git).
+ */
+function ruleFits(rule: CommandRule, part: CommandPart): "yes" | "maybe" | "no" {
+  const pattern = rule.words;
+  for (let k = 0; k < part.length; k++) {
+    const w = part[k]!;
+    if (k >= pattern.length) {
+      if (rule.anyRest) return "yes";
+      return !w.known && part.slice(k).every((x) => !x.known) ? "maybe" : "no";
+    }
+    if (!w.known) return "maybe";
+    const same = w.value === pattern[k] || (k === 0 && rule.action !== "allow" && baseName(w.value) === pattern[0]);
+    if (!same) return "no";
+  }
+  return part.length === pattern.length ? "yes" : "no";
+}
+
+/** The verdict for one part: a matching deny; a deny it may match (asked); an ask rule; an allow rule; else asked. */
+function partVerdict(rules: readonly CommandRule[], part: CommandPart): { verdict: RuleAction; rule?: CommandRule } {
+  if (part.length === 0 || !part[0]!.known) return { verdict: "ask" };
+  const of = (action: RuleAction) => rules.filter((r) => r.action === action);
+  const deny = of("deny");
+  const found =
+    deny.find((r) => ruleFits(r, part) === "yes") ??
+    deny.find((r) => ruleFits(r, part) === "maybe") ??
+    of("ask").find((r) => ruleFits(r, part) !== "no");
+  if (found)
+    return { verdict: found.action === "deny" && ruleFits(found, part) === "yes" ? "deny" : "ask", rule: found };
+  const allowed = of("allow").find((r) => ruleFits(r, part) === "yes");
+  return allowed ? { verdict: "allow", rule: allowed } : { verdict: "ask" };
+}
+
+const partText = (part: CommandPart) => part.map((w) => (w.known ? w.value : w.text)).join(" ");
+
+/** The verdict for a whole line: deny if any part is denied, else ask if any part is asked, else allow. */
+function judgeCommand(rules: readonly CommandRule[], command: string): RuleVerdict {
+  let parts: CommandPart[];
+  try {
+    parts = commandParts(command);
+  } catch (error) {
+    if (!(error instanceof UnreadableCommand)) throw error;
+    return { verdict: "ask", unreadable: error.message };
+  }
+  const judged = parts.map((part) => ({ part, ...partVerdict(rules, part) }));
+  const decide = (v: (typeof judged)[number] | undefined): RuleVerdict =>
+    v ? { verdict: v.verdict, rule: v.rule, part: partText(v.part), parts } : { verdict: "allow", parts };
+  const denied = judged.find((v) => v.verdict === "deny");
+  if (denied) return decide(denied);
+  const asked = judged.filter((v) => v.verdict === "ask");
+  if (asked.length) return decide(asked.find((v) => v.rule) ?? asked[0]);
+  return decide(judged[0]);
+}
+
+/** The rule lines that would let every asked part of `verdict` run from now on, or undefined when no such line can be written. */
+function alwaysAllowLines(rules: readonly CommandRule[], verdict: RuleVerdict): string[] | undefined {
+  if (verdict.verdict !== "ask" || !verdict.parts) return undefined;
+  const lines = new Set<string>();
+  for (const part of verdict.parts) {
+    const v = partVerdict(rules, part);
+    if (v.verdict === "allow") continue;
+    // A part asked by a rule (or one a deny may match) stays asked whatever allow line is added.
+    const [program, sub] = part;
+    if (v.rule || !program?.known || /\s/.test(program.value)) return undefined;
+    const second = sub?.known && !sub.value.startsWith("-") && /^[\w.:@/+=-]+$/.test(sub.value) ? ` ${sub.value}` : "";
+    lines.add(`allow ${program.value}${second} *`);
+  }
+  return lines.size ? [...lines] : undefined;
+}
+
+/** What identifies the rules file's content on disk, to notice a change ("absent" when there is none). */
+function fileIdentity(file: string): string {
+  try {
+    const st = fs.lstatSync(file);
+    return `${st.dev}:${st.ino}:${st.size}:${st.mtimeMs}:${st.isFile()}`;
+  } catch {
+    return "absent";
+  }
+}
+
+/**
+ * The rules in force and where they come from. They are read when aic
+ * starts and when the person reloads them (`/rules reload`, or an "always
+ * allow" answer): never because the file changed, since the commands it
+ * governs can write it. A change is noticed and said once.
+ */
+class CommandRules {
+  rules: CommandRule[] = [];
+  problems: string[] = [];
+  /** Whether the file existed when last read; without one, aic behaves as it always did. */
+  present = false;
+  loadedAt = "";
+  /** What the last read found wrong (lines ignored, a file that could not be read): said at start and on reload. */
+  reports: string[] = [];
+  private identity = "absent";
+  private noticed = "absent";
+
+  private constructor(readonly path: string) {}
+
+  /** `--rules FILE` must exist; the default `.aicrules` may not. */
+  static load(config: Pick<Config, "rules">): CommandRules {
+    const rules = new CommandRules(path.resolve(config.rules ?? RULES_FILE_NAME));
+    rules.read();
+    if (config.rules !== undefined && !rules.present)
+      throw new UsageError(`--rules ${config.rules}: ${rules.reports[0] ?? "no such file"}`);
+    return rules;
+  }
+
+  /** Reads the file again; returns what to tell the person (also kept in `reports`). */
+  read(): string[] {
+    this.identity = this.noticed = fileIdentity(this.path);
+    this.loadedAt = localIsoSeconds();
+    let text: string;
+    try {
+      text = readOwnFile(this.path, MAX_RULES_BYTES).toString("utf8");
+    } catch (error) {
+      const e = ownFileError(error);
+      this.rules = [];
+      this.present = false;
+      this.problems = [];
+      this.reports = e.missing ? [] : [`cannot read ${this.path}: ${e.message}; no rules are in force`];
+      return this.reports;
+    }
+    ({ rules: this.rules, problems: this.problems } = parseRuleLines(text));
+    this.present = true;
+    this.reports = this.problems.map((p) => `${this.path} ${p} (this line is ignored)`);
+    return this.reports;
+  }
+
+  /** The verdict for a command; without a rules file every command is asked, as it always was (and nothing is parsed). */
+  judge(command: string): RuleVerdict {
+    return this.present ? judgeCommand(this.rules, command) : { verdict: "ask" };
+  }
+
+  /** The lines an "always allow" answer would add for `command`, if such lines can be written. */
+  alwaysAllowFor(command: string, verdict: RuleVerdict): string[] | undefined {
+    if (verdict.verdict !== "ask" || verdict.unreadable) return undefined;
+    return alwaysAllowLines(this.rules, verdict.parts ? verdict : judgeCommand(this.rules, command));
+  }
+
+  /** Only what a person said (never a command) may widen the rules: which commands run without asking. */
+  allowedPatterns(): string[] {
+    return this.present
+      ? this.rules.filter((r) => r.action === "allow").map((r) => r.written.replace(/^allow\s+/, ""))
+      : [];
+  }
+
+  /** A change on disk not yet told: the words to tell, once per change. */
+  changeNotice(): string | undefined {
+    const now = fileIdentity(this.path);
+    if (now === this.noticed) return undefined;
+    this.noticed = now;
+    if (now === this.identity) return undefined;
+    return `${this.path} changed on disk while aic runs (a command may have written it): the rules in force stay the ones read at ${this.loadedAt}; the change takes effect only when you reload it (/rules reload in the TUI) or start aic again`;
+  }
+
+  /** Appends lines (the person's "always allow") and reads the file again. Never follows a link; creates the file if needed. */
+  append(lines: string[]): void {
+    const fd = openRegular(this.path, O.O_WRONLY | O.O_APPEND | O.O_CREAT);
+    try {
+      const size = fs.fstatSync(fd).size;
+      let prefix = "";
+      if (size > 0) {
+        const last = Buffer.alloc(1);
+        const read = fs.openSync(`/proc/self/fd/${fd}`, O.O_RDONLY);
+        try {
+          fs.readSync(read, last, 0, 1, size - 1);
+        } finally {
+          fs.closeSync(read);
+        }
+        if (last[0] !== 0x0a) prefix = "\n";
+      }
+      fs.writeSync(fd, `${prefix}${lines.join("\n")}\n`);
+    } finally {
+      fs.closeSync(fd);
+    }
+    this.read();
+  }
+
+  /** One paragraph for the system prompt, so the model does not spend steps on refused commands. */
+  promptNote(): string {
+    if (!this.present || this.rules.length === 0) return "";
+    const list = (action: RuleAction) => {
+      const rules = this.rules.filter((r) => r.action === action);
+      const shown = rules.slice(0, PROMPT_RULES_LISTED).map((r) => {
+        const pattern = `\`${[...r.words, ...(r.anyRest ? ["*"] : [])].join(" ")}\``;
+        return action === "deny" && r.reason ? `${pattern} (${r.reason})` : pattern;
+      });
+      if (rules.length > shown.length) shown.push(`and ${rules.length - shown.length} more`);
+      return shown.join(", ");
+    };
+    const parts = [
+      ["run without asking", list("allow")],
+      ["are refused", list("deny")],
+      ["always wait for a person's approval", list("ask")],
+    ]
+      .filter(([, l]) => l)
+      .map(([what, l]) => `these ${what}: ${l}`);
+    return `\n\nCommand rules (${this.path}) apply to every simple command of a command line, also inside sh -c, $( ) and pipelines: ${parts.join("; ")}. Any other command needs a person's approval unless auto-approve is on. Never try to get around a refused command.`;
+  }
+
+  /** `/rules`: where they come from and each rule in force. */
+  describe(): string[] {
+    if (!this.present)
+      return [
+        `No rules in force: ${this.path} ${this.reports[0] ? "could not be read" : "does not exist"}, so every command goes through approval.`,
+        ...this.reports,
+      ];
+    const changed =
+      fileIdentity(this.path) !== this.identity ? " (changed on disk since: /rules reload to use it)" : "";
+    return [
+      `Rules from ${this.path}, read at ${this.loadedAt}${changed}:`,
+      ...this.rules.map((r) => `  line ${r.lineNumber}: ${visibleControls(r.text)}`),
+      ...this.problems.map((p) => `  ignored: ${p}`),
+    ];
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // Tool calls: the approval gate and the command
 // Owns: answering one tool call of the model: its arguments read, the person
 // asked (unless auto-approve is on), the command run, and the tool message
 // that answers it. Every call gets exactly one answer, whatever happens.
 // ════════════════════════════════════════════════════════════════════════════
 
-type Approval = { kind: "approve" } | { kind: "reject" } | { kind: "suggest"; text: string } | { kind: "no_input" };
+type Approval =
+  | { kind: "approve" }
+  /** Approve, and add the request's `alwaysAllow` lines to the rules file. */
+  | { kind: "always" }
+  | { kind: "reject" }
+  | { kind: "suggest"; text: string }
+  | { kind: "no_input" };
 /** A command waiting for approval: `index` of `total` when the model proposed several in one turn. */
 interface ApprovalRequest {
   id: string;
   command: string;
   index: number;
   total: number;
+  /** The rule lines an "always allow" answer adds (absent when none can be written for this command). */
+  alwaysAllow?: string[];
 }
 type ApproveFn = (request: ApprovalRequest) => Promise<Approval>;
 
@@ -4726,6 +5676,8 @@ interface AgentOptions {
   beforeCommand?: () => void;
   /** Takes over what commands leave running. */
   jobs: JobTable;
+  /** allow / ask / deny, for every command before the approval gate. */
+  rules: CommandRules;
 }
 
 /** What answering one tool call came to: a tool message, a rejection with the person's suggestion, or no one to ask. */
@@ -4742,6 +5694,8 @@ interface ToolCallContext {
   total: number;
   signal: AbortSignal;
   emit(event: AgentEvent): void;
+  /** The rules file was read again (the person added a rule): the system prompt follows. */
+  rulesChanged(): void;
 }
 
 /** Reads the call's arguments, asks for approval, runs the command, and words the result for the model. */
@@ -4762,28 +5716,13 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
   if (typeof command !== "string" || !command.trim()) return { kind: "done", content: NO_ARGUMENTS_MESSAGE };
 
   emit({ type: "command", id: call.id, command });
-  if (ctx.autoApprove) emit({ type: "approval", id: call.id, decision: "auto" });
-  else {
-    const answer = await untilAborted(o.approve({ id: call.id, command, index: ctx.index, total: ctx.total }), signal);
-    if (!answer) return { kind: "done", content: notExecuted(signal) };
-    if (answer.kind === "no_input") {
-      emit({ type: "approval", id: call.id, decision: "no_input" });
-      return { kind: "no_input" };
-    }
-    if (answer.kind === "reject") {
-      emit({ type: "approval", id: call.id, decision: "rejected" });
-      return { kind: "done", content: SKIPPED_BY_USER };
-    }
-    if (answer.kind === "suggest") {
-      emit({ type: "approval", id: call.id, decision: "suggestion", suggestion: answer.text });
-      return { kind: "suggestion", content: SKIPPED_BY_USER, text: answer.text };
-    }
-    emit({ type: "approval", id: call.id, decision: "approved" });
-  }
+  const gate = await passApprovalGate(call.id, command, ctx);
+  if (!gate.run) return gate.answer;
   if (signal.aborted) return { kind: "done", content: notExecuted(signal) };
   o.beforeCommand?.();
   const result = await runForAgent(command, o, ctx.cwd(), signal, {
-    canAnswerInput: o.canAnswerInput() && !ctx.autoApprove,
+    // Only a command a person approved by hand gets their keys when it waits for input; others are stopped.
+    canAnswerInput: o.canAnswerInput() && gate.byHand,
     onData: (data) => emit({ type: "command_output", id: call.id, data }),
     onWaitingForInput: () => emit({ type: "command_waiting", id: call.id }),
     attachInput: o.attachInput,
@@ -4799,7 +5738,81 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
     output: content,
     saved_to: result.savedTo,
   });
+  const notice = o.rules.changeNotice();
+  if (notice) emit({ type: "warning", text: notice });
   return { kind: "done", content };
+}
+
+/** Whether the command may run (and whether a person approved it by hand), or the answer the model gets instead. */
+type GateOutcome = { run: true; byHand: boolean } | { run: false; answer: ToolAnswer };
+
+/**
+ * The approval gate: the rules first (deny never runs, even with
+ * auto-approve; allow runs without asking), then auto-approve, then the
+ * person. Nobody to ask: with a rules file the command is refused and the
+ * run goes on; without one the run stops as it always did (exit 4).
+ */
+async function passApprovalGate(id: string, command: string, ctx: ToolCallContext): Promise<GateOutcome> {
+  const { options: o, signal, emit } = ctx;
+  const refuse = (content: string): GateOutcome => ({ run: false, answer: { kind: "done", content } });
+  const ruled = o.rules.judge(command);
+  if (ruled.verdict === "deny") {
+    emit({ type: "approval", id, decision: "denied", rule: ruled.rule?.text });
+    return refuse(deniedByRuleMessage(ruled, o.rules.path));
+  }
+  if (ruled.verdict === "allow" || ctx.autoApprove) {
+    const allowed = ruled.verdict === "allow";
+    emit({
+      type: "approval",
+      id,
+      decision: allowed ? "allowed" : "auto",
+      rule: allowed ? ruled.rule?.text : undefined,
+    });
+    return { run: true, byHand: false };
+  }
+  const alwaysAllow = o.rules.alwaysAllowFor(command, ruled);
+  const answer = await untilAborted(
+    o.approve({ id, command, index: ctx.index, total: ctx.total, alwaysAllow }),
+    signal,
+  );
+  if (!answer) return refuse(notExecuted(signal));
+  switch (answer.kind) {
+    case "no_input":
+      emit({ type: "approval", id, decision: "no_input" });
+      return o.rules.present
+        ? refuse(needsPersonMessage(ruled, o.rules.path, o.rules.allowedPatterns()))
+        : { run: false, answer: { kind: "no_input" } };
+    case "reject":
+      emit({ type: "approval", id, decision: "rejected" });
+      return refuse(SKIPPED_BY_USER);
+    case "suggest":
+      emit({ type: "approval", id, decision: "suggestion", suggestion: answer.text });
+      return { run: false, answer: { kind: "suggestion", content: SKIPPED_BY_USER, text: answer.text } };
+    case "always":
+      emit({ type: "approval", id, decision: "approved", added_rules: alwaysAllow && addRules(alwaysAllow, ctx) });
+      return { run: true, byHand: true };
+    case "approve":
+      emit({ type: "approval", id, decision: "approved" });
+      return { run: true, byHand: true };
+  }
+}
+
+/** The person's "always allow": the lines go into the rules file, which is read again. Returns what was added. */
+function addRules(lines: string[], ctx: ToolCallContext): string[] | undefined {
+  const rules = ctx.options.rules;
+  try {
+    rules.append(lines);
+  } catch (error) {
+    ctx.emit({
+      type: "warning",
+      text: `could not add to ${rules.path}: ${(error as Error).message}; approved this once`,
+    });
+    return undefined;
+  }
+  ctx.emit({ type: "info", text: `[rules] added to ${rules.path}: ${lines.join("; ")}` });
+  for (const report of rules.reports) ctx.emit({ type: "warning", text: report });
+  ctx.rulesChanged();
+  return lines;
 }
 
 /**
@@ -5119,7 +6132,8 @@ class Agent {
   private isRunning = false;
   /** Where commands run: the start directory, or wherever the person's Shell tab went. */
   private cwd = process.cwd();
-  private basePrompt: string;
+  /** The system prompt without the rules' paragraph, which `basePrompt` adds as the rules are now. */
+  private readonly fixedPrompt: string;
   private summary: string | undefined;
   private suggestions: string[] = [];
   private abort: AbortController | undefined;
@@ -5131,12 +6145,21 @@ class Agent {
 
   constructor(private readonly o: AgentOptions) {
     this.autoApprove = o.config.autoApprove;
-    this.basePrompt = o.systemPrompt;
+    this.fixedPrompt = o.systemPrompt;
     this.model = new ModelCalls(o.config, o.sink);
   }
 
   get budget(): number {
     return promptBudget(this.o.config);
+  }
+
+  private get basePrompt(): string {
+    return fullSystemPrompt({ systemPrompt: this.fixedPrompt, rules: this.o.rules });
+  }
+
+  /** The person reloaded the rules (or added one): the system prompt names the ones now in force. */
+  rulesChanged(): void {
+    if (this.messages.length) this.refreshSystemPrompt();
   }
 
   /** The conversation's token totals. */
@@ -5400,6 +6423,7 @@ class Agent {
         total: turn.toolCalls.length,
         signal,
         emit: (event) => this.emit(event),
+        rulesChanged: () => this.rulesChanged(),
       });
       if (result.kind === "no_input") {
         answerOpenCalls(this.messages, NOT_EXECUTED_STOPPED);
@@ -5508,8 +6532,13 @@ class Agent {
 
 interface PreparedRun {
   sandbox: Sandbox;
+  /** The system prompt without the rules' paragraph (which follows the rules as the person reloads them). */
   systemPrompt: string;
+  rules: CommandRules;
 }
+
+/** The whole system prompt: the fixed part, then the rules in force. */
+const fullSystemPrompt = (p: Pick<PreparedRun, "systemPrompt" | "rules">) => p.systemPrompt + p.rules.promptNote();
 
 /** A budget must leave room for a conversation beside the system prompt, or nothing could ever be compressed into it. */
 const MIN_CONVERSATION_TOKENS = 1024;
@@ -5576,13 +6605,13 @@ function prepareParts(config: Config): PreparedRun {
     projectInstructions: readProjectInstructions(process.cwd()),
     doneWhen: config.doneWhen,
   });
-  return { sandbox, systemPrompt };
+  return { sandbox, systemPrompt, rules: CommandRules.load(config) };
 }
 
 /** What either front end needs before anything runs: the sandbox, the system prompt, and a budget with room in it. */
 async function prepareRun(config: Config): Promise<PreparedRun> {
   const prepared = prepareParts(config);
-  await checkPromptRoom(config, prepared.systemPrompt);
+  await checkPromptRoom(config, fullSystemPrompt(prepared));
   return prepared;
 }
 
@@ -5645,10 +6674,12 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     cwd: process.cwd(),
     sandbox: prepared.sandbox.status,
     sandbox_rules: prepared.sandbox.ruleCount,
+    rules: prepared.rules.present ? prepared.rules.path : null,
     session: session?.path ?? null,
     request,
   });
-  const loaded = session?.load(prepared.systemPrompt);
+  for (const report of prepared.rules.reports) front.sink.emit({ type: "warning", text: report });
+  const loaded = session?.load(fullSystemPrompt(prepared));
   const outputs = new OutputStore(
     session !== undefined,
     session?.sessionId ?? String(process.pid),
@@ -5667,6 +6698,7 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     approve: front.approve,
     sandbox: prepared.sandbox,
     systemPrompt: prepared.systemPrompt,
+    rules: prepared.rules,
     session,
     outputs,
     workDir,
@@ -7006,6 +8038,8 @@ function keyToBytes(key: KeyEvent, applicationCursor = false): string {
  */
 class ApprovalDialog {
   readonly overlay: BoxNode;
+  /** "Always allow": approves and adds the request's rule lines to the rules file. Only a click or /always gives it. */
+  private readonly always: BoxNode & { label: TextNode };
   private waiting: { request: ApprovalRequest; resolve(a: Approval): void } | undefined;
   private readonly body: ScrollBoxNode;
   private readonly text: TextNode;
@@ -7057,11 +8091,15 @@ class ApprovalDialog {
         e.stopPropagation();
         onAnswer(answer);
       };
-      b.add(new ot.TextRenderable(r, { content: label, fg: "#000000" }));
-      return b;
+      const text = new ot.TextRenderable(r, { content: label, fg: "#000000" });
+      b.add(text);
+      return Object.assign(b, { label: text });
     };
     buttons.add(button("[Y] Approve", COLORS.ok, { kind: "approve" }));
     buttons.add(button("[N] Reject", COLORS.bad, { kind: "reject" }));
+    this.always = button("", COLORS.info, { kind: "always" });
+    this.always.visible = false;
+    buttons.add(this.always);
     this.overlay.add(this.body);
     this.overlay.add(hint);
     this.overlay.add(buttons);
@@ -7103,6 +8141,9 @@ class ApprovalDialog {
     this.overlay.title = ` Approve command${which}? · ${lines} line${lines === 1 ? "" : "s"} `;
     this.text.content = visibleControls(request.command);
     this.body.scrollTo(Number.MAX_SAFE_INTEGER);
+    this.always.visible = request.alwaysAllow !== undefined;
+    if (request.alwaysAllow)
+      this.always.label.content = `Always allow: ${visibleControls(request.alwaysAllow.join("; "))}`;
     this.overlay.visible = true;
   }
 
@@ -7603,7 +8644,8 @@ class Tui implements EventSink {
   readonly session: SessionStore | undefined;
   readonly prompt: PromptBar;
   readonly run: Run;
-  readonly systemPrompt: string;
+  /** The sandbox, the system prompt and the rules this TUI runs with. */
+  readonly prepared: PreparedRun;
   private readonly r: CliRenderer;
   readonly view: AgentView;
   private readonly root: BoxNode;
@@ -7630,7 +8672,7 @@ class Tui implements EventSink {
     const { config, renderer: r, ot } = o;
     this.r = r;
     const prepared = o.prepared ?? prepareParts(config);
-    this.systemPrompt = prepared.systemPrompt;
+    this.prepared = prepared;
     this.prompt = new PromptBar(
       ot,
       r,
@@ -7715,6 +8757,11 @@ class Tui implements EventSink {
   /** Whether a command waits for the person's approval. */
   get awaitingApproval(): boolean {
     return this.dialog.request !== undefined;
+  }
+
+  /** The command waiting for the person's approval, if any. */
+  get waitingRequest(): ApprovalRequest | undefined {
+    return this.dialog.request;
   }
 
   /** The run the agent is doing now, if any (/clear waits for it to wind down). */
@@ -8074,6 +9121,17 @@ const SLASH_COMMANDS: readonly SlashCommand[] = [
   { names: ["/reload"], help: "re-read the session file (agent stopped)", run: (t) => reloadSession(t) },
   { names: ["/stop"], help: "interrupt the agent", run: (t) => t.stopAgent() },
   {
+    names: ["/always"],
+    help: "approve the waiting command and add an allow rule for it to the rules file",
+    run: (t) => alwaysAllow(t),
+  },
+  {
+    names: ["/rules"],
+    args: "[reload]",
+    help: "show the command rules in force; /rules reload reads the file again",
+    run: (t, text) => rulesCommand(t, text),
+  },
+  {
     names: ["/jobs"],
     args: "[kill N]",
     help: "list what commands left running; /jobs kill N stops job N",
@@ -8090,6 +9148,32 @@ function showHelp(t: Tui): void {
     t.agentPane.line(`  ${[c.names.join(", "), c.args].filter(Boolean).join(" ").padEnd(24)} ${c.help}`, COLORS.info);
   t.agentPane.line("Keys:", COLORS.info);
   for (const [keys, what] of TUI_KEY_HELP) t.agentPane.line(`  ${keys.padEnd(24)} ${what}`, COLORS.info);
+}
+
+/** /always: the dialog's "Always allow" from the keyboard; only where a rule line can be written for the command. */
+function alwaysAllow(t: Tui): void {
+  const request = t.waitingRequest;
+  if (!request) return t.agentPane.line("No command is waiting for approval.", COLORS.warning);
+  if (!request.alwaysAllow)
+    return t.agentPane.line(
+      `No allow rule can be written for this command (a rule asks for it, or its program is only known when it runs); approve it with Y, or edit ${t.prepared.rules.path} yourself.`,
+      COLORS.warning,
+    );
+  t.answerApproval({ kind: "always" });
+}
+
+/** /rules shows the rules in force and where they come from; /rules reload reads the file again (the person's own act). */
+function rulesCommand(t: Tui, args: string): void {
+  const rules = t.prepared.rules;
+  if (args.trim() === "reload") {
+    const reports = rules.read();
+    t.agent.rulesChanged();
+    t.agentPane.line(`[rules] read ${rules.path} again: ${rules.rules.length} rule(s) in force`, COLORS.info);
+    for (const r of reports) t.agentPane.line(r, COLORS.warning);
+    return;
+  }
+  if (args.trim()) return t.agentPane.line("Usage: /rules, or /rules reload", COLORS.warning);
+  for (const line of rules.describe()) t.agentPane.line(line, COLORS.info);
 }
 
 /** `/jobs` lists the background jobs; `/jobs kill N` stops one (SIGTERM, then SIGKILL). */
@@ -8138,7 +9222,7 @@ function reloadSession(t: Tui): void {
   if (t.agent.running)
     return t.agentPane.line("/reload works only while the agent is stopped (/stop first).", COLORS.warning);
   if (!t.session) return t.agentPane.line("[SESSION] off (--no-session): nothing to reload.", COLORS.info);
-  const loaded = t.session.load(t.systemPrompt);
+  const loaded = t.session.load(fullSystemPrompt(t.prepared));
   for (const line of loaded.reports) t.agentPane.line(`[SESSION] ${line}`, COLORS.info);
   t.agent.restore(loaded.messages ? loaded : { ...loaded, messages: [], stepCount: 0, usage: emptyUsage() });
   if (loaded.messages) t.view.showConversation(loaded.messages);
@@ -8342,7 +9426,12 @@ if (import.meta.main) {
 
 export {
   Agent,
+  CommandRules,
   JobTable,
+  commandParts,
+  judgeCommand,
+  parseRuleLines,
+  UnreadableCommand,
   sandboxOff,
   HeldDirectory,
   OutputStore,

@@ -10,6 +10,7 @@ import { existsSync, mkdirSync, readFileSync, readdirSync, rmSync, statSync, wri
 import { join } from "node:path";
 import {
   Agent,
+  CommandRules,
   HeldDirectory,
   OutputStore,
   JobTable,
@@ -272,6 +273,7 @@ describe("Agent.clear() (/clear)", () => {
       workDir: HeldDirectory.open(dir),
       canAnswerInput: () => false,
       jobs: new JobTable(() => {}, new OutputStore(false, "unit-jobs"), 1_000_000),
+      rules: CommandRules.load({ rules: undefined }),
     });
     agent.restore(store.load(SYSTEM));
     expect(agent.messages).toHaveLength(4);

@@ -1144,6 +1144,53 @@ describe("a TUI a person can trust (round 2)", () => {
     await h.until((f) => f.includes("Job 1 is not running (stopped by the person after"));
   });
 
+  // Command rules in the TUI: an allowed command runs without the dialog; for an asked one the dialog offers
+  // "Always allow", which (clicked, or /always) runs it and adds the rule, so the next such command is not asked.
+  test("rules: allow skips the dialog; Always allow (click or /always) adds the rule and runs it", async () => {
+    const dir = scratch("aic-tui-rules-");
+    const rulesFile = join(dir, "rules");
+    writeFileSync(rulesFile, "allow printf *\ndeny git push *  # pushing needs a person\n");
+    const h = await openTui({ request: "run: printf 'allowed-%s\\n' $((6*7))", args: ["--rules", rulesFile], dir });
+    let frame = await h.until((f) => f.includes("allowed-42"));
+    expect(frame).not.toContain("Approve command");
+    expect(frame).toContain("(runs without asking: allow printf *)");
+    await h.idle(2);
+
+    await h.type("run: echo clicked-$((2*3))");
+    frame = await h.until((f) => f.includes("Always allow: allow echo *"));
+    const rows = frame.split("\n");
+    const row = rows.findIndex((r) => r.includes("Always allow: allow echo *"));
+    await h.s.mockMouse.click(rows[row]!.indexOf("Always allow") + 2, row);
+    await h.until((f) => f.includes("clicked-6"));
+    expect(readFileSync(rulesFile, "utf8")).toBe(
+      "allow printf *\ndeny git push *  # pushing needs a person\nallow echo *\n",
+    );
+    await h.idle(4);
+
+    // Now allowed: no dialog.
+    await h.type("run: echo no-dialog-$((3*3))");
+    frame = await h.until((f) => f.includes("no-dialog-9"));
+    expect(frame).toContain("(runs without asking: allow echo *)");
+    await h.idle(6);
+
+    // /always from the keyboard, for another program; and /rules shows what is in force.
+    await h.type("run: date +%Y-always");
+    await h.until((f) => f.includes("Always allow: allow date *"));
+    await h.type("/always");
+    await h.until((f) => /\d{4}-always/.test(f));
+    await h.idle(8);
+    await h.type("/rules");
+    frame = await h.until((f) => f.includes(`Rules from ${rulesFile}`));
+    for (const line of ["line 1: allow printf *", "line 3: allow echo *", "line 4: allow date *"])
+      expect(frame).toContain(line);
+    // The model is told the new rules in the system prompt of its next request.
+    await h.type("usage");
+    await h.idle(9);
+    expect(messagesOf(h.requests()[8])[0].content).toContain(
+      "these run without asking: `printf *`, `echo *`, `date *`",
+    );
+  });
+
   test("the Ctrl+R line sits above the prompt, never over the panes' border", async () => {
     const h = await openTui({ history: ["find me later"] });
     h.s.mockInput.pressKey("\x12");
