@@ -26,6 +26,7 @@
  * loop; nothing blocks it.
  */
 
+import { createHash } from "node:crypto";
 import * as fs from "node:fs";
 import * as os from "node:os";
 import * as path from "node:path";
@@ -161,6 +162,7 @@ interface Config {
   maxTokens: number | undefined;
   /** The command rules file (default ./.aicrules, which may be absent). */
   rules: string | undefined;
+  noCheckpoints: boolean;
   request: string | undefined;
   /** Warnings found while parsing that are not errors (an unknown algorithm name). */
   warnings: string[];
@@ -289,6 +291,12 @@ const FLAGS: readonly FlagSpec[] = [
     help: "Shell command that must exit 0 for a claim of completion to count (exit 6 after 5 refusals).",
   },
   {
+    name: "--no-checkpoints",
+    kind: "bool",
+    key: "noCheckpoints",
+    help: "Take no snapshot of the files before each command (no /undo, no aic undo).",
+  },
+  {
     name: "--rules",
     kind: "string",
     key: "rules",
@@ -314,6 +322,8 @@ function helpText(): string {
     "  aic [options] [request…]           TUI (default); a lone - reads the request from stdin",
     "  aic --nogui [options] request…     plain output, for scripts and CI",
     "  aic search QUERY [--max-results N] web search, prints a JSON array",
+    "  aic undo [N] [--session PATH]      put the files back as before the last N commands (default 1)",
+    "  aic redo [--session PATH]          undo the last undo",
     "  A request that starts with a dash goes after --.",
     "",
     "Options:",
@@ -341,6 +351,7 @@ type ParsedArgs =
   | { kind: "help" }
   | { kind: "version" }
   | { kind: "search"; query: string; maxResults: number }
+  | { kind: "undo" | "redo"; count: number; session: string }
   | { kind: "run"; config: Config };
 
 function describeFlag(f: FlagSpec): string {
@@ -422,6 +433,7 @@ function parseHeaders(f: FlagSpec, lines: string[]): Record<string, string> {
 
 function parseArgs(argv: string[], env: Record<string, string | undefined>): ParsedArgs {
   if (argv[0] === "search") return parseSearchArgs(argv.slice(1));
+  if (argv[0] === "undo" || argv[0] === "redo") return parseUndoArgs(argv[0], argv.slice(1));
   const given = new Map<FlagSpec, string[]>();
   const words: string[] = [];
   let onlyWords = false;
@@ -513,6 +525,29 @@ function parseSearchArgs(argv: string[]): ParsedArgs {
   }
   if (!words.length) throw new UsageError('search needs a query: aic search "QUERY"');
   return { kind: "search", query: words.join(" "), maxResults };
+}
+
+/** `aic undo [N] [--session PATH]`, `aic redo [--session PATH]`. */
+function parseUndoArgs(kind: "undo" | "redo", argv: string[]): ParsedArgs {
+  let session = ".aicsession";
+  let count = 1;
+  let counted = false;
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i]!;
+    if (arg === "--help" || arg === "-h") return { kind: "help" };
+    if (arg === "--session" || arg.startsWith("--session=")) {
+      const value = arg.includes("=") ? arg.slice(arg.indexOf("=") + 1) : argv[++i];
+      if (!value) throw new UsageError(`${kind} --session needs a file path`);
+      session = value;
+    } else if (kind === "undo" && !counted && /^[0-9]+$/.test(arg) && Number(arg) > 0) {
+      count = Number(arg);
+      counted = true;
+    } else
+      throw new UsageError(
+        `${kind} takes ${kind === "undo" ? "[N] (how many commands) and " : ""}[--session PATH], not '${arg}'`,
+      );
+  }
+  return { kind, count, session };
 }
 
 /** Budget for the prompt: non-gpt models reserve room for their output inside the context window. */
@@ -2683,6 +2718,8 @@ interface SessionState {
   cwd?: string;
   /** The background jobs this process started, and how each ended (stopped when aic exited, say). */
   jobs?: JobRecord[];
+  /** The checkpoint taken before each command, and the undos that can be redone. */
+  checkpoints?: CheckpointRecord;
 }
 
 interface LoadedSession extends Partial<SessionState> {
@@ -2722,6 +2759,7 @@ const SESSION_KEYS = new Set([
   "messages",
   "output_dir",
   "jobs",
+  "checkpoints",
 ]);
 
 /** Stands in for the message list while the rest of the document is stringified. */
@@ -2749,7 +2787,7 @@ class SessionStore {
     private readonly name: string,
     readonly instanceNumber: number,
     private readonly lockFd: number | undefined,
-    private readonly meta: { model: string; apiBase: string },
+    private meta: { model: string; apiBase: string },
     private readonly sink: EventSink,
     /** The file's bytes as read while claiming it (undefined: there was none). */
     private claimedBytes: Buffer | undefined,
@@ -2764,7 +2802,11 @@ class SessionStore {
    * or when it cannot be read (a file aic could not read is never replaced).
    * The lock lives in a sidecar `.lock` file because the data file is replaced on every write.
    */
-  static claim(base: string, meta: { model: string; apiBase: string }, sink: EventSink): SessionStore {
+  /**
+   * `exact`: only `base` itself will do (`aic undo` edits that very file):
+   * if a running aic holds it, that is an error instead of a move to the next.
+   */
+  static claim(base: string, meta: { model: string; apiBase: string }, sink: EventSink, exact = false): SessionStore {
     const absolute = path.resolve(base);
     const dir = HeldDirectory.open(path.dirname(absolute));
     const name = path.basename(absolute);
@@ -2795,6 +2837,10 @@ class SessionStore {
         }
         if (lockFd !== undefined && flock(lockFd, LOCK_EX | LOCK_NB) !== 0) {
           fs.closeSync(lockFd);
+          if (exact) {
+            dir.close();
+            throw new Error(`${absolute} is in use by a running aic: undo there (/undo in its TUI), or stop it first`);
+          }
           skipped.push(`another aic is using ${candidate} in this directory`);
           continue;
         }
@@ -2822,7 +2868,7 @@ class SessionStore {
   }
 
   /** Reads and repairs the file. Never throws for bad content: it is moved aside and the run starts clean. */
-  load(systemPrompt: string): LoadedSession {
+  load(systemPrompt?: string): LoadedSession {
     let bytes = this.claimedBytes;
     this.claimedBytes = undefined;
     if (bytes === undefined) {
@@ -2863,11 +2909,15 @@ class SessionStore {
     }
     if (version !== undefined && version !== SESSION_VERSION)
       reports.push(`read the unknown aic_session_version ${JSON.stringify(version)} as ${SESSION_VERSION}`);
-    const repaired = repairMessages(rawMessages, systemPrompt);
+    const repaired = repairMessages(rawMessages, systemPrompt ?? "");
     reports.push(...repaired.reports);
     const messages = repaired.messages;
     const storedPrompt = splitSummary(contentText(messages[0]?.content)).base;
-    if (!repaired.reports.includes("added the missing system prompt") && storedPrompt !== systemPrompt)
+    if (
+      systemPrompt !== undefined &&
+      !repaired.reports.includes("added the missing system prompt") &&
+      storedPrompt !== systemPrompt
+    )
       reports.push(
         "the system prompt in the file differs from this run's (edited by hand, or written by another aic version or with other options); this run uses its own and keeps the conversation summary",
       );
@@ -2884,7 +2934,12 @@ class SessionStore {
     reports.push(
       `Restored ${messages.length - 1} message(s) from ${this.path} (session ${this.sessionId}, step ${stepCount})`,
     );
-    return { messages, stepCount, usage, sessionId: this.sessionId, reports };
+    const checkpoints = checkpointRecordFrom(doc.checkpoints, reports);
+    // A store claimed without knowing the run (aic undo) keeps the model and endpoint the file names.
+    if (!this.meta.model && typeof doc.model === "string")
+      this.meta = { model: doc.model, apiBase: typeof doc.api_base === "string" ? doc.api_base : "" };
+    const jobs = Array.isArray(doc.jobs) ? (doc.jobs as JobRecord[]) : undefined;
+    return { messages, stepCount, usage, sessionId: this.sessionId, reports, checkpoints, jobs };
   }
 
   /**
@@ -2958,6 +3013,7 @@ class SessionStore {
     };
     if (this.outputDir) doc.output_dir = this.outputDir;
     if (state.jobs) doc.jobs = state.jobs;
+    if (state.checkpoints) doc.checkpoints = state.checkpoints;
     for (const [key, value] of Object.entries(this.extra)) if (!(key in doc)) doc[key] = value;
     try {
       // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
@@ -3485,6 +3541,17 @@ function spawnPty(
   bunChildren.add(proc.pid);
   void proc.exited.then(() => bunChildren.delete(proc.pid));
   return { proc, terminal: proc.terminal!, eof };
+}
+
+/** Bun.spawn for aic's own helper programs (git): registered, so the zombie reaper never takes a child Bun waits for. */
+function spawnOwned<Err extends "pipe" | "ignore">(
+  argv: string[],
+  opts: { cwd: string; env: Record<string, string>; stdin: "ignore" | Uint8Array; stdout: "pipe"; stderr: Err },
+) {
+  const proc = Bun.spawn(argv, opts);
+  bunChildren.add(proc.pid);
+  void proc.exited.then(() => bunChildren.delete(proc.pid));
+  return proc;
 }
 
 const SIGNAL_NUMBERS = os.constants.signals as Record<string, number>;
@@ -4727,6 +4794,753 @@ function jobLine(job: Job): string {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: the shadow repository
+// Owns: snapshots of the start directory's tree in a git repository of aic's
+// own under $XDG_STATE_HOME/aic (never the project's .git), made with the
+// `git` executable and an environment that shuts out every setting of the
+// person's or the project's git that could run code, prompt, rewrite bytes
+// or slow a snapshot down. One snapshot is `add -A`, `write-tree` and, only
+// when the tree changed, a parentless commit with a ref of its own.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** Files to stop snapshotting at: past this a tree is not a project worth checkpointing (node_modules is ignored anyway). */
+const MAX_CHECKPOINT_FILES = 50_000;
+/** The first snapshot writes every file once; past this, checkpoints cost too much here and are turned off. */
+const FIRST_SNAPSHOT_LIMIT_MS = 2000;
+/** Later snapshots and restores are bounded too, so a stuck git can never hang a run. */
+const GIT_TIME_LIMIT_MS = 60_000;
+/** Checkpoints kept per directory; older ones are dropped (and their objects collected) now and then. */
+const CHECKPOINTS_KEPT = 200;
+const CHECKPOINT_REF = "refs/aic/cp/";
+const LAST_CHECKPOINT_REF = "refs/aic/last";
+
+/**
+ * The shadow repository's whole config (the person's and the system's are
+ * shut out): no hooks, no fsmonitor, no filters, no line-ending changes, no
+ * signing, no automatic gc in the middle of a snapshot.
+ */
+const SHADOW_CONFIG = `[core]
+\trepositoryformatversion = 0
+\tbare = false
+\tfilemode = true
+\tsymlinks = true
+\tignorecase = false
+\tautocrlf = false
+\tsafecrlf = false
+\teol = lf
+\tfsmonitor = false
+\thooksPath = /dev/null
+\texcludesFile = /dev/null
+\tattributesFile = /dev/null
+\tuntrackedCache = true
+\tpreloadIndex = true
+\ttrustctime = true
+\tlogAllRefUpdates = false
+\tlooseCompression = 1
+\tcompression = 1
+\tbigFileThreshold = 16m
+\tquotePath = false
+\tsparseCheckout = false
+\tsplitIndex = false
+[index]
+\tversion = 4
+\tthreads = true
+[gc]
+\tauto = 0
+[maintenance]
+\tauto = false
+[commit]
+\tgpgSign = false
+[submodule]
+\trecurse = false
+[diff]
+\trenames = false
+[advice]
+\taddEmbeddedRepo = false
+[user]
+\tname = aic
+\temail = aic@localhost
+`;
+
+/** Stronger than any .gitattributes of the project: the bytes are stored and put back exactly (no CRLF, no LFS, no $Id$). */
+const SHADOW_ATTRIBUTES = "* -text -eol -filter -ident -working-tree-encoding\n";
+
+/** The outcome of one git call. */
+interface GitResult {
+  code: number;
+  stdout: Buffer;
+  stderr: string;
+  timedOut: boolean;
+}
+
+/**
+ * A git repository of aic's own that snapshots `workTree` (the project's
+ * top when aic starts inside a repository, so every .gitignore applies as git
+ * applies it; `prefix` then limits every snapshot to the start directory).
+ */
+class ShadowRepository {
+  readonly gitDir: string;
+  /** The start directory relative to the work tree, "" or "a/b/". */
+  readonly prefix: string;
+  private readonly env: Record<string, string>;
+  /** The newest checkpoint and its tree, so an unchanged tree costs no commit. */
+  private last: { commit: string; tree: string } | undefined;
+
+  constructor(
+    readonly directory: string,
+    readonly workTree: string,
+    readonly home: string,
+    private readonly ownFiles: string[],
+  ) {
+    this.gitDir = path.join(home, "git");
+    this.prefix = workTree === directory ? "" : `${path.relative(workTree, directory).split(path.sep).join("/")}/`;
+    this.env = shadowGitEnvironment(this.gitDir, workTree);
+  }
+
+  /** The shadow repository of `directory`: `$XDG_STATE_HOME/aic/checkpoints/<hash of its real path>`. */
+  static of(directory: string, ownFiles: string[]): ShadowRepository {
+    // The start directory comes from getcwd (or a session that recorded it), so it is already a real path.
+    const real = path.resolve(directory);
+    let top: string | undefined;
+    for (let d = real; ; d = path.dirname(d)) {
+      if (fs.existsSync(path.join(d, ".git"))) {
+        top = d;
+        break;
+      }
+      if (path.dirname(d) === d) break;
+    }
+    const state = process.env.XDG_STATE_HOME;
+    const base = state && path.isAbsolute(state) ? state : path.join(os.homedir(), ".local", "state");
+    const hash = createHash("sha256").update(real).digest("hex").slice(0, 16);
+    return new ShadowRepository(real, top ?? real, path.join(base, "aic", "checkpoints", hash), ownFiles);
+  }
+
+  /** `git` with the shut-out environment, stdin closed (or fed), in the work tree, under a time limit. */
+  async git(
+    args: string[],
+    opts: { input?: string; limitMs?: number; env?: Record<string, string> } = {},
+  ): Promise<GitResult> {
+    const proc = spawnOwned(["git", "--no-pager", ...args], {
+      cwd: this.workTree,
+      env: opts.env ?? this.env,
+      stdin: opts.input === undefined ? "ignore" : utf8.encode(opts.input),
+      stdout: "pipe",
+      stderr: "pipe",
+    });
+    let timedOut = false;
+    const timer = setTimeout(() => {
+      timedOut = true;
+      proc.kill("SIGTERM"); // git removes its lock files on SIGTERM
+      setTimeout(() => proc.kill("SIGKILL"), KILL_GRACE_MS).unref?.();
+    }, opts.limitMs ?? GIT_TIME_LIMIT_MS);
+    const [stdout, stderr] = await Promise.all([
+      new Response(proc.stdout).arrayBuffer(),
+      new Response(proc.stderr).text(),
+    ]);
+    const code = await proc.exited;
+    clearTimeout(timer);
+    return { code, stdout: Buffer.from(stdout), stderr, timedOut };
+  }
+
+  /** The same, throwing with git's own words when it fails. */
+  async gitOk(args: string[], opts: Parameters<ShadowRepository["git"]>[1] = {}): Promise<string> {
+    const r = await this.git(args, opts);
+    if (r.timedOut) throw new Error(`git ${args[0]} took longer than ${(opts.limitMs ?? GIT_TIME_LIMIT_MS) / 1000} s`);
+    if (r.code !== 0)
+      throw new Error(`git ${args[0]} failed: ${r.stderr.trim().split("\n").at(-1) ?? `exit ${r.code}`}`);
+    return r.stdout.toString("utf8");
+  }
+
+  /** Limits a command to the start directory (nothing when it is the work tree's top). */
+  get pathspec(): string[] {
+    return this.prefix ? ["--", `:(top,literal)${this.prefix}`] : [];
+  }
+
+  get exists(): boolean {
+    return fs.existsSync(path.join(this.gitDir, "HEAD"));
+  }
+
+  /** Creates the repository (once) and writes what it must ignore (every time: the session's name may differ). */
+  async prepare(): Promise<void> {
+    if (!this.exists) {
+      fs.mkdirSync(this.home, { recursive: true, mode: 0o700 });
+      const { GIT_DIR: _dir, GIT_WORK_TREE: _tree, ...env } = this.env;
+      // --template= : no sample hooks and no template directory from anyone's config.
+      await this.gitOk(["init", "--quiet", "--bare", "--template=", "--initial-branch=aic", this.gitDir], { env });
+      writeOwnFile(path.join(this.gitDir, "config"), SHADOW_CONFIG);
+      fs.mkdirSync(path.join(this.gitDir, "info"), { recursive: true });
+      writeOwnFile(path.join(this.gitDir, "info", "attributes"), SHADOW_ATTRIBUTES);
+      writeOwnFile(path.join(this.home, "directory"), `${this.directory}\n`);
+    }
+    this.writeExcludes();
+  }
+
+  /**
+   * aic's own files in the start directory (anchored there: an unanchored
+   * `*.lock` would lose yarn.lock), the shadow repository itself when it lies
+   * inside the tree, the project's .git/info/exclude and the person's global
+   * ignore file (editor swap files).
+   */
+  private writeExcludes(): void {
+    const anchored = (p: string) => `/${this.prefix}${p}`;
+    const lines = ["# aic's own files", ...this.ownFiles.map(anchored)];
+    const inside = path.relative(this.workTree, this.home);
+    if (inside && !inside.startsWith("..") && !path.isAbsolute(inside)) lines.push(`/${inside}/`);
+    const read = (file: string) => {
+      try {
+        return readOwnFile(file, 1024 * 1024).toString("utf8");
+      } catch {
+        return "";
+      }
+    };
+    lines.push("# the project's .git/info/exclude", read(path.join(this.workTree, ".git", "info", "exclude")));
+    const config = process.env.XDG_CONFIG_HOME || path.join(os.homedir(), ".config");
+    lines.push("# the person's global ignore file", read(path.join(config, "git", "ignore")));
+    fs.mkdirSync(path.join(this.gitDir, "info"), { recursive: true });
+    writeOwnFile(path.join(this.gitDir, "info", "exclude"), `${lines.join("\n")}\n`);
+  }
+
+  /**
+   * How many files a first snapshot would take (ignore rules honoured),
+   * stopping at `limit`; over the limit, or taking over `limitMs`, is "too big".
+   */
+  async countFiles(limit: number, limitMs: number): Promise<{ count: number; tooBig: boolean }> {
+    const emptyIndex = path.join(this.home, `count-${process.pid}.index`); // absent: every file counts as new
+    const proc = spawnOwned(["git", "ls-files", "-o", "--exclude-standard", "-z", ...this.pathspec], {
+      cwd: this.workTree,
+      env: { ...this.env, GIT_INDEX_FILE: emptyIndex },
+      stdin: "ignore",
+      stdout: "pipe",
+      stderr: "ignore",
+    });
+    let timedOut = false;
+    const timer = setTimeout(() => ((timedOut = true), proc.kill("SIGKILL")), limitMs);
+    let count = 0;
+    for await (const chunk of proc.stdout) {
+      for (const byte of chunk) if (byte === 0) count++;
+      if (count > limit) {
+        proc.kill("SIGKILL");
+        break;
+      }
+    }
+    clearTimeout(timer);
+    await proc.exited;
+    return { count, tooBig: count > limit || timedOut };
+  }
+
+  /**
+   * One checkpoint of the tree as it is now; its commit. Unchanged files
+   * cost only a stat (git's index), and an unchanged tree no commit at all.
+   */
+  async snapshot(
+    message: string,
+    limitMs = GIT_TIME_LIMIT_MS,
+    bulk = false,
+  ): Promise<{ commit: string; tree: string }> {
+    // A first snapshot stores every file: streamed into one pack instead of a file per object, it is several
+    // times faster on a busy disk (measured: 0.58 s against 2.67 s for 5,000 files). Later ones store a few
+    // files, where loose objects are cheaper than a new pack each time.
+    const bulkCheckIn = bulk ? ["-c", "core.bigFileThreshold=1"] : [];
+    const add = await this.git([...bulkCheckIn, "add", "-A", "--ignore-errors", ...this.pathspec], { limitMs });
+    if (add.timedOut) throw new Error(`taking the snapshot took longer than ${limitMs / 1000} s`);
+    // --ignore-errors stages everything it can; a nested repository (a clone, a submodule) needs its files listed.
+    if (add.code !== 0 || add.stderr) await this.includeNestedRepositories();
+    const tree = (await this.gitOk(["write-tree"])).trim();
+    if (!this.last) {
+      const head = await this.git(["rev-parse", "--verify", "-q", `${LAST_CHECKPOINT_REF}^{commit}`]);
+      const commit = head.code === 0 ? head.stdout.toString().trim() : "";
+      if (commit) this.last = { commit, tree: (await this.gitOk(["rev-parse", `${commit}^{tree}`])).trim() };
+    }
+    if (this.last?.tree === tree) return this.last;
+    return this.commit(tree, message);
+  }
+
+  /** A parentless commit of `tree` with a ref of its own (dropping the ref frees it), made the newest. */
+  async commit(tree: string, message: string): Promise<{ commit: string; tree: string }> {
+    const commit = (await this.gitOk(["commit-tree", "--no-gpg-sign", tree, "-m", message])).trim();
+    const ref = `${CHECKPOINT_REF}${String(Date.now()).padStart(14, "0")}-${process.pid}-${randomName()}`;
+    await this.gitOk(["update-ref", "--stdin", "-z"], {
+      input: `update ${ref}\0${commit}\0\0update ${LAST_CHECKPOINT_REF}\0${commit}\0\0`,
+    });
+    this.last = { commit, tree };
+    return this.last;
+  }
+
+  /**
+   * A repository inside the tree is recorded by `add -A` as a bare commit
+   * pointer (useless for undo), or refused when it has no commit yet. Its
+   * files are listed through the shadow git instead (its own config and
+   * hooks are never read, its .git never stored), after which `add -A`
+   * descends into it like any directory.
+   */
+  private async includeNestedRepositories(depth = 0): Promise<void> {
+    const found = new Set<string>();
+    for (const entry of (await this.gitOk(["ls-files", "-s", "-z"])).split("\0"))
+      if (entry.startsWith("160000 ")) found.add(entry.slice(entry.indexOf("\t") + 1));
+    for (const p of (await this.gitOk(["ls-files", "-o", "--exclude-standard", "-z", ...this.pathspec])).split("\0"))
+      if (p.endsWith("/")) found.add(p.slice(0, -1));
+    if (found.size === 0) return;
+    await this.gitOk(["update-index", "-z", "--force-remove", "--stdin"], { input: `${[...found].join("\0")}\0` });
+    for (const dir of found) {
+      const index = path.join(this.home, `nested-${process.pid}.index`);
+      const env = { ...this.env, GIT_WORK_TREE: path.join(this.workTree, dir), GIT_INDEX_FILE: index };
+      const files = (await this.gitOk(["ls-files", "-o", "--exclude-standard", "-z"], { env }))
+        .split("\0")
+        .filter((f) => f && !f.endsWith("/"));
+      fs.rmSync(index, { force: true });
+      if (files.length)
+        await this.gitOk(["update-index", "--add", "-z", "--stdin"], {
+          input: `${files.map((f) => `${dir}/${f}`).join("\0")}\0`,
+        });
+    }
+    const again = await this.git(["add", "-A", "--ignore-errors", ...this.pathspec]);
+    if (again.code !== 0 && depth < 4) await this.includeNestedRepositories(depth + 1);
+  }
+
+  /** Drops all but the newest CHECKPOINTS_KEPT checkpoints and collects their objects, once they pile up. */
+  async pruneIfNeeded(keep: Set<string>): Promise<void> {
+    const refs = (await this.gitOk(["for-each-ref", "--format=%(refname) %(objectname)", CHECKPOINT_REF]))
+      .split("\n")
+      .filter(Boolean)
+      .sort();
+    if (refs.length <= CHECKPOINTS_KEPT + CHECKPOINTS_KEPT / 2) return;
+    const drop = refs.slice(0, refs.length - CHECKPOINTS_KEPT).filter((r) => !keep.has(r.split(" ")[1]!));
+    await this.gitOk(["update-ref", "--stdin", "-z"], {
+      input: drop.map((r) => `delete ${r.split(" ")[0]}\0\0`).join(""),
+    });
+    await this.gitOk(["gc", "--quiet", "--prune=now"]);
+  }
+
+  /**
+   * Holds the repository for one operation: two aic processes in the same
+   * directory take turns. Holding it, an index.lock can only be what a killed
+   * git left behind, and is removed.
+   */
+  lock(): () => void {
+    const fd = openRegular(path.join(this.home, "aic.lock"), O.O_WRONLY | O.O_CREAT | O.O_APPEND);
+    libc()?.symbols.flock(fd, LOCK_EX);
+    fs.rmSync(path.join(this.gitDir, "index.lock"), { force: true });
+    return () => fs.closeSync(fd);
+  }
+}
+
+/** Writes one of aic's own small files whole: a regular file only, never through a link. */
+function writeOwnFile(file: string, text: string): void {
+  const fd = openRegular(file, O.O_WRONLY | O.O_CREAT | O.O_TRUNC);
+  try {
+    fs.ftruncateSync(fd, 0);
+    fs.writeSync(fd, text);
+  } finally {
+    fs.closeSync(fd);
+  }
+}
+
+/** Nothing of the person's git environment or config reaches the shadow git; what remains is fixed here. */
+function shadowGitEnvironment(gitDir: string, workTree: string): Record<string, string> {
+  const env: Record<string, string> = {};
+  for (const [name, value] of Object.entries(process.env))
+    if (value !== undefined && !name.startsWith("GIT_") && !["PAGER", "EDITOR", "VISUAL", "SSH_ASKPASS"].includes(name))
+      env[name] = value;
+  return Object.assign(env, {
+    GIT_DIR: gitDir,
+    GIT_WORK_TREE: workTree,
+    GIT_CONFIG_NOSYSTEM: "1",
+    GIT_CONFIG_SYSTEM: "/dev/null",
+    GIT_CONFIG_GLOBAL: "/dev/null",
+    GIT_ATTR_NOSYSTEM: "1",
+    GIT_NO_REPLACE_OBJECTS: "1",
+    GIT_TERMINAL_PROMPT: "0",
+    GIT_ASKPASS: "/bin/false",
+    GIT_PAGER: "cat",
+    GIT_EDITOR: "false",
+    GIT_AUTHOR_NAME: "aic",
+    GIT_AUTHOR_EMAIL: "aic@localhost",
+    GIT_COMMITTER_NAME: "aic",
+    GIT_COMMITTER_EMAIL: "aic@localhost",
+    LC_ALL: "C",
+    LANG: "C",
+  });
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: undo and redo
+// Owns: a checkpoint before each command that runs, the list of them the
+// session keeps (so undo works after a resume or a kill -9), putting the
+// files back to a checkpoint (only what a snapshot saw is ever removed), and
+// the conversation cut that makes the model forget what was undone. Used by
+// the TUI's /undo and /redo and by `aic undo` / `aic redo`.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** One command that ran, and the checkpoint of the files just before it. */
+interface CheckpointStep {
+  commit: string;
+  /** The tool call that ran it: the conversation is cut back to the assistant turn holding it. */
+  call: string;
+  command: string;
+}
+
+/** An undo that can be redone: the files as they were before it, the steps it undid, the messages it cut. */
+interface RedoEntry {
+  commit: string;
+  steps: CheckpointStep[];
+  messages: Message[];
+}
+
+/** What a session file keeps of the checkpoints. */
+interface CheckpointRecord {
+  directory: string;
+  done: CheckpointStep[];
+  redo: RedoEntry[];
+}
+
+/**
+ * The checkpoints of a session file, if they are well formed. The file may
+ * have been edited by hand: a malformed record is dropped (and said), which
+ * only costs the undo list, never the conversation.
+ */
+function checkpointRecordFrom(raw: unknown, reports: string[]): CheckpointRecord | undefined {
+  if (raw === undefined) return undefined;
+  const isStep = (s: unknown): s is CheckpointStep => {
+    const o = s as Record<string, unknown> | null;
+    return (
+      !!o &&
+      typeof o.commit === "string" &&
+      /^[0-9a-f]{40,64}$/.test(o.commit) &&
+      typeof o.call === "string" &&
+      typeof o.command === "string"
+    );
+  };
+  const o = raw as Record<string, unknown> | null;
+  const redo = Array.isArray(o?.redo) ? (o.redo as Record<string, unknown>[]) : undefined;
+  const ok =
+    !!o &&
+    typeof o.directory === "string" &&
+    Array.isArray(o.done) &&
+    o.done.every(isStep) &&
+    !!redo &&
+    redo.every(
+      (r) =>
+        isStep({ ...r, call: "", command: "" }) &&
+        Array.isArray(r.steps) &&
+        r.steps.every(isStep) &&
+        Array.isArray(r.messages),
+    );
+  if (ok) return o as unknown as CheckpointRecord;
+  reports.push("the `checkpoints` entry is not what aic writes, so it was dropped: earlier commands cannot be undone");
+  return undefined;
+}
+
+/** What a restore changed, relative to the start directory. */
+interface RestoreReport {
+  restored: string[];
+  recreated: string[];
+  removed: string[];
+}
+
+/** The note every undo and redo ends with: what checkpoints cannot cover. */
+const undoLimits = (directory: string) =>
+  `Not covered: files outside ${directory}, ignored files (node_modules/, …), empty directories, and effects beyond files (network calls, databases, the project's git history).`;
+
+/**
+ * The checkpoints of one start directory for one conversation: taken
+ * before each command, undone and redone by whole commands. Off (with the
+ * reason said once) when git is missing, the tree is too big, the first
+ * snapshot too slow, or a snapshot fails; the run goes on without them.
+ */
+class Checkpoints {
+  done: CheckpointStep[] = [];
+  redo: RedoEntry[] = [];
+  /** Why checkpoints are off, once they are. */
+  off: string | undefined;
+  private ready = false;
+
+  constructor(
+    readonly shadow: ShadowRepository,
+    private readonly warn: (text: string) => void,
+  ) {}
+
+  /** The checkpoints of `directory`; aic's own files there (the session, its locks and backups) are never in them. */
+  static forDirectory(directory: string, sessionFile: string | undefined, warn: (text: string) => void): Checkpoints {
+    const own = [".aicsession*", "..aicsession*.tmp", "commander-debug.txt", ".commander-debug.txt.*.tmp"];
+    if (sessionFile && path.dirname(path.resolve(sessionFile)) === path.resolve(directory)) {
+      const name = path.basename(sessionFile).replace(/[*?[\\]/g, "\\$&");
+      own.push(`${name}*`, `.${name}*.tmp`);
+    }
+    return new Checkpoints(ShadowRepository.of(directory, own), warn);
+  }
+
+  adopt(record: CheckpointRecord | undefined): void {
+    if (!record || record.directory !== this.shadow.directory) return;
+    this.done = record.done;
+    this.redo = record.redo;
+  }
+
+  record(): CheckpointRecord | undefined {
+    if (this.done.length === 0 && this.redo.length === 0) return undefined;
+    return { directory: this.shadow.directory, done: this.done, redo: this.redo };
+  }
+
+  private turnOff(reason: string): void {
+    this.off = reason;
+    this.warn(`checkpoints are off: ${reason}; commands still run, but /undo and aic undo cannot put files back`);
+  }
+
+  /** The first time: git must be there, the tree not too big; the first snapshot must be quick. */
+  private async start(): Promise<boolean> {
+    if (this.ready) return true;
+    if (!Bun.which("git")) return (this.turnOff("git was not found on PATH"), false);
+    await this.shadow.prepare();
+    const { count, tooBig } = await this.shadow.countFiles(MAX_CHECKPOINT_FILES, FIRST_SNAPSHOT_LIMIT_MS);
+    if (tooBig)
+      return (
+        this.turnOff(
+          count > MAX_CHECKPOINT_FILES
+            ? `${this.shadow.directory} holds more than ${MAX_CHECKPOINT_FILES} files that are not ignored`
+            : `counting the files of ${this.shadow.directory} took over ${FIRST_SNAPSHOT_LIMIT_MS / 1000} s`,
+        ),
+        false
+      );
+    this.ready = true;
+    return true;
+  }
+
+  /** Before a command runs: a checkpoint of the files, recorded against its tool call. A failure turns checkpoints off. */
+  async beforeCommand(call: string, command: string): Promise<void> {
+    if (this.off) return;
+    const first = !this.ready;
+    try {
+      if (!(await this.start())) return;
+      const release = this.shadow.lock();
+      try {
+        const message = `before: ${oneLine(command, 200)}`;
+        const { commit } = first ? await this.firstSnapshot(message) : await this.shadow.snapshot(message);
+        this.done.push({ commit, call, command });
+        this.redo = []; // a new command forks the history: what was undone stays undone
+        if (this.done.length > CHECKPOINTS_KEPT) this.done.splice(0, this.done.length - CHECKPOINTS_KEPT);
+        if (first) await this.shadow.pruneIfNeeded(this.keptCommits());
+      } finally {
+        release();
+      }
+    } catch (error) {
+      const why = (error as Error).message;
+      this.turnOff(
+        first && /longer than/.test(why)
+          ? `the first snapshot took over ${FIRST_SNAPSHOT_LIMIT_MS / 1000} s`
+          : `a snapshot failed (${why})`,
+      );
+    }
+  }
+
+  /**
+   * The first snapshot writes every file once. Right after a tree was
+   * written (a checkout, an unpacked archive) a busy disk can make that slow
+   * once, so one more try is given: git keeps what the first one stored.
+   */
+  private async firstSnapshot(message: string): Promise<{ commit: string; tree: string }> {
+    try {
+      return await this.shadow.snapshot(message, FIRST_SNAPSHOT_LIMIT_MS, true);
+    } catch (error) {
+      if (!/longer than/.test((error as Error).message)) throw error;
+      return await this.shadow.snapshot(message, FIRST_SNAPSHOT_LIMIT_MS, true);
+    }
+  }
+
+  private keptCommits(): Set<string> {
+    return new Set([...this.done.map((s) => s.commit), ...this.redo.map((r) => r.commit)]);
+  }
+
+  /** Why nothing can be undone now, or undefined. */
+  cannotUndo(n: number): string | undefined {
+    if (this.done.length === 0)
+      return this.off ? `checkpoints are off: ${this.off}` : "nothing to undo: no command has run with a checkpoint";
+    if (n > this.done.length) return `only ${this.done.length} command(s) can be undone`;
+    return undefined;
+  }
+
+  /** Files back to before the last `n` commands; returns what changed and the steps undone (newest last). */
+  async undo(n: number): Promise<{ report: RestoreReport; steps: CheckpointStep[]; before: string }> {
+    const target = this.done[this.done.length - n]!;
+    const { report, before } = await this.restore(target.commit);
+    return { report, steps: this.done.splice(this.done.length - n, n), before };
+  }
+
+  /** Files back to before the newest undo, its steps back on the undo list; returns the messages it had cut. */
+  async redoLast(): Promise<{ report: RestoreReport; entry: RedoEntry }> {
+    const entry = this.redo.at(-1)!;
+    const { report } = await this.restore(entry.commit);
+    this.redo.pop();
+    this.done.push(...entry.steps);
+    return { report, entry };
+  }
+
+  /**
+   * Puts the tree back to checkpoint `target`: first a snapshot of now (the
+   * redo target, and the index then knows every file), then `read-tree -u
+   * --reset`, which writes what differs and removes only files a snapshot
+   * saw. Permission bits beyond the exec bit are kept as they are.
+   */
+  private async restore(target: string): Promise<{ report: RestoreReport; before: string }> {
+    if (!(await this.start())) throw new Error(`checkpoints are off: ${this.off}`);
+    const s = this.shadow;
+    const release = s.lock();
+    try {
+      const now = await s.snapshot("before an undo");
+      const tree = (await s.gitOk(["rev-parse", `${target}^{tree}`])).trim();
+      const diff = (await s.gitOk(["diff-tree", "-r", "-z", "--no-renames", "--name-status", now.tree, tree])).split(
+        "\0",
+      );
+      const report: RestoreReport = { restored: [], recreated: [], removed: [] };
+      for (let i = 0; i + 1 < diff.length; i += 2) {
+        const file = diff[i + 1]!.slice(s.prefix.length);
+        (diff[i] === "A" ? report.recreated : diff[i] === "D" ? report.removed : report.restored).push(file);
+      }
+      const modes = new Map<string, number>();
+      for (const f of report.restored) {
+        const st = fs.lstatSync(path.join(s.directory, f), { throwIfNoEntry: false });
+        if (st?.isFile()) modes.set(f, st.mode & 0o7777);
+      }
+      if (diff.length > 1) await s.gitOk(["read-tree", "-u", "--reset", tree]);
+      for (const [f, mode] of modes) {
+        const file = path.join(s.directory, f);
+        const st = fs.lstatSync(file, { throwIfNoEntry: false });
+        const wanted = (mode & ~0o111) | ((st?.mode ?? 0) & 0o111);
+        if (st?.isFile() && (st.mode & 0o7777) !== wanted) fs.chmodSync(file, wanted);
+      }
+      await s.commit(tree, `restored ${target}`);
+      return { report, before: now.commit };
+    } finally {
+      release();
+    }
+  }
+}
+
+/** Where the conversation is cut for an undo: the assistant turn that proposed `call`, or -1 when it is gone (compressed). */
+function turnOfCall(messages: readonly Message[], call: string): number {
+  return messages.findIndex((m) => m.role === "assistant" && m.tool_calls?.some((c) => c.id === call));
+}
+
+/** The lines an undo or redo shows: what changed, and what checkpoints cannot cover. */
+function restoreLines(report: RestoreReport, directory: string): string[] {
+  const list = (label: string, files: string[]) =>
+    files.length
+      ? [
+          `${label} (${files.length}): ${files.slice(0, 50).map(visibleControls).join(", ")}${files.length > 50 ? ", …" : ""}`,
+        ]
+      : [];
+  const lines = [
+    ...list("restored", report.restored),
+    ...list("re-created", report.recreated),
+    ...list("removed", report.removed),
+  ];
+  return [...(lines.length ? lines : ["no file differed"]), undoLimits(directory)];
+}
+
+/**
+ * Undo in a conversation: files back to before the last `n` commands, and the
+ * messages from the turn that proposed the first of them cut away (kept for
+ * redo). Returns the lines to show.
+ */
+async function undoCommands(
+  checkpoints: Checkpoints,
+  conversation: { messages: Message[] },
+  n: number,
+): Promise<string[]> {
+  const problem = checkpoints.cannotUndo(n);
+  if (problem) throw new Error(problem);
+  const { report, steps, before } = await checkpoints.undo(n);
+  const at = turnOfCall(conversation.messages, steps[0]!.call);
+  const cut = at > 0 ? conversation.messages.splice(at) : [];
+  checkpoints.redo.push({ commit: before, steps, messages: cut });
+  const what =
+    steps.length === 1
+      ? `\`${oneLine(steps[0]!.command, 80)}\``
+      : `${steps.length} commands, from \`${oneLine(steps[0]!.command, 60)}\``;
+  const conversationLine =
+    at > 0
+      ? `The conversation is cut back to before the turn that proposed ${what} (${cut.length} message(s) set aside; redo puts them back).`
+      : "The turn that proposed it is no longer in the conversation (compressed away), so the conversation is left as it is.";
+  if (at <= 0)
+    conversation.messages.push({
+      role: "user",
+      content: `[aic] The person undid ${what}: the files are back as they were before it ran. Do not rely on what it did.`,
+    });
+  return [
+    `Undid ${what}: the files are as they were before it ran.`,
+    ...restoreLines(report, checkpoints.shadow.directory),
+    conversationLine,
+  ];
+}
+
+/**
+ * `aic undo [N]` / `aic redo` on a session file (a --nogui run's, or one no
+ * TUI holds now): the same as /undo and /redo, saved back to the file.
+ */
+async function runUndo(kind: "undo" | "redo", count: number, sessionPath: string): Promise<number> {
+  const fail = (message: string) => (writeOut(2, `aic: error: ${message}\n`), EXIT.failure);
+  if (!fs.existsSync(sessionPath))
+    return fail(`there is no session file ${path.resolve(sessionPath)} (give --session PATH)`);
+  const sink: EventSink = {
+    emit: (e) => {
+      if (e.type === "warning") writeOut(2, `aic: warning: ${e.text}\n`);
+    },
+  };
+  let store: SessionStore;
+  try {
+    store = SessionStore.claim(sessionPath, { model: "", apiBase: "" }, sink, true);
+  } catch (error) {
+    return fail((error as Error).message);
+  }
+  try {
+    const loaded = store.load();
+    if (!loaded.messages) return fail(loaded.reports[0] ?? `${store.path} holds no conversation`);
+    const record = loaded.checkpoints;
+    if (!record)
+      return fail(`nothing to ${kind}: ${store.path} records no checkpoint (no command ran with checkpoints on)`);
+    const checkpoints = Checkpoints.forDirectory(record.directory, store.path, (text) =>
+      sink.emit({ type: "warning", text }),
+    );
+    checkpoints.adopt(record);
+    const conversation = { messages: loaded.messages };
+    let lines: string[];
+    try {
+      lines =
+        kind === "undo"
+          ? await undoCommands(checkpoints, conversation, count)
+          : await redoCommands(checkpoints, conversation);
+    } catch (error) {
+      return fail((error as Error).message);
+    }
+    const saved = store.save(kind, {
+      messages: conversation.messages,
+      stepCount: loaded.stepCount ?? 0,
+      usage: loaded.usage ?? emptyUsage(),
+      cwd: record.directory,
+      jobs: loaded.jobs,
+      checkpoints: checkpoints.record(),
+    });
+    writeOut(1, `${lines.join("\n")}\n`);
+    if (!saved) return fail(`the files were put back, but ${store.path} could not be saved`);
+    return EXIT.ok;
+  } finally {
+    store.release();
+  }
+}
+
+/** Redo in a conversation: the files as they were before the newest undo, and the messages it cut put back. */
+async function redoCommands(checkpoints: Checkpoints, conversation: { messages: Message[] }): Promise<string[]> {
+  if (checkpoints.redo.length === 0) throw new Error("nothing to redo");
+  const { report, entry } = await checkpoints.redoLast();
+  conversation.messages.push(...entry.messages);
+  return [
+    `Redid ${entry.steps.length} command(s): the files are as they were before the undo.`,
+    ...restoreLines(report, checkpoints.shadow.directory),
+    entry.messages.length
+      ? `The ${entry.messages.length} message(s) the undo set aside are back in the conversation.`
+      : "",
+  ].filter(Boolean);
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // Command rules: reading a command line
 // Owns: turning the text of a command into the simple commands it can run,
 // through the `unbash` parser (chosen by measurement: the only JavaScript
@@ -5678,6 +6492,8 @@ interface AgentOptions {
   jobs: JobTable;
   /** allow / ask / deny, for every command before the approval gate. */
   rules: CommandRules;
+  /** A snapshot of the files before each command, for undo (absent: none are taken). */
+  checkpoints?: Checkpoints;
 }
 
 /** What answering one tool call came to: a tool message, a rejection with the person's suggestion, or no one to ask. */
@@ -5696,6 +6512,8 @@ interface ToolCallContext {
   emit(event: AgentEvent): void;
   /** The rules file was read again (the person added a rule): the system prompt follows. */
   rulesChanged(): void;
+  /** Right before the command runs: the checkpoint of the files, saved with the session. */
+  beforeRun(call: string, command: string): Promise<void>;
 }
 
 /** Reads the call's arguments, asks for approval, runs the command, and words the result for the model. */
@@ -5720,6 +6538,7 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
   if (!gate.run) return gate.answer;
   if (signal.aborted) return { kind: "done", content: notExecuted(signal) };
   o.beforeCommand?.();
+  await ctx.beforeRun(call.id, command);
   const result = await runForAgent(command, o, ctx.cwd(), signal, {
     // Only a command a person approved by hand gets their keys when it waits for input; others are stopped.
     canAnswerInput: o.canAnswerInput() && gate.byHand,
@@ -6201,6 +7020,7 @@ class Agent {
 
   /** Takes over a restored session; the stored summary stays after the fresh system prompt. */
   restore(loaded: LoadedSession): void {
+    this.o.checkpoints?.adopt(loaded.checkpoints);
     if (!loaded.messages) return;
     this.summary = undefined;
     this.messages = loaded.messages;
@@ -6251,6 +7071,33 @@ class Agent {
   }
   private stopExitCode: number = EXIT.sigint;
 
+  /**
+   * /undo N: the files back to before the last N commands, and the
+   * conversation cut back to before the turn that proposed the first of them.
+   * Only while the agent is stopped. Returns the lines to show.
+   */
+  async undo(n: number): Promise<string[]> {
+    if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
+    const lines = await undoCommands(this.o.checkpoints, this, n);
+    this.afterCut("undo");
+    return lines;
+  }
+
+  /** /redo: the newest undo undone, files and conversation. */
+  async redo(): Promise<string[]> {
+    if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
+    const lines = await redoCommands(this.o.checkpoints, this);
+    this.afterCut("redo");
+    return lines;
+  }
+
+  private afterCut(reason: string): void {
+    this.contextEstimate = this.model.counter
+      ? this.model.counter.estimate(this.messages)
+      : tokenUpperBound(this.messages);
+    this.checkpoint(reason);
+  }
+
   /** Forgets everything (/clear). */
   clear(): void {
     this.messages = [];
@@ -6272,6 +7119,7 @@ class Agent {
       usage: this.usage,
       cwd: this.cwd,
       jobs: jobs.length ? jobs : undefined,
+      checkpoints: this.o.checkpoints?.record(),
     });
   }
 
@@ -6293,6 +7141,8 @@ class Agent {
     this.messages.push(requestMessage);
     this.model.newRun();
     this.refusedClaims = 0;
+    // A new request moves the conversation on: what was undone before it stays undone.
+    if (this.o.checkpoints) this.o.checkpoints.redo = [];
     this.verified = false;
     this.checkpoint("user_request");
     let status: RunStatus = "step_limit";
@@ -6424,6 +7274,11 @@ class Agent {
         signal,
         emit: (event) => this.emit(event),
         rulesChanged: () => this.rulesChanged(),
+        beforeRun: async (id, command) => {
+          if (!this.o.checkpoints) return;
+          await this.o.checkpoints.beforeCommand(id, command);
+          this.checkpoint("before_command"); // so that undo works even after a kill -9 during the command
+        },
       });
       if (result.kind === "no_input") {
         answerOpenCalls(this.messages, NOT_EXECUTED_STOPPED);
@@ -6692,6 +7547,11 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   // Before the first command: a daemon it double-forks must become aic's, to be found and stopped later.
   becomeSubreaper();
   const jobs = new JobTable((e) => front.sink.emit(e), outputs, RUNAWAY_FACTOR * config.maxOutputBytes);
+  // Without a session file and without the TUI nobody could ever undo, so no snapshot is taken.
+  const checkpoints =
+    config.noCheckpoints || (!session && config.nogui)
+      ? undefined
+      : Checkpoints.forDirectory(process.cwd(), session?.path, (text) => front.sink.emit({ type: "warning", text }));
   const agent = new Agent({
     config,
     sink: front.sink,
@@ -6699,6 +7559,7 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     sandbox: prepared.sandbox,
     systemPrompt: prepared.systemPrompt,
     rules: prepared.rules,
+    checkpoints,
     session,
     outputs,
     workDir,
@@ -9132,6 +9993,13 @@ const SLASH_COMMANDS: readonly SlashCommand[] = [
     run: (t, text) => rulesCommand(t, text),
   },
   {
+    names: ["/undo"],
+    args: "[N]",
+    help: "put the files back as before the last N commands (default 1), and cut the conversation back",
+    run: (t, text) => undoOrRedo(t, "undo", text),
+  },
+  { names: ["/redo"], help: "undo the last /undo: files and conversation", run: (t) => undoOrRedo(t, "redo", "") },
+  {
     names: ["/jobs"],
     args: "[kill N]",
     help: "list what commands left running; /jobs kill N stops job N",
@@ -9148,6 +10016,22 @@ function showHelp(t: Tui): void {
     t.agentPane.line(`  ${[c.names.join(", "), c.args].filter(Boolean).join(" ").padEnd(24)} ${c.help}`, COLORS.info);
   t.agentPane.line("Keys:", COLORS.info);
   for (const [keys, what] of TUI_KEY_HELP) t.agentPane.line(`  ${keys.padEnd(24)} ${what}`, COLORS.info);
+}
+
+/** /undo [N] and /redo, while the agent is stopped: what changed is listed in the agent pane. */
+async function undoOrRedo(t: Tui, kind: "undo" | "redo", args: string): Promise<void> {
+  if (t.agent.running)
+    return t.agentPane.line(`The agent is working: interrupt it first (Escape), then /${kind}.`, COLORS.warning);
+  const n = args.trim() ? Number(args.trim()) : 1;
+  if (!Number.isInteger(n) || n < 1)
+    return t.agentPane.line("Usage: /undo [N], N a positive whole number", COLORS.warning);
+  try {
+    const lines = kind === "undo" ? await t.agent.undo(n) : await t.agent.redo();
+    for (const line of lines) t.agentPane.line(line, COLORS.info);
+  } catch (error) {
+    t.agentPane.line(`/${kind}: ${(error as Error).message}`, COLORS.warning);
+  }
+  t.refreshStatus();
 }
 
 /** /always: the dialog's "Always allow" from the keyboard; only where a rule line can be written for the command. */
@@ -9399,6 +10283,9 @@ async function main(argv: string[]): Promise<number> {
         return EXIT.ok;
       case "search":
         return await runSearch(parsed.query, parsed.maxResults);
+      case "undo":
+      case "redo":
+        return await runUndo(parsed.kind, parsed.count, parsed.session);
       case "run": {
         const config = parsed.config;
         secretsToRedact = [config.apiKey ?? "", ...Object.values(config.headers)];
@@ -9426,6 +10313,9 @@ if (import.meta.main) {
 
 export {
   Agent,
+  Checkpoints,
+  undoCommands,
+  redoCommands,
   CommandRules,
   JobTable,
   commandParts,

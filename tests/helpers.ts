@@ -69,6 +69,7 @@ export const has = {
   python3: onPath("python3"),
   node: onPath("node"),
   npm: onPath("npm"),
+  git: onPath("git"),
   /** GNU time, whose -v report shares aic's output pipe. */
   usrBinTime: existsSync("/usr/bin/time"),
   /** The kernel offers Landlock, so aic's sandbox is on. */
@@ -126,11 +127,18 @@ export function unique(prefix = ""): string {
   return `${prefix}${process.pid}-${Math.random().toString(36).slice(2, 10)}`;
 }
 
+/**
+ * Where the aic processes of this test run keep their checkpoints (the shadow repositories under
+ * $XDG_STATE_HOME/aic), so the tests never fill the developer's own ~/.local/state. Removed at exit.
+ */
+export const TEST_STATE_HOME = mkdtempSync(join(tmpdir(), "aic-test-state-"));
+process.once("exit", () => rmSync(TEST_STATE_HOME, { recursive: true, force: true }));
+
 /** Environment without the developer's own model settings, so tests see only what they pass. */
 export function cleanEnv(extra: Record<string, string | undefined> = {}): Record<string, string> {
-  const env: Record<string, string> = {};
+  const env: Record<string, string> = { XDG_STATE_HOME: TEST_STATE_HOME };
   for (const [k, v] of Object.entries(process.env)) {
-    if (v === undefined || /^(AIC_|OPENAI_)/.test(k)) continue;
+    if (v === undefined || /^(AIC_|OPENAI_|XDG_STATE_HOME$)/.test(k)) continue;
     env[k] = v;
   }
   for (const [k, v] of Object.entries(extra)) if (v !== undefined) env[k] = v;

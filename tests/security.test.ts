@@ -481,7 +481,8 @@ function unsafeOpens(trace: string, cwd: string, roots: string[]): string[] {
     if (clone && !clone[3]) pendingClone.set(pid, clone[2]!);
     if (clone?.[3] || resumed) {
       const child = Number(clone?.[3] ?? resumed![2]);
-      owner.set(child, who);
+      // With vfork the child's execve can be traced before the parent's "resumed" line: keep what it became.
+      if (!owner.has(child)) owner.set(child, who);
       pendingClone.delete(pid);
       continue;
     }

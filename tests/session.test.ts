@@ -180,18 +180,27 @@ describe("checkpoints (written atomically at each named moment)", () => {
       expect(reasons[0]).toBe("user_request");
       expect(reasons[1]).toBe("before_llm_call");
       expect(reasons.slice(-2)).toEqual(["loop_terminated", "process_exit"]);
-      for (const r of ["assistant_message", "tool_result", "compressed"]) expect(reasons).toContain(r);
+      for (const r of ["assistant_message", "before_command", "tool_result", "compressed"])
+        expect(reasons).toContain(r);
       // A compression is always followed by the call it made room for.
       expect(reasons[reasons.indexOf("compressed") + 1]).toBe("before_llm_call");
-      // The model's answer is saved before any command of it runs, each result before the next call.
-      expect(reasons.slice(2, 6)).toEqual(["assistant_message", "tool_result", "tool_result", "before_llm_call"]);
+      // The model's answer is saved before any command of it runs, the checkpoint of the files right before
+      // each command (so undo works even after a kill -9 during it), each result before the next call.
+      expect(reasons.slice(2, 8)).toEqual([
+        "assistant_message",
+        "before_command",
+        "tool_result",
+        "before_command",
+        "tool_result",
+        "before_llm_call",
+      ]);
 
       // What the two commands of the first turn saw: the assistant turn, then the first result as well.
       const first = observe(join(cwd, "snap-first.json"), "command snapshot");
       const second = observe(join(cwd, "snap-second.json"), "command snapshot");
-      expect(first.reason).toBe("assistant_message");
+      expect(first.reason).toBe("before_command");
       expect(first.messages.at(-1).tool_calls.map((c: any) => c.id)).toEqual(["c_first", "c_second"]);
-      expect(second.reason).toBe("tool_result");
+      expect(second.reason).toBe("before_command");
       expect(second.messages.at(-1)).toMatchObject({ role: "tool", tool_call_id: "c_first" });
 
       // Every model request saw the file as saved just before the call.
@@ -287,8 +296,10 @@ describe("file format", () => {
         "step_count",
         "usage",
         "messages",
+        "checkpoints",
       ].sort(),
     );
+    expect(doc.checkpoints).toMatchObject({ directory: cwd, done: [{ call: "c_hi", command: "echo hi" }], redo: [] });
     expect(doc.aic_session_version).toBe(1);
     expect(doc.session_id).toMatch(/^\d{8}_\d{6}$/);
     expect(doc.updated_at).toMatch(/^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}$/);
@@ -383,7 +394,7 @@ describe("crashes and signals (what survives what, and the signal exit codes)", 
       () => existsSync(join(cwd, "counter.txt")) && readFileSync(join(cwd, "counter.txt"), "utf8").includes("run"),
     );
     const atKill = observe(session, "while a command runs");
-    expect(atKill.reason).toBe("assistant_message");
+    expect(atKill.reason).toBe("before_command");
     first.proc.kill("SIGKILL");
     await first.done;
     killGroup(pgid);
@@ -652,6 +663,7 @@ describe("every read of a session file", () => {
       "user_request",
       "before_llm_call",
       "assistant_message",
+      "before_command",
       "tool_result",
       "loop_terminated",
       "process_exit",

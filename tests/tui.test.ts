@@ -95,6 +95,8 @@ async function openTui(
     args?: string[];
     dir?: string;
     defaultSession?: boolean;
+    /** Take checkpoints (in the process's cwd: the test must chdir to a scratch directory first). */
+    checkpoints?: boolean;
   } = {},
 ): Promise<Harness> {
   const dir = opts.dir ?? scratch("aic-tui-");
@@ -103,7 +105,18 @@ async function openTui(
   if (opts.history) writeFileSync(historyFile, opts.history.join("\n") + "\n");
   // The sandbox is off: its start-up probe re-executes Bun.main, which under `bun test` is this file.
   const session = opts.defaultSession ? [] : ["--session", sessionFile];
-  const argv = ["--api-base", srv.url, "--model", "test-model", ...session, "--disable-sandbox", ...(opts.args ?? [])];
+  // Commands here run in the test runner's own directory: no checkpoint of it is taken unless a test asks for one.
+  const checkpoints = opts.checkpoints ? [] : ["--no-checkpoints"];
+  const argv = [
+    "--api-base",
+    srv.url,
+    "--model",
+    "test-model",
+    ...session,
+    "--disable-sandbox",
+    ...checkpoints,
+    ...(opts.args ?? []),
+  ];
   if (opts.request !== undefined) argv.push(opts.request);
   const config = (parseArgs(argv, {}) as any).config;
   const s = await createTestRenderer({ width: opts.width ?? 120, height: opts.height ?? 40, exitOnCtrlC: false });
@@ -1189,6 +1202,48 @@ describe("a TUI a person can trust (round 2)", () => {
     expect(messagesOf(h.requests()[8])[0].content).toContain(
       "these run without asking: `printf *`, `echo *`, `date *`",
     );
+  });
+
+  // /undo and /redo in the TUI: the files go back and forth, the conversation is cut and restored, and the
+  // model's next request no longer holds the undone turn.
+  test("/undo puts the files back and cuts the conversation; /redo restores both", async () => {
+    const dir = scratch("aic-tui-undo-");
+    const home = process.cwd();
+    const state = process.env.XDG_STATE_HOME;
+    process.env.XDG_STATE_HOME = join(dir, ".state");
+    writeFileSync(join(dir, "a.txt"), "original\n");
+    process.chdir(dir);
+    try {
+      const h = await openTui({
+        request: "run: echo changed > a.txt; rm -f b.txt; echo new > c.txt",
+        args: ["--auto-approve"],
+        checkpoints: true,
+        dir,
+      });
+      await h.idle(2);
+      expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("changed\n");
+      await h.type("/undo");
+      let frame = await h.until((f) => f.includes("Undid `echo changed > a.txt"));
+      expect(frame).toContain("restored (1): a.txt");
+      expect(frame).toContain("removed (1): c.txt");
+      expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("original\n");
+      expect(existsSync(join(dir, "c.txt"))).toBe(false);
+      await h.type("/redo");
+      frame = await h.until((f) => f.includes("Redid 1 command(s)"));
+      expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("changed\n");
+      await h.type("/undo");
+      await h.until((f) => f.split("Undid `echo changed").length === 3);
+      await h.type("usage");
+      await h.idle(3);
+      const sent = messagesOf(h.requests()[2]);
+      expect(sent.map((m: any) => m.role)).toEqual(["system", "user", "user"]);
+      // The request stays (the person asked it); the turn that ran the command and its result are gone.
+      expect(sent.some((m: any) => m.tool_calls || m.role === "tool")).toBe(false);
+    } finally {
+      process.chdir(home);
+      if (state === undefined) delete process.env.XDG_STATE_HOME;
+      else process.env.XDG_STATE_HOME = state;
+    }
   });
 
   test("the Ctrl+R line sits above the prompt, never over the panes' border", async () => {

@@ -7,6 +7,7 @@
  * with an optional target), and append it here. Do not name files *.test.ts:
  * benchmarks must not run under `bun test`.
  */
+import { checkpoints } from "./checkpoints.ts";
 import { coldStart } from "./cold-start.ts";
 import type { Benchmark } from "./lib.ts";
 import { memory } from "./memory.ts";
@@ -15,4 +16,12 @@ import { sessionCheckpoint } from "./session.ts";
 import { tokens } from "./tokens.ts";
 import { tui } from "./tui.ts";
 
-export const BENCHMARKS: readonly Benchmark[] = [coldStart, perStep, memory, tokens, sessionCheckpoint, tui];
+export const BENCHMARKS: readonly Benchmark[] = [
+  coldStart,
+  perStep,
+  memory,
+  tokens,
+  sessionCheckpoint,
+  checkpoints,
+  tui,
+];

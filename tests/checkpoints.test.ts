@@ -1,0 +1,270 @@
+/**
+ * Checkpoints and undo (README: "Checkpoints and undo"): before each command
+ * aic snapshots the start directory into a shadow git repository of its own;
+ * `aic undo [N]` and `aic redo` (and /undo, /redo in the TUI, see
+ * tui.test.ts) put the files back exactly and cut the conversation back so
+ * the model forgets what was undone. Each test drives the compiled binary
+ * against the fake server, with XDG_STATE_HOME in a scratch directory, and
+ * compares bytes and modes on disk.
+ */
+import { describe, expect, test } from "bun:test";
+import { createHash } from "node:crypto";
+import { chmodSync, existsSync, mkdirSync, readdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
+import { join, relative } from "node:path";
+import {
+  bash,
+  has,
+  headless,
+  jsonLines,
+  messagesOf,
+  perTestFixtures,
+  runAic,
+  runCommand,
+  scratch,
+  startAic,
+  waitFor,
+} from "./helpers.ts";
+
+const fixtures = perTestFixtures();
+
+/** Every file under `dir` (but the session's own files): path → sha256 and mode, for exact comparisons. */
+function tree(dir: string, skip: (rel: string) => boolean = (r) => r.startsWith("s.json")): Record<string, string> {
+  const out: Record<string, string> = {};
+  const walk = (d: string) => {
+    for (const e of readdirSync(d, { withFileTypes: true })) {
+      const abs = join(d, e.name);
+      const rel = relative(dir, abs);
+      if (skip(rel)) continue;
+      if (e.isDirectory()) walk(abs);
+      else
+        out[rel] =
+          `${createHash("sha256").update(readFileSync(abs)).digest("hex").slice(0, 16)} ${(statSync(abs).mode & 0o777).toString(8)}`;
+    }
+  };
+  walk(dir);
+  return out;
+}
+
+/** A project, a state home for the shadow repositories, and the environment that points aic at it. */
+function project(): { dir: string; env: Record<string, string> } {
+  const root = fixtures.disposable(scratch("aic-ckpt-"));
+  const dir = join(root, "proj");
+  mkdirSync(dir);
+  return { dir, env: { XDG_STATE_HOME: join(root, "state") } };
+}
+
+const done = { content: "TASKCOMPLETE" };
+
+describe("undo and redo from the command line", () => {
+  test.skipIf(!has.git)(
+    "edits, creations, deletions, renames and rm -rf are undone to the exact bytes and modes, and redone",
+    async () => {
+      const { dir, env } = project();
+      mkdirSync(join(dir, "src"));
+      writeFileSync(join(dir, "src", "main.ts"), "export const x = 1;\n");
+      writeFileSync(join(dir, "src", "util.ts"), Buffer.from([0, 1, 2, 255, 10]));
+      writeFileSync(join(dir, "run.sh"), "#!/bin/sh\necho hi\n", { mode: 0o755 });
+      writeFileSync(join(dir, "secret.txt"), "private\n", { mode: 0o600 });
+      writeFileSync(join(dir, "old-name.txt"), "renamed content\n");
+      writeFileSync(join(dir, "doomed.txt"), "delete me\n");
+      const before = tree(dir);
+      const srv = fixtures.serve([
+        bash(
+          "echo changed >> src/main.ts; echo new > created.txt; mkdir -p deep/er && echo n > deep/er/new.txt; rm doomed.txt; mv old-name.txt new-name.txt; chmod -x run.sh; echo more >> secret.txt",
+          "edit",
+        ),
+        bash("rm -rf src", "nuke"),
+        done,
+      ]);
+      const session = join(dir, "s.json");
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--session", session, "change things"], {
+        cwd: dir,
+        env,
+      });
+      expect(run.code).toBe(0);
+      expect(existsSync(join(dir, "src"))).toBe(false);
+      const after = tree(dir);
+
+      // Undo both commands: every byte and mode as before, created files gone, the session's conversation cut.
+      const undo = await runAic(["undo", "2", "--session", session], { cwd: dir, env });
+      expect(undo.stderr).toBe("");
+      expect(undo.code).toBe(0);
+      expect(tree(dir)).toEqual(before);
+      expect(existsSync(join(dir, "deep"))).toBe(false);
+      expect(undo.stdout).toContain("re-created (4): doomed.txt, old-name.txt, src/main.ts, src/util.ts");
+      expect(undo.stdout).toContain("removed (3): created.txt, deep/er/new.txt, new-name.txt");
+      expect(undo.stdout).toContain("restored (2): run.sh, secret.txt");
+      expect(undo.stdout).toContain(`Not covered: files outside ${dir}`);
+      const saved = JSON.parse(readFileSync(session, "utf8"));
+      expect(saved.messages.map((m: any) => m.role)).toEqual(["system", "user"]);
+      expect(saved.reason).toBe("undo");
+
+      // Redo: the state after the run is back, conversation included.
+      const redo = await runAic(["redo", "--session", session], { cwd: dir, env });
+      expect(redo.code).toBe(0);
+      expect(tree(dir)).toEqual(after);
+      const redone = JSON.parse(readFileSync(session, "utf8"));
+      expect(redone.messages.filter((m: any) => m.role === "tool").map((m: any) => m.tool_call_id)).toEqual([
+        "edit",
+        "nuke",
+      ]);
+
+      // Undo one command; a resumed run no longer shows the model the undone turn.
+      expect((await runAic(["undo", "--session", session], { cwd: dir, env })).code).toBe(0);
+      expect(existsSync(join(dir, "src", "main.ts"))).toBe(true);
+      const next = fixtures.serve([done]);
+      expect((await runAic([...headless(next.url), "--session", session, "what now"], { cwd: dir, env })).code).toBe(0);
+      const sent = messagesOf(next.requests[0]);
+      expect(sent.filter((m: any) => m.role === "tool").map((m: any) => m.tool_call_id)).toEqual(["edit"]);
+      expect(JSON.stringify(sent)).not.toContain("rm -rf src");
+    },
+  );
+
+  test.skipIf(!has.git)("undo refuses clearly: nothing to undo, too many, no session, a session in use", async () => {
+    const { dir, env } = project();
+    const session = join(dir, "s.json");
+    const srv = fixtures.serve([bash("echo a > a.txt"), done]);
+    expect(
+      (await runAic([...headless(srv.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env })).code,
+    ).toBe(0);
+
+    let r = await runAic(["undo", "3", "--session", session], { cwd: dir, env });
+    expect([r.code, r.stderr]).toEqual([1, "aic: error: only 1 command(s) can be undone\n"]);
+    r = await runAic(["redo", "--session", session], { cwd: dir, env });
+    expect([r.code, r.stderr]).toEqual([1, "aic: error: nothing to redo\n"]);
+    r = await runAic(["undo", "--session", join(dir, "missing.json")], { cwd: dir, env });
+    expect([r.code, r.stderr]).toEqual([
+      1,
+      `aic: error: there is no session file ${join(dir, "missing.json")} (give --session PATH)\n`,
+    ]);
+    r = await runAic(["undo", "x"], { cwd: dir, env });
+    expect([r.code, r.stderr]).toEqual([
+      2,
+      "aic: error: undo takes [N] (how many commands) and [--session PATH], not 'x'\n",
+    ]);
+
+    // A running aic holds the session: undo must not edit it under its feet.
+    const hang = fixtures.serve([{ type: "hang" }]);
+    const live = startAic([...headless(hang.url), "--session", session, "wait"], { cwd: dir, env });
+    await waitFor("the running aic's request", () => hang.requests.length >= 1);
+    r = await runAic(["undo", "--session", session], { cwd: dir, env });
+    expect([r.code, r.stderr]).toEqual([
+      1,
+      `aic: error: ${session} is in use by a running aic: undo there (/undo in its TUI), or stop it first\n`,
+    ]);
+    live.proc.kill("SIGTERM");
+    await live.done;
+    expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("a\n");
+  });
+
+  // The checkpoint of a command is saved before it runs: after kill -9 in the middle of it, undo still works.
+  test.skipIf(!has.git)("undo works after aic was killed with -9 during a command", async () => {
+    const { dir, env } = project();
+    writeFileSync(join(dir, "a.txt"), "original\n");
+    const session = join(dir, "s.json");
+    const srv = fixtures.serve([bash("echo clobbered > a.txt; exec sleep 300")]);
+    const live = startAic([...headless(srv.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env });
+    await waitFor("the command's write", () => readFileSync(join(dir, "a.txt"), "utf8") === "clobbered\n");
+    live.proc.kill("SIGKILL");
+    await live.done;
+    // The sleep was the command's own process: end it as a person would.
+    await runCommand(["pkill", "-f", "^sleep 300$"]);
+    const r = await runAic(["undo", "--session", session], { cwd: dir, env });
+    expect(r.code).toBe(0);
+    expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("original\n");
+  });
+});
+
+describe("what checkpoints leave alone", () => {
+  // The project's own .git is byte-identical after a run, an undo and a redo; ignored files (node_modules/)
+  // are neither snapshotted nor touched by undo.
+  test.skipIf(!has.git)("the project's .git and its ignored files are never touched", async () => {
+    const { dir, env } = project();
+    const git = (...args: string[]) =>
+      runCommand(["git", "-C", dir, ...args], {
+        env: {
+          ...env,
+          GIT_AUTHOR_NAME: "t",
+          GIT_AUTHOR_EMAIL: "t@t",
+          GIT_COMMITTER_NAME: "t",
+          GIT_COMMITTER_EMAIL: "t@t",
+        },
+      });
+    await git("init", "-q");
+    writeFileSync(join(dir, ".gitignore"), "node_modules/\n");
+    writeFileSync(join(dir, "index.js"), "console.log(1)\n");
+    mkdirSync(join(dir, "node_modules", "dep"), { recursive: true });
+    writeFileSync(join(dir, "node_modules", "dep", "index.js"), "v1\n");
+    await git("add", "-A");
+    await git("commit", "-qm", "first");
+    await git("stash", "list");
+    const dotGit = () => tree(join(dir, ".git"), () => false);
+    const gitBefore = dotGit();
+    const session = join(dir, "s.json");
+    const srv = fixtures.serve([bash("echo 2 >> index.js; echo v2 > node_modules/dep/index.js"), done]);
+    expect(
+      (await runAic([...headless(srv.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env })).code,
+    ).toBe(0);
+    expect((await runAic(["undo", "--session", session], { cwd: dir, env })).code).toBe(0);
+    expect(readFileSync(join(dir, "index.js"), "utf8")).toBe("console.log(1)\n");
+    expect(readFileSync(join(dir, "node_modules", "dep", "index.js"), "utf8")).toBe("v2\n");
+    expect((await runAic(["redo", "--session", session], { cwd: dir, env })).code).toBe(0);
+    expect(dotGit()).toEqual(gitBefore);
+    // The shadow repository holds no path under node_modules.
+    const state = join(env.XDG_STATE_HOME!, "aic", "checkpoints");
+    const [shadow] = readdirSync(state);
+    const listed = await runCommand(["git", "--git-dir", join(state, shadow!, "git"), "ls-files"], { env });
+    expect(listed.stdout.split("\n").filter(Boolean).sort()).toEqual([".gitignore", "index.js"]);
+  });
+
+  // A tree of 60,000 files is not checkpointed: one warning says why, and the run goes on.
+  test.skipIf(!has.git)("60,000 files turn checkpoints off with the reason, and the run goes on", async () => {
+    const { dir, env } = project();
+    for (let d = 0; d < 60; d++) {
+      mkdirSync(join(dir, `d${d}`));
+      for (let f = 0; f < 1000; f++) writeFileSync(join(dir, `d${d}`, `f${f}`), "");
+    }
+    const session = join(dir, "s.json");
+    const srv = fixtures.serve([bash("echo ran > ran.txt", "r"), done]);
+    const result = await runAic([...headless(srv.url), "--auto-approve", "--json", "--session", session, "go"], {
+      cwd: dir,
+      env,
+    });
+    expect(result.code).toBe(0);
+    expect(readFileSync(join(dir, "ran.txt"), "utf8")).toBe("ran\n");
+    const warnings = jsonLines(result.stdout)
+      .filter((e) => e.type === "warning")
+      .map((e) => e.text);
+    expect(warnings).toEqual([
+      `checkpoints are off: ${dir} holds more than 50000 files that are not ignored; commands still run, but /undo and aic undo cannot put files back`,
+    ]);
+    const r = await runAic(["undo", "--session", session], { cwd: dir, env });
+    expect(r.code).toBe(1);
+    expect(r.stderr).toContain("records no checkpoint");
+  });
+
+  // Without git on PATH checkpoints are off with the reason, and the run goes on.
+  test("no git on PATH: checkpoints off, said once, the run goes on", async () => {
+    const { dir, env } = project();
+    const bin = join(dir, "..", "bin");
+    mkdirSync(bin);
+    for (const tool of ["sh", "echo"]) {
+      const found = Bun.which(tool);
+      if (found) writeFileSync(join(bin, tool), `#!/bin/sh\nexec ${found} "$@"\n`, { mode: 0o755 });
+    }
+    chmodSync(bin, 0o755);
+    const srv = fixtures.serve([bash("echo one", "a"), bash("echo two", "b"), done]);
+    const result = await runAic(
+      [...headless(srv.url), "--auto-approve", "--json", "--session", join(dir, "s.json"), "go"],
+      {
+        cwd: dir,
+        env: { ...env, PATH: bin },
+      },
+    );
+    expect(result.code).toBe(0);
+    const warnings = jsonLines(result.stdout)
+      .filter((e) => e.type === "warning")
+      .map((e) => e.text);
+    expect(warnings).toEqual([expect.stringMatching(/^checkpoints are off: git was not found on PATH/)]);
+  });
+});
