@@ -1411,6 +1411,19 @@ function loadEncoder(): Promise<Encoder> {
   return encoderPromise;
 }
 
+/**
+ * A quick guess of the tokens (about four bytes a token for English and
+ * code), for figures shown and judged before tiktoken is needed: loading it
+ * costs ~55 MB and a few hundred ms, and no decision far from the budget
+ * needs an exact count.
+ */
+function roughTokenEstimate(messages: readonly Message[]): number {
+  let total = 0;
+  for (const m of messages)
+    total += PER_MESSAGE_OVERHEAD + Math.ceil(countedTexts(m).reduce((n, t) => n + Buffer.byteLength(t), 0) / 4);
+  return total;
+}
+
 /** Never fewer than the real count: a byte-level BPE token covers at least one byte. */
 function tokenUpperBound(messages: readonly Message[]): number {
   let total = 0;
@@ -6755,6 +6768,11 @@ class TokenLedger {
     return this.config.maxTokens;
   }
 
+  /** Whether a call of at most `bound` tokens could pass the budget (then it is counted exactly first). */
+  mightPass(bound: number): boolean {
+    return this.config.maxTokens !== undefined && this.spent + bound > this.config.maxTokens;
+  }
+
   /** Before a call that sends about `input` tokens: refuses it when it would pass the budget. */
   beforeCall(input: number, what: string): void {
     const max = this.config.maxTokens;
@@ -6864,15 +6882,17 @@ class ModelCalls {
     signal: AbortSignal,
     beforeSending: (estimate: number) => void,
   ): Promise<AssistantTurn> {
-    // A budget is checked against a real count: the byte bound used before tiktoken is loaded overstates.
-    if (this.ledger.maxTokens !== undefined) await this.tokenCounter();
+    // tiktoken is loaded only when a decision needs an exact count: a budget the byte bound might pass, or the
+    // debug dump, whose figure a person compares with the server's.
+    const bound = tokenUpperBound(messages);
+    if (!this.counter && (this.config.debug || this.ledger.mightPass(bound))) await this.tokenCounter();
     const counter = this.counter;
-    const rawSent = counter ? counter.countRaw(messages) : tokenUpperBound(messages);
-    this.contextEstimate = Math.ceil(rawSent * (counter?.ratio ?? 1));
+    const rawSent = counter ? counter.countRaw(messages) : undefined;
+    this.contextEstimate =
+      counter && rawSent !== undefined ? Math.ceil(rawSent * counter.ratio) : roughTokenEstimate(messages);
     beforeSending(this.contextEstimate);
-    this.ledger.beforeCall(this.contextEstimate, "model call");
+    this.ledger.beforeCall(counter ? this.contextEstimate : bound, "model call");
     let thinking = false;
-    void this.tokenCounter();
     const emit = (e: AgentEvent) => this.sink.emit(e);
     const turn = await this.client.completeWithRetries(() => ({ messages, tools: true, temperature: 0.2 }), signal, {
       onContent: (text) => emit({ type: "assistant_delta", text }),
@@ -6887,10 +6907,10 @@ class ModelCalls {
       onDiscard: (reason) => emit({ type: "discarded", reason }),
     });
     if (turn.usage) {
-      // The server's figure is judged against tiktoken's own count (the byte bound cannot judge it).
-      const counted = (await this.tokenCounter()).countRaw(messages);
+      // The server's figure is judged against aic's count: tiktoken's when loaded, else the quick guess.
+      const counted = rawSent ?? roughTokenEstimate(messages);
       const trusted = this.ledger.trustsPromptReport(turn.usage.prompt_tokens, counted);
-      if (trusted) counter?.calibrate(rawSent, turn.usage.prompt_tokens);
+      if (trusted && counter && rawSent !== undefined) counter.calibrate(rawSent, turn.usage.prompt_tokens);
       this.addUsage(turn.usage, false, trusted);
     } else this.addUsage(await countTurnUsage(await this.tokenCounter(), messages, turn), true);
     return turn;
@@ -6904,7 +6924,8 @@ class ModelCalls {
 
   /** The summariser call: no tools, temperature 1.0, its text shown as [SESSION SUMMARY] away from the agent's own output. */
   async summarise(request: Message[], signal: AbortSignal): Promise<string | undefined> {
-    if (this.ledger.maxTokens !== undefined) {
+    const bound = tokenUpperBound(request);
+    if (this.ledger.mightPass(bound)) {
       const counter = await this.tokenCounter();
       this.ledger.beforeCall(Math.ceil(counter.countRaw(request) * counter.ratio), "summariser call");
     }
@@ -7027,13 +7048,10 @@ class Agent {
     this.stepCount = loaded.stepCount ?? 0;
     this.usage = loaded.usage ?? emptyUsage();
     this.refreshSystemPrompt();
-    // The context figure shows the restored history at once: a byte bound now, the token count once tiktoken is loaded.
-    this.contextEstimate = tokenUpperBound(this.messages);
-    const restored = this.messages;
-    void this.tokenCounter().then(async (counter) => {
-      const tokens = Math.ceil((await counter.countRawYielding(restored)) * counter.ratio);
-      if (this.messages === restored && !this.running) this.contextEstimate = tokens;
-    });
+    // The context figure shows the restored history at once, as a quick guess: counting a long history
+    // exactly would cost tiktoken's load and seconds of CPU before anything is needed (the first step's
+    // compression counts it when the history may not fit).
+    this.contextEstimate = roughTokenEstimate(this.messages);
   }
 
   private refreshSystemPrompt(): void {
@@ -7044,9 +7062,8 @@ class Agent {
     } else this.messages.unshift({ role: "system", content: systemContent(this.basePrompt, this.summary) });
   }
 
-  /** Starts loading what the first model call needs (tiktoken, the SDK), for a UI that would rather not pause later. */
+  /** Starts loading what the first model call needs (the SDK), for a UI that would rather not pause later. */
   warmUp(): void {
-    void this.tokenCounter();
     void import("openai");
   }
 
@@ -7094,7 +7111,7 @@ class Agent {
   private afterCut(reason: string): void {
     this.contextEstimate = this.model.counter
       ? this.model.counter.estimate(this.messages)
-      : tokenUpperBound(this.messages);
+      : roughTokenEstimate(this.messages);
     this.checkpoint(reason);
   }
 
