@@ -3155,14 +3155,15 @@ function writeDebugDump(dir: HeldDirectory, messages: readonly Message[], estima
 // it starts afterwards, and Bun runs several threads. Restricting aic's own
 // main thread would both leave Bun's worker threads free and lock aic out of
 // its own files (~/.aic_history, a --session outside the cwd). So aic never
-// confines itself. Each command is started as `aic __sandbox-exec PLAN --
-// /bin/sh -c …`: that fresh process, on its main thread, sets no_new_privs,
-// builds the ruleset, restricts itself and then execve()s the shell. execve
-// ends every other thread, and the domain is inherited by the shell and by
-// every process it ever forks, so the whole tree of every command is
-// confined, while aic itself stays free to write its bookkeeping. At start-up
-// aic runs this path once on /bin/true: if anything refuses, the sandbox is
-// off with the reason, never a crash.
+// confines itself. It starts `aic __sandbox-exec PLAN -- aic
+// __sandbox-launcher`: that fresh process, on its main thread, sets
+// no_new_privs, builds the ruleset, restricts itself and then execve()s the
+// launcher (next section), which starts every command. execve ends every
+// other thread, and the domain is inherited by the launcher's threads and by
+// every process it ever starts, so the whole tree of every command is
+// confined, while aic itself stays free to write its bookkeeping. What the
+// kernel lacks (no Landlock) turns the sandbox off with the reason; a
+// launcher that cannot confine itself on a kernel that has it runs nothing.
 // ════════════════════════════════════════════════════════════════════════════
 
 interface Sandbox {
@@ -3177,8 +3178,8 @@ interface Sandbox {
   readonly secrets: readonly string[];
   /** How many Landlock rules each command's ruleset holds. */
   readonly ruleCount: number;
-  /** The argv that runs `argv` confined (identity when off). */
-  wrap(argv: string[]): string[];
+  /** Starts `argv` on a PTY of its own: confined, through the launcher, when on. */
+  spawn(argv: string[], opts: PtyOptions): Promise<CommandProcess>;
 }
 
 const SANDBOX_EXEC = "__sandbox-exec";
@@ -3238,7 +3239,7 @@ function sandboxOff(reason: string): Sandbox {
     caches: [],
     secrets: [],
     ruleCount: 0,
-    wrap: (argv) => argv,
+    spawn: async (argv, opts) => unconfinedCommand(argv, opts),
   };
 }
 
@@ -3466,15 +3467,10 @@ function setUpSandbox(config: Config): Sandbox {
       `the aic script ${script} lives where commands may write, so they could change the sandbox launcher; run the compiled binary`,
     );
   const prefix = ["/proc/self/exe", ...launcher.slice(1), SANDBOX_EXEC, JSON.stringify(plan), "--"];
-  // Prove the whole path once (ruleset, restrict, execve) before promising it.
-  const probe = Bun.spawnSync([...prefix, "/bin/true"], { stdout: "ignore", stderr: "pipe" });
-  if (probe.exitCode !== 0)
-    return sandboxOff(
-      probe.stderr
-        .toString()
-        .trim()
-        .replace(/^aic sandbox: /, "") || `the self-test exited ${probe.exitCode}`,
-    );
+  // Started now and awaited by the first command, so start-up never waits for it. It fails closed: when the
+  // kernel offers Landlock but the launcher cannot confine itself, commands are refused with its reason.
+  const commands = new SandboxLauncher([...prefix, "/proc/self/exe", ...launcher.slice(1), SANDBOX_LAUNCHER]);
+  void commands.start();
   const shown = (list: readonly string[]) => list.map((p) => tildePath(p, home)).join(", ");
   const secretsNote =
     (plan.confineReads
@@ -3492,7 +3488,7 @@ function setUpSandbox(config: Config): Sandbox {
     caches,
     secrets: plan.confineReads ? secrets : [],
     ruleCount: plan.rules.length,
-    wrap: (argv) => [...prefix, ...argv],
+    spawn: (argv, opts) => commands.spawn(argv, opts),
   };
 }
 
@@ -3520,6 +3516,44 @@ interface PtyProcess {
   eof: Promise<void>;
 }
 
+interface PtyOptions {
+  cwd: string;
+  env: Record<string, string | undefined>;
+  cols: number;
+  rows: number;
+  onData(bytes: Uint8Array): void;
+}
+
+/** A command on its PTY as the runner drives it, whether aic started it itself or the sandbox launcher did. */
+interface CommandProcess {
+  readonly pid: number;
+  /**
+   * The exit code (128 + signal when killed), or null when it is not known;
+   * resolves once what the command printed before exiting has been
+   * delivered: at the PTY's end of file, or a grace later when a background
+   * job keeps the terminal open.
+   */
+  readonly exited: Promise<number | null>;
+  /** Resolves when the PTY reports end of file. */
+  readonly eof: Promise<void>;
+  /** Types into the command's terminal. */
+  write(data: string | Uint8Array): void;
+  /** Closes aic's side of the terminal. */
+  close(): void;
+}
+
+/** A PTY aic started itself, as a CommandProcess. */
+function unconfinedCommand(argv: string[], opts: PtyOptions): CommandProcess {
+  const { proc, terminal, eof } = spawnPty(argv, opts);
+  return {
+    pid: proc.pid,
+    exited: drainedExit(proc, eof),
+    eof,
+    write: (data) => terminal.write(data),
+    close: () => terminal.close(),
+  };
+}
+
 /**
  * The children Bun itself started and will reap (commands' shells, the Shell
  * tab). Anything else that becomes aic's child is an orphan adopted through
@@ -3527,17 +3561,15 @@ interface PtyProcess {
  */
 const bunChildren = new Set<number>();
 
+/** The exit code of `proc` once the output it wrote before exiting has come through its PTY (see CommandProcess). */
+async function drainedExit(proc: Bun.Subprocess, eof: Promise<void>): Promise<number | null> {
+  await proc.exited;
+  await Promise.race([eof, Bun.sleep(PTY_DRAIN_GRACE_MS)]);
+  return exitCodeOf(proc);
+}
+
 /** Starts `argv` on a fresh PTY; the child leads its own session and process group. Shared by commands and the Shell tab. */
-function spawnPty(
-  argv: string[],
-  opts: {
-    cwd: string;
-    env: Record<string, string | undefined>;
-    cols: number;
-    rows: number;
-    onData(bytes: Uint8Array): void;
-  },
-): PtyProcess {
+function spawnPty(argv: string[], opts: PtyOptions): PtyProcess {
   let eofReached!: () => void;
   const eof = new Promise<void>((resolve) => (eofReached = resolve));
   const proc = Bun.spawn(argv, {
@@ -3703,6 +3735,323 @@ function commandEnvironment(): Record<string, string | undefined> {
   const env: Record<string, string | undefined> = { ...process.env };
   for (const name of SECRET_ENV) delete env[name];
   return env;
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Sandbox launcher
+// Owns: the one confined helper process that starts every command while the
+// sandbox is on, and the frames aic and it exchange over its pipes.
+//
+// Why a helper: starting each command through its own `aic __sandbox-exec`
+// paid a whole start of this 130 MB executable per step (~10 ms, most of a
+// step). Now aic starts `aic __sandbox-exec PLAN -- aic __sandbox-launcher`
+// once: the launcher is confined before it runs a line of its own, so every
+// thread it ever has and every command it starts is in the same Landlock
+// domain, exactly as strong as before. It only puts commands on PTYs and
+// relays their bytes; aic still times, pauses, stops and signals commands
+// itself, by process group, as it always did.
+//
+// What it is trusted with: nothing. It shares its domain with the commands,
+// so a command running as root could take it over (ptrace, its /proc fds)
+// and write to aic in its name. It would gain nothing it lacks: what the
+// launcher says is command output, exit codes and pids, which aic already
+// treats as untrusted; a pid it names for a new command must be its own
+// child; a frame no honest launcher sends ends it and fails what it held.
+// It is made non-dumpable, so a command not running as root cannot reach it.
+// ════════════════════════════════════════════════════════════════════════════
+
+const SANDBOX_LAUNCHER = "__sandbox-launcher";
+
+/** The frames: [kind u8][id u32 LE][length u32 LE][payload]. `id` names a command (0 for the launcher itself). */
+const FRAME = {
+  /** aic → launcher: JSON `LaunchRequest`. */
+  spawn: 1,
+  /** aic → launcher: bytes for the command's terminal (a person answering a prompt). */
+  input: 2,
+  /** aic → launcher: aic is done with the command's terminal. */
+  close: 3,
+  /** launcher → aic: confined (it got here through restrict and execve, which is the proof). */
+  ready: 10,
+  /** launcher → aic: u32 pid. */
+  spawned: 11,
+  /** launcher → aic: bytes the command's terminal printed. */
+  output: 12,
+  /** launcher → aic: the terminal reached end of file. */
+  eof: 13,
+  /** launcher → aic: i32 exit code (128 + signal; -1 unknown). */
+  exit: 14,
+  /** launcher → aic: UTF-8 reason the spawn failed. */
+  failed: 15,
+} as const;
+
+const FRAME_HEADER_BYTES = 9;
+/** A spawn frame carries the environment and the command; nothing honest comes near this. */
+const MAX_FRAME_BYTES = 16 << 20;
+/** How long the launcher may take to confine itself and say so before the sandbox is declared off. */
+const LAUNCHER_START_MS = 15_000;
+
+interface Frame {
+  kind: number;
+  id: number;
+  payload: Uint8Array;
+}
+
+interface LaunchRequest {
+  argv: string[];
+  cwd: string;
+  env: Record<string, string>;
+  cols: number;
+  rows: number;
+}
+
+function encodeFrame(kind: number, id: number, payload: Uint8Array = new Uint8Array(0)): Uint8Array {
+  const frame = new Uint8Array(FRAME_HEADER_BYTES + payload.length);
+  const view = new DataView(frame.buffer);
+  view.setUint8(0, kind);
+  view.setUint32(1, id, true);
+  view.setUint32(5, payload.length, true);
+  frame.set(payload, FRAME_HEADER_BYTES);
+  return frame;
+}
+
+function u32Frame(kind: number, id: number, value: number): Uint8Array {
+  const payload = new Uint8Array(4);
+  new DataView(payload.buffer).setInt32(0, value, true);
+  return encodeFrame(kind, id, payload);
+}
+
+/** Cuts a byte stream into frames; throws on a length no honest peer sends. */
+class FrameReader {
+  private pending = new Uint8Array(0);
+
+  push(chunk: Uint8Array): Frame[] {
+    let data = chunk;
+    if (this.pending.length) {
+      data = new Uint8Array(this.pending.length + chunk.length);
+      data.set(this.pending);
+      data.set(chunk, this.pending.length);
+    }
+    const frames: Frame[] = [];
+    let at = 0;
+    while (data.length - at >= FRAME_HEADER_BYTES) {
+      const view = new DataView(data.buffer, data.byteOffset + at, FRAME_HEADER_BYTES);
+      const length = view.getUint32(5, true);
+      if (length > MAX_FRAME_BYTES) throw new Error(`sent a frame of ${length} bytes`);
+      if (data.length - at < FRAME_HEADER_BYTES + length) break;
+      const start = at + FRAME_HEADER_BYTES;
+      frames.push({
+        kind: view.getUint8(0),
+        id: view.getUint32(1, true),
+        payload: data.subarray(start, start + length),
+      });
+      at = start + length;
+    }
+    this.pending = data.slice(at);
+    return frames;
+  }
+}
+
+const frameInt = (payload: Uint8Array) =>
+  payload.length === 4 ? new DataView(payload.buffer, payload.byteOffset, 4).getInt32(0, true) : undefined;
+
+/**
+ * The launcher's whole life, in the confined process: say ready, then start
+ * what aic asks for until aic closes the pipe.
+ */
+async function runSandboxLauncher(): Promise<number> {
+  libc()?.symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  const send = (frame: Uint8Array) => writeOut(1, frame);
+  const terminals = new Map<number, Bun.Terminal>();
+  const spawn = (id: number, request: LaunchRequest) => {
+    try {
+      const { proc, terminal, eof } = spawnPty(request.argv, {
+        ...request,
+        onData: (bytes) => send(encodeFrame(FRAME.output, id, bytes)),
+      });
+      void eof.then(() => send(encodeFrame(FRAME.eof, id)));
+      terminals.set(id, terminal);
+      send(u32Frame(FRAME.spawned, id, proc.pid));
+      // After the output it printed before exiting, which the pipe then delivers in order.
+      void drainedExit(proc, eof).then((code) => send(u32Frame(FRAME.exit, id, code ?? -1)));
+    } catch (error) {
+      send(encodeFrame(FRAME.failed, id, utf8.encode((error as Error).message)));
+    }
+  };
+  send(encodeFrame(FRAME.ready, 0));
+  const reader = new FrameReader();
+  for await (const chunk of Bun.stdin.stream()) {
+    for (const frame of reader.push(chunk)) {
+      if (frame.kind === FRAME.spawn) spawn(frame.id, JSON.parse(utf8Decoder.decode(frame.payload)) as LaunchRequest);
+      else if (frame.kind === FRAME.input) terminals.get(frame.id)?.write(frame.payload);
+      else if (frame.kind === FRAME.close) {
+        terminals.get(frame.id)?.close();
+        terminals.delete(frame.id);
+      }
+    }
+  }
+  return 0; // aic has gone: the commands' terminals close with this process
+}
+
+/** A command the launcher was asked for, from aic's side. */
+interface LaunchedCommand {
+  pid?: number;
+  onData(bytes: Uint8Array): void;
+  started(pid: number): void;
+  refused(error: Error): void;
+  exitedWith(code: number | null): void;
+  reachedEof(): void;
+}
+
+/** One launcher process and the commands it holds. */
+interface LauncherProcess {
+  proc: Bun.Subprocess<"pipe", "pipe", "pipe">;
+  commands: Map<number, LaunchedCommand>;
+}
+
+/**
+ * aic's end of the launcher: starts it (and again, on the next command, if
+ * it died), sends it commands, and routes what it says to each command.
+ */
+class SandboxLauncher {
+  private live: LauncherProcess | undefined;
+  private starting: Promise<string | undefined> | undefined;
+  private nextId = 1;
+
+  constructor(private readonly argv: string[]) {
+    process.on("exit", () => this.live?.proc.kill("SIGKILL"));
+  }
+
+  /** Starts the launcher unless one runs; resolves once it is confined (undefined) or with why it is not. */
+  start(): Promise<string | undefined> {
+    if (this.live && !this.starting) return Promise.resolve(undefined);
+    return (this.starting ??= this.launch().finally(() => (this.starting = undefined)));
+  }
+
+  private launch(): Promise<string | undefined> {
+    const env: Record<string, string> = {};
+    for (const [k, v] of Object.entries(commandEnvironment())) if (v !== undefined) env[k] = v;
+    let proc: Bun.Subprocess<"pipe", "pipe", "pipe">;
+    try {
+      // Its own session: a Ctrl+C at aic's terminal is aic's to handle, not a way to kill every command at once.
+      proc = Bun.spawn(this.argv, { stdin: "pipe", stdout: "pipe", stderr: "pipe", env, detached: true });
+    } catch (error) {
+      return Promise.resolve(`the sandbox launcher cannot start: ${(error as Error).message}`);
+    }
+    bunChildren.add(proc.pid);
+    void proc.exited.then(() => bunChildren.delete(proc.pid));
+    const live: LauncherProcess = { proc, commands: new Map() };
+    this.live = live;
+    return new Promise((resolve) => {
+      const timer = setTimeout(() => {
+        resolve(`the sandbox launcher did not start within ${LAUNCHER_START_MS / 1000} s`);
+        proc.kill("SIGKILL");
+      }, LAUNCHER_START_MS);
+      const ready = (why?: string) => {
+        clearTimeout(timer);
+        resolve(why);
+      };
+      void this.listen(live, ready);
+    });
+  }
+
+  /** Reads the launcher's frames until it ends; then fails whatever it still held. */
+  private async listen(live: LauncherProcess, ready: (why?: string) => void): Promise<void> {
+    const { proc, commands } = live;
+    const reader = new FrameReader();
+    let broken: string | undefined;
+    try {
+      for await (const chunk of proc.stdout)
+        for (const frame of reader.push(chunk)) {
+          if (frame.kind === FRAME.ready) ready();
+          else this.dispatch(live, frame);
+        }
+    } catch (error) {
+      broken = (error as Error).message;
+    }
+    if (this.live === live) this.live = undefined;
+    proc.kill("SIGKILL");
+    const why = `the sandbox launcher ${broken ? `was stopped: it ${broken}` : "ended"}`;
+    for (const [id, command] of commands) {
+      commands.delete(id);
+      if (command.pid === undefined) command.refused(new Error(`${why}; the command was not run`));
+      else {
+        command.reachedEof();
+        command.exitedWith(null);
+      }
+    }
+    await proc.exited;
+    const said = (await new Response(proc.stderr).text()).trim().replace(/^aic sandbox: /, "");
+    ready(said || `the sandbox launcher exited ${exitCodeOf(proc)}`);
+  }
+
+  private dispatch(live: LauncherProcess, frame: Frame): void {
+    const command = live.commands.get(frame.id);
+    if (!command) return; // a command aic has closed: late bytes are dropped
+    switch (frame.kind) {
+      case FRAME.spawned: {
+        const pid = frameInt(frame.payload);
+        if (pid === undefined || pid <= 1 || command.pid !== undefined) throw new Error("named a pid twice or badly");
+        // Gone already (a quick command, reaped) is fine; alive, it must be the launcher's own child.
+        const info = processInfo(pid);
+        if (info && !info.zombie && info.ppid !== live.proc.pid) throw new Error(`named pid ${pid}, not its child`);
+        command.pid = pid;
+        return command.started(pid);
+      }
+      case FRAME.failed:
+        live.commands.delete(frame.id);
+        return command.refused(new Error(utf8Decoder.decode(frame.payload)));
+      case FRAME.output:
+        return command.onData(frame.payload);
+      case FRAME.eof:
+        return command.reachedEof();
+      case FRAME.exit: {
+        const code = frameInt(frame.payload);
+        if (code === undefined) throw new Error("sent a malformed exit code");
+        return command.exitedWith(code < 0 ? null : code);
+      }
+      default:
+        throw new Error(`sent a frame of unknown kind ${frame.kind}`);
+    }
+  }
+
+  /** Starts `argv` confined on a PTY of its own, as spawnPty does unconfined. */
+  async spawn(argv: string[], opts: PtyOptions): Promise<CommandProcess> {
+    const refused = await this.start();
+    const live = this.live;
+    if (refused || !live)
+      throw new Error(
+        `the sandbox cannot start commands (${refused ?? "its launcher ended"}), so the command was not run; aic --disable-sandbox runs commands unconfined`,
+      );
+    const send = (frame: Uint8Array) => {
+      try {
+        live.proc.stdin.write(frame);
+        void live.proc.stdin.flush();
+      } catch {
+        /* the launcher has gone; listen() fails its commands */
+      }
+    };
+    const id = this.nextId++;
+    let reachedEof!: () => void;
+    const eof = new Promise<void>((resolve) => (reachedEof = resolve));
+    let exitedWith!: (code: number | null) => void;
+    const exited = new Promise<number | null>((resolve) => (exitedWith = resolve));
+    const env: Record<string, string> = {};
+    for (const [k, v] of Object.entries(opts.env)) if (v !== undefined) env[k] = v;
+    const request: LaunchRequest = { argv, cwd: opts.cwd, env, cols: opts.cols, rows: opts.rows };
+    const pid = await new Promise<number>((started, refused) => {
+      live.commands.set(id, { onData: opts.onData, started, refused, exitedWith, reachedEof });
+      send(encodeFrame(FRAME.spawn, id, utf8.encode(JSON.stringify(request))));
+    });
+    return {
+      pid,
+      exited,
+      eof,
+      write: (data) => send(encodeFrame(FRAME.input, id, typeof data === "string" ? utf8.encode(data) : data)),
+      close: () => {
+        if (live.commands.delete(id)) send(encodeFrame(FRAME.close, id));
+      },
+    };
+  }
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -4277,23 +4626,19 @@ async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: Jo
 
   const marker = opts.jobs?.nextMarker() ?? "";
   const env = { ...commandEnvironment(), ...COMMAND_ENV, ...(marker ? { [JOB_MARKER_ENV]: marker } : {}) };
-  let deliver = (bytes: Uint8Array) => {
-    if (stopping && status === "runaway") return;
-    lastOutputAt = Date.now();
-    rawBytes += bytes.length;
-    (renderer ??= new TerminalRenderer(Terminal, rendered, flow)).write(bytes);
-    opts.onData(bytes);
-    if (rawBytes > runawayLimit) stop("runaway");
+  // Output that arrives before the process is known waits here (the launcher may report both in one read).
+  let early: Uint8Array[] | undefined = [];
+  let deliver: (bytes: Uint8Array) => void = (bytes) => {
+    early?.push(bytes);
   };
-  const pty = spawnPty(opts.sandbox.wrap(["/bin/sh", "-c", commandWrapper(opts.command)]), {
+  const child = await opts.sandbox.spawn(["/bin/sh", "-c", commandWrapper(opts.command)], {
     cwd: opts.cwd,
     env,
     cols: COMMAND_COLUMNS,
     rows: COMMAND_ROWS,
     onData: (bytes) => deliver(bytes),
   });
-  const shell = pty.proc.pid;
-  const exited = pty.proc.exited;
+  const shell = child.pid;
   const stop = (why: CommandStatus) => {
     if (stopping) return;
     status = why;
@@ -4316,6 +4661,17 @@ async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: Jo
     },
   };
 
+  deliver = (bytes: Uint8Array) => {
+    if (stopping && status === "runaway") return;
+    lastOutputAt = Date.now();
+    rawBytes += bytes.length;
+    (renderer ??= new TerminalRenderer(Terminal, rendered, flow)).write(bytes);
+    opts.onData(bytes);
+    if (rawBytes > runawayLimit) stop("runaway");
+  };
+  for (const bytes of early.splice(0)) deliver(bytes);
+  early = undefined;
+
   const timeout = setTimeout(() => stop("timed_out"), opts.timeoutSec * 1000);
   const onAbort = () => stop(opts.signal.reason === USER_INTERRUPT ? "interrupted" : "stopped");
   opts.signal.addEventListener("abort", onAbort, { once: true });
@@ -4333,20 +4689,19 @@ async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: Jo
     },
     Math.min(INPUT_WAIT_POLL_MS, silence),
   );
-  const detachInput = opts.attachInput?.((data) => pty.terminal.write(data));
+  const detachInput = opts.attachInput?.((data) => child.write(data));
 
   let jobs: JobsLeft | undefined;
+  let exitCode: number | null = null;
   try {
-    await exited;
-    // Output written just before exit can still be in flight.
-    await Promise.race([pty.eof, Bun.sleep(PTY_DRAIN_GRACE_MS)]);
+    exitCode = await child.exited;
     if (stopping) await stopping;
     jobs = opts.jobs?.adopt({
       command: opts.command,
       session: shell,
       marker,
-      terminal: pty.terminal,
-      eof: pty.eof,
+      terminal: child,
+      eof: child.eof,
       redirect: (sink) => (deliver = sink),
     });
   } finally {
@@ -4354,11 +4709,11 @@ async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: Jo
     clearInterval(watcher);
     opts.signal.removeEventListener("abort", onAbort);
     detachInput?.();
-    if (!jobs) pty.terminal.close();
+    if (!jobs) child.close();
   }
   await renderer?.finish();
   const { text, savedTo } = rendered.finish();
-  return { exitCode: exitCodeOf(pty.proc), status, output: text, savedTo, jobs };
+  return { exitCode, status, output: text, savedTo, jobs };
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -4461,7 +4816,7 @@ class JobTerminal {
   private closed = false;
 
   constructor(
-    private readonly terminal: Bun.Terminal,
+    private readonly terminal: { close(): void },
     outputs: OutputStore,
     private readonly limit: number,
   ) {
@@ -4541,7 +4896,8 @@ interface Leftovers {
   command: string;
   session: number;
   marker: string;
-  terminal: Bun.Terminal;
+  /** The command's terminal, which its jobs still write to. */
+  terminal: { close(): void };
   eof: Promise<void>;
   /** Points the terminal's output at the job log from now on. */
   redirect(sink: (bytes: Uint8Array) => void): void;
@@ -7468,16 +7824,18 @@ function readProjectInstructions(cwd: string): PromptFacts["projectInstructions"
 /** The sandbox and the system prompt that describes it. */
 function prepareParts(config: Config): PreparedRun {
   const sandbox = setUpSandbox(config);
+  const rules = CommandRules.load(config);
+  const projectInstructions = readProjectInstructions(process.cwd());
   const systemPrompt = buildSystemPrompt({
     fast: config.fast,
     timeoutSec: config.timeoutSec,
     maxOutputBytes: config.maxOutputBytes,
     sandbox,
     selfCommand: selfCommand(),
-    projectInstructions: readProjectInstructions(process.cwd()),
+    projectInstructions,
     doneWhen: config.doneWhen,
   });
-  return { sandbox, systemPrompt, rules: CommandRules.load(config) };
+  return { sandbox, systemPrompt, rules };
 }
 
 /** What either front end needs before anything runs: the sandbox, the system prompt, and a budget with room in it. */
@@ -10288,6 +10646,7 @@ async function main(argv: string[]): Promise<number> {
     const separator = argv.indexOf("--");
     return sandboxExec(JSON.parse(argv[1] ?? "{}") as SandboxPlan, argv.slice(separator + 1));
   }
+  if (argv[0] === SANDBOX_LAUNCHER) return await runSandboxLauncher();
   process.on("exit", rememberStreamFlags());
   try {
     const parsed = parseArgs(argv, process.env);
@@ -10330,6 +10689,7 @@ if (import.meta.main) {
 
 export {
   Agent,
+  SandboxLauncher,
   Checkpoints,
   undoCommands,
   redoCommands,

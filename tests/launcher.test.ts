@@ -1,0 +1,94 @@
+/**
+ * The sandbox launcher (README: "Sandbox (Linux)"): with the sandbox on, one confined helper process starts
+ * every command. These tests show that commands are still confined when it is, that it holds no secret, that a
+ * command which kills it gets a fresh one (still confined) instead of an unconfined shell, and that aic refuses
+ * what a launcher taken over by a command might say.
+ */
+import { describe, expect, test } from "bun:test";
+import { existsSync } from "node:fs";
+import { homedir } from "node:os";
+import { join } from "node:path";
+import { SandboxLauncher } from "../aic.ts";
+import { ROOT, bash, headless, kernelLandlockAbi, perTestFixtures, runAic, toolAnswer, unique } from "./helpers.ts";
+
+const ABI = kernelLandlockAbi();
+const fixtures = perTestFixtures();
+
+/** What a command prints about the process that started it: its pid, its command line, its NoNewPrivs flag. */
+const PARENT_REPORT = `echo "parent=$PPID"; tr '\\0' ' ' < /proc/$PPID/cmdline; echo; grep NoNewPrivs /proc/$PPID/status`;
+
+describe.skipIf(ABI < 1)(`the sandbox launcher (kernel Landlock ABI ${ABI})`, () => {
+  test("every command is started by one confined launcher", async () => {
+    const srv = fixtures.serve([
+      bash(PARENT_REPORT, "call_1"),
+      bash(PARENT_REPORT, "call_2"),
+      { content: "TASKCOMPLETE" },
+    ]);
+    const run = await runAic([...headless(srv.url, "test-model", "--auto-approve"), "who started me"], {
+      cwd: fixtures.varTmp("aic-launcher-"),
+    });
+
+    expect(run.code).toBe(0);
+    const first = toolAnswer(srv.requests.at(-1), "call_1");
+    const second = toolAnswer(srv.requests.at(-1), "call_2");
+    expect(first).toContain("__sandbox-launcher");
+    expect(first).toMatch(/NoNewPrivs:\s+1/);
+    // The same launcher, not one per command.
+    expect(/parent=(\d+)/.exec(first)?.[1]).toBe(/parent=(\d+)/.exec(second)?.[1]!);
+  });
+
+  test("a command that kills the launcher gets a new one for the next command, still confined", async () => {
+    const cwd = fixtures.varTmp("aic-launcher-");
+    const inHome = fixtures.disposable(join(homedir(), unique("aic-launcher-")));
+    const srv = fixtures.serve([
+      bash(`echo "before=$PPID"`, "call_before"),
+      bash(`kill -9 $PPID; sleep 1; echo survived`, "call_kill"),
+      bash(`echo "after=$PPID"; echo x > ${inHome}; echo "home write exit $?"`, "call_after"),
+      { content: "TASKCOMPLETE" },
+    ]);
+    const run = await runAic([...headless(srv.url, "test-model", "--auto-approve"), "kill the launcher"], { cwd });
+
+    expect(run.code).toBe(0);
+    const before = /before=(\d+)/.exec(toolAnswer(srv.requests.at(-1), "call_before"))?.[1];
+    const after = toolAnswer(srv.requests.at(-1), "call_after");
+    expect(before).toBeDefined();
+    expect(/after=(\d+)/.exec(after)?.[1]).toBeDefined();
+    expect(/after=(\d+)/.exec(after)?.[1]).not.toBe(before!);
+    expect(after).toContain("Permission denied");
+    expect(after).toMatch(/home write exit [1-9]/);
+    expect(existsSync(inHome)).toBe(false);
+  });
+});
+
+describe("aic refuses a launcher that lies", () => {
+  const lying = (lie: string) =>
+    new SandboxLauncher([process.execPath, join(ROOT, "tests", "lying-launcher.ts"), lie, String(process.pid)]);
+  const options = { cwd: ROOT, env: {}, cols: 80, rows: 24, onData() {} };
+
+  for (const [lie, why] of [
+    ["foreign-pid", new RegExp(`named pid ${process.pid}, not its child`)],
+    ["huge-frame", /sent a frame of \d+ bytes/],
+    ["bad-kind", /sent a frame of unknown kind 99/],
+  ] as const) {
+    test(`${lie}: the command is not run and the launcher is stopped`, async () => {
+      const launcher = lying(lie);
+      expect(await launcher.start()).toBeUndefined();
+      const started = launcher.spawn(["/bin/true"], options);
+      await expect(started).rejects.toThrow(why);
+      await expect(started).rejects.toThrow(/the command was not run/);
+    });
+  }
+});
+
+// A command can read the launcher's /proc files (as root, or by taking it over): it must hold no secret.
+test.skipIf(ABI < 1)("the launcher's environment has no API key in it", async () => {
+  const count = `echo "count=$(tr '\\0' '\\n' < /proc/$PPID/environ | grep -c KEY_MARK)"`;
+  const srv = fixtures.serve([bash(count, "call_env"), { content: "TASKCOMPLETE" }]);
+  const run = await runAic([...headless(srv.url, "test-model", "--auto-approve"), "read the launcher's environment"], {
+    cwd: fixtures.varTmp("aic-launcher-"),
+    env: { OPENAI_API_KEY: "KEY_MARK-1234", AIC_API_KEY: "KEY_MARK-5678", KEEP_MARK: "KEY_MARK_VISIBLE" },
+  });
+  expect(run.code).toBe(0);
+  // Only the harmless variable that merely contains the marker is there.
+  expect(toolAnswer(srv.requests.at(-1), "call_env")).toMatch(/count=1\b/);
+});
