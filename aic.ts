@@ -1477,19 +1477,39 @@ class TokenCounter {
    */
   async countRawYielding(messages: readonly Message[]): Promise<number> {
     let total = 0;
-    for (const m of messages) {
-      if (this.cached(m) === undefined && contentText(m.content).length > TokenCounter.SLICE) {
-        let tokens = PER_MESSAGE_OVERHEAD;
-        for (const text of countedTexts(m))
-          for (let at = 0; at < text.length; at += TokenCounter.SLICE) {
-            tokens += this.tokensOf(text.slice(at, at + TokenCounter.SLICE));
-            await new Promise((resolve) => setImmediate(resolve));
-          }
-        this.remember(m, tokens);
-      }
-      total += this.countMessage(m);
-    }
+    for (const m of messages) total += this.needsSlices(m) ? await this.countInSlices(m) : this.countMessage(m);
     return total;
+  }
+
+  /**
+   * Counts from the newest message back, as countRawYielding does, until the
+   * count passes `limit`. `from` is the oldest message counted: 0 when all
+   * were (`raw` is then the exact count); otherwise `raw` is already over
+   * `limit` and the older messages were never encoded, which for a long
+   * session resumed far over the budget saves seconds of tiktoken.
+   */
+  async countRawNewest(messages: readonly Message[], limit: number): Promise<{ raw: number; from: number }> {
+    let raw = 0;
+    let from = messages.length;
+    while (from > 0 && raw <= limit) {
+      const m = messages[--from]!;
+      raw += this.needsSlices(m) ? await this.countInSlices(m) : this.countMessage(m);
+    }
+    return { raw, from };
+  }
+
+  private needsSlices(m: Message): boolean {
+    return this.cached(m) === undefined && contentText(m.content).length > TokenCounter.SLICE;
+  }
+
+  private async countInSlices(m: Message): Promise<number> {
+    let tokens = PER_MESSAGE_OVERHEAD;
+    for (const text of countedTexts(m))
+      for (let at = 0; at < text.length; at += TokenCounter.SLICE) {
+        tokens += this.tokensOf(text.slice(at, at + TokenCounter.SLICE));
+        await new Promise((resolve) => setImmediate(resolve));
+      }
+    return this.remember(m, tokens);
   }
   private static readonly SLICE = 16_384;
 
@@ -2143,24 +2163,38 @@ interface CompressionResult {
  */
 function compressTruncate(messages: readonly Message[], counter: TokenCounter, targetRaw: number): CompressionResult {
   const out = messages.slice();
-  let total = counter.countRaw(out);
+  const condensable = (m: Message) => m.role === "tool" && contentText(m.content).length > 30;
+  // The newest messages whose count alone passes the target: every tool output older than them is
+  // condensed whatever its size, so it is never counted (a long resumed history would be seconds of tiktoken).
+  let from = out.length;
+  let total = 0;
+  while (from > 2 && total <= targetRaw) total += counter.countMessage(out[--from]!);
   let condensed = 0;
-  for (let i = 2; i < out.length && total > targetRaw; i++) {
+  for (let i = 0; i < from; i++) {
+    if (i >= 2 && condensable(out[i]!)) {
+      out[i] = { ...out[i]!, content: CONDENSED_TOOL_OUTPUT };
+      condensed++;
+    }
+    total += counter.countMessage(out[i]!);
+  }
+  for (let i = from; i < out.length && total > targetRaw; i++) {
     const m = out[i]!;
-    if (m.role !== "tool" || contentText(m.content).length <= 30) continue;
+    if (!condensable(m)) continue;
     const before = counter.countMessage(m);
     const replacement = { ...m, content: CONDENSED_TOOL_OUTPUT };
     out[i] = replacement;
     total += counter.countMessage(replacement) - before;
     condensed++;
   }
-  let dropped = 0;
-  while (total > targetRaw && out.length > 2) {
-    const [[start, end]] = turnsFrom(out, 2) as [[number, number]];
+  // Whole turns from index 2 on, oldest first, cut in one splice (one splice per turn was quadratic).
+  let cut = 2;
+  for (const [start, end] of turnsFrom(out, 2)) {
+    if (total <= targetRaw) break;
     for (let i = start; i < end; i++) total -= counter.countMessage(out[i]!);
-    out.splice(start, end - start);
-    dropped += end - start;
+    cut = end;
   }
+  out.splice(2, cut - 2);
+  const dropped = cut - 2;
   const parts = [
     condensed ? `condensed ${condensed} tool output(s)` : "",
     dropped ? `dropped ${dropped} old message(s)` : "",
@@ -2494,7 +2528,7 @@ class HeldDirectory {
    * a random name, written (and flushed to disk when `durable`), renamed over
    * the old one. A link planted at `name` is replaced, never written through.
    */
-  replace(name: string, data: string | Uint8Array, durable: boolean): void {
+  replace(name: string, data: string | Uint8Array | readonly Uint8Array[], durable: boolean): void {
     const temporary = `.${name}.${randomName()}.tmp`;
     const fd = this.createExclusive(temporary);
     try {
@@ -2575,7 +2609,25 @@ class HeldDirectory {
   }
 }
 
-function writeAll(fd: number, data: string | Uint8Array): void {
+/** Pieces are written in batches of about this many bytes: one copy of a batch, never of the whole file. */
+const WRITE_BATCH_BYTES = 1 << 20;
+
+function writeAll(fd: number, data: string | Uint8Array | readonly Uint8Array[]): void {
+  if (typeof data !== "string" && !(data instanceof Uint8Array)) {
+    let batch: Uint8Array[] = [];
+    let size = 0;
+    const flush = () => {
+      if (size) writeAll(fd, batch.length === 1 ? batch[0]! : Buffer.concat(batch, size));
+      batch = [];
+      size = 0;
+    };
+    for (const piece of data) {
+      batch.push(piece);
+      size += piece.length;
+      if (size >= WRITE_BATCH_BYTES) flush();
+    }
+    return flush();
+  }
   let rest = typeof data === "string" ? Buffer.from(data) : data;
   while (rest.length) rest = rest.subarray(fs.writeSync(fd, rest));
 }
@@ -2777,6 +2829,15 @@ const SESSION_KEYS = new Set([
 
 /** Stands in for the message list while the rest of the document is stringified. */
 const MESSAGES_SLOT = "\u0000aic-messages\u0000";
+/** What JSON.stringify({ messages: [m] }, null, 2) puts around the message. */
+const MESSAGE_PREFIX = '{\n  "messages": [\n';
+const MESSAGE_SUFFIX = "\n  ]\n}";
+const LIST_OPEN = Buffer.from("[\n");
+const LIST_COMMA = Buffer.from(",\n");
+const LIST_CLOSE = Buffer.from("\n  ]");
+const EMPTY_LIST = Buffer.from("[]");
+/** Bulk work on a long history asks for a garbage collection after about this many bytes of short-lived strings. */
+const COLLECT_EVERY_BYTES = 8 << 20;
 
 /**
  * One claimed session file and its checkpoints. The file sits where commands
@@ -2791,9 +2852,11 @@ class SessionStore {
   private failureReported = false;
   /** Set when the file could not be read, moved aside or understood: then it is never written over. */
   private frozen = false;
+  /** The size of the file load() read (0 before, or when there was none). */
+  loadedBytes = 0;
   /** What the last fsynced write held: the message list, its length, its last message and the system text. */
   private durable: unknown[] | undefined;
-  private readonly messageText = new WeakMap<Message, { content: unknown; calls: unknown; text: string }>();
+  private readonly messageText = new WeakMap<Message, { content: unknown; calls: unknown; bytes: Buffer }>();
 
   private constructor(
     private readonly dir: HeldDirectory,
@@ -2898,6 +2961,7 @@ class SessionStore {
         };
       }
     }
+    this.loadedBytes = bytes.length;
     const reports: string[] = [];
     const text = decodeSessionText(bytes, reports);
     let parsed: unknown;
@@ -3072,19 +3136,40 @@ class SessionStore {
   }
 
   /**
-   * The indented JSON of the document. Each message's text is cached until
-   * it changes, so a checkpoint costs only the new messages plus the write.
+   * The indented JSON of the document, as UTF-8 pieces written one after
+   * another: no string or buffer of the whole file is ever made (for a long
+   * history that was three copies of it at once, as UTF-16). Each message's
+   * bytes are cached until it changes, so a checkpoint costs only the new
+   * messages plus the write.
    */
-  private serialise(doc: Record<string, unknown>, messages: readonly Message[]): string {
-    const parts = messages.map((m) => {
-      const hit = this.messageText.get(m);
-      if (hit && hit.content === m.content && hit.calls === m.tool_calls) return hit.text;
-      const text = "    " + JSON.stringify(m, null, 2).replace(/\n/g, "\n    ");
-      this.messageText.set(m, { content: m.content, calls: m.tool_calls, text });
-      return text;
+  private serialise(doc: Record<string, unknown>, messages: readonly Message[]): Uint8Array[] {
+    const text = JSON.stringify(doc, null, 2) + "\n";
+    const slot = JSON.stringify(MESSAGES_SLOT);
+    const at = text.indexOf(slot);
+    const pieces: Uint8Array[] = [Buffer.from(text.slice(0, at))];
+    let fresh = 0;
+    messages.forEach((m, i) => {
+      let hit = this.messageText.get(m);
+      if (!hit || hit.content !== m.content || hit.calls !== m.tool_calls) {
+        // Stringified where the file holds it (a message of `messages`), so the indentation comes out right.
+        const json = JSON.stringify({ messages: [m] }, null, 2);
+        const whole = Buffer.from(json);
+        const bytes = whole.subarray(MESSAGE_PREFIX.length, whole.length - MESSAGE_SUFFIX.length);
+        hit = { content: m.content, calls: m.tool_calls, bytes };
+        this.messageText.set(m, hit);
+        // Many new messages at once (the first checkpoint of a long resumed session) leave twice their
+        // size in short-lived strings: a young-generation collection every few megabytes keeps that
+        // garbage from piling onto the peak (it also makes the loop faster).
+        fresh += whole.length;
+        if (fresh >= COLLECT_EVERY_BYTES) {
+          fresh = 0;
+          Bun.gc(false);
+        }
+      }
+      pieces.push(i === 0 ? LIST_OPEN : LIST_COMMA, hit.bytes);
     });
-    const list = parts.length ? `[\n${parts.join(",\n")}\n  ]` : "[]";
-    return JSON.stringify(doc, null, 2).replace(JSON.stringify(MESSAGES_SLOT), () => list) + "\n";
+    pieces.push(messages.length ? LIST_CLOSE : EMPTY_LIST, Buffer.from(text.slice(at + slot.length)));
+    return pieces;
   }
 
   /** What /session shows: the file, its id and instance, and what the file on disk holds now. */
@@ -7716,7 +7801,15 @@ class Agent {
     // Before tiktoken is loaded, a byte count bounds the tokens: a short history needs no counting at all.
     if (!force && !this.model.counter && tokenUpperBound(this.messages) <= this.budget) return;
     const counter = await this.tokenCounter();
-    const before = Math.ceil((await counter.countRawYielding(this.messages)) * counter.ratio);
+    // Counted from the newest message back and only until the budget is passed: a long history resumed
+    // far over it is never encoded whole (50 MB of tool output is seconds of tiktoken for one comparison).
+    // The part left uncounted then enters the figure shown as a guess, at the counted part's tokens per byte.
+    const counted = await counter.countRawNewest(this.messages, force ? Infinity : this.budget / counter.ratio);
+    const rest = this.messages.slice(0, counted.from);
+    const uncounted = rest.length
+      ? Math.ceil((tokenUpperBound(rest) * counted.raw) / tokenUpperBound(this.messages.slice(counted.from)))
+      : 0;
+    const before = Math.ceil((counted.raw + uncounted) * counter.ratio);
     this.contextEstimate = before;
     if (!force && before <= this.budget) return;
     const targetRaw = Math.floor(Math.floor(Math.min(this.budget, ceiling) * fraction) / counter.ratio);
@@ -7910,6 +8003,9 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   });
   for (const report of prepared.rules.reports) front.sink.emit({ type: "warning", text: report });
   const loaded = session?.load(fullSystemPrompt(prepared));
+  // A long session's bytes and their decoded text (about three times the file) are garbage once it is
+  // parsed: collected now, before the first checkpoint allocates as much again, so the peak is not their sum.
+  if (session && session.loadedBytes >= COLLECT_EVERY_BYTES) Bun.gc(true);
   const outputs = new OutputStore(
     session !== undefined,
     session?.sessionId ?? String(process.pid),

@@ -133,7 +133,7 @@ export function unattended(url: string, ...more: string[]): string[] {
  * server from running tiktoken over the whole prompt on every request, which
  * would put the bench process's own work inside aic's per-step time.
  */
-function roughPromptTokens(req: RecordedRequest): number {
+export function roughPromptTokens(req: RecordedRequest): number {
   let chars = 0;
   for (const m of Array.isArray(req.body?.messages) ? req.body.messages : []) {
     chars += typeof m?.content === "string" ? m.content.length : 0;

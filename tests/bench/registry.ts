@@ -7,6 +7,7 @@
  * with an optional target), and append it here. Do not name files *.test.ts:
  * benchmarks must not run under `bun test`.
  */
+import { bigSession } from "./big-session.ts";
 import { checkpoints } from "./checkpoints.ts";
 import { coldStart } from "./cold-start.ts";
 import type { Benchmark } from "./lib.ts";
@@ -22,6 +23,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   memory,
   tokens,
   sessionCheckpoint,
+  bigSession,
   checkpoints,
   tui,
 ];

@@ -8,6 +8,11 @@
  *    JSON.stringify alone (the rest is the write, fsync and rename).
  * 2. The per-step overhead of a 200-step headless run with `--session` against the same run
  *    without, measured as tests/bench/per-step.ts does: (200-step run − 1-step run) / 199.
+ *    `--session` also turns on checkpoints of the files (a snapshot before each command; without
+ *    a session `--nogui` takes none), so a third mode, `--session --no-checkpoints`, separates the
+ *    session store's own cost from the checkpoints' cost.
+ * 3. The peak resident set (VmHWM, polled) of those 200-step runs: keeping a session should cost
+ *    little memory beyond the conversation itself.
  */
 import { mkdtempSync, rmSync, statSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -36,11 +41,15 @@ const STEPS = 200;
 const REPEATS = 4;
 /** What keeping a session may add to a step, on top of per-step.ts's 20 ms for the whole step. */
 const STEP_TARGET_MS = 5;
+const POLL_MS = 10;
+/** Peak RSS of the 200-step run with --session may be at most this many times the run without. */
+const RSS_RATIO_TARGET = 1.1;
 
 // ---------------------------------------------------------------------------------------------
 // Realistic histories
 
-function rng(seed: number) {
+/** A small seeded generator: `r(n)` is an integer in [0, n). */
+export function rng(seed: number) {
   let a = seed >>> 0;
   return (n: number) => {
     a = (a + 0x6d2b79f5) >>> 0;
@@ -69,7 +78,7 @@ const WORDS = [
 ];
 
 /** One plausible command and what it printed (a listing, a test run, a grep, a build error, a log). */
-function toolExchange(r: (n: number) => number, i: number): { command: string; output: string } {
+export function toolExchange(r: (n: number) => number, i: number): { command: string; output: string } {
   const word = () => WORDS[r(WORDS.length)]!;
   const file = () => `${word()}/${word()}_${r(100)}.${["ts", "js", "json", "md"][r(4)]}`;
   const lines = (n: number, f: (k: number) => string) => Array.from({ length: n }, (_, k) => f(k)).join("\n");
@@ -209,35 +218,51 @@ function timeSaves(messages: Message[]): SaveFigures {
 // ---------------------------------------------------------------------------------------------
 // Per-step cost of --session in dist/aic
 
+/** How the runs keep a session: none, a session file with checkpoints (the default), or without them. */
+const MODES = [
+  { key: "none", label: "without a session", flags: [] as string[] },
+  { key: "session", label: "with --session", flags: ["--session"] },
+  { key: "store", label: "with --session --no-checkpoints", flags: ["--session", "--no-checkpoints"] },
+] as const;
+type Mode = (typeof MODES)[number];
+
 interface StepRun {
   ms: number;
   /** Milliseconds between consecutive model requests (one per step), from the fake server's clock. */
   intervals: number[];
   sessionBytes: number;
+  /** Peak resident set (VmHWM) in MB, when polled. */
+  peakMb: number;
 }
 
-async function stepRun(steps: number, withSession: boolean): Promise<StepRun> {
+async function stepRun(steps: number, mode: Mode, pollRss: boolean): Promise<StepRun> {
   const srv = scriptedCommands((i) => (i < steps ? "true" : undefined));
   const cwd = scratch("aic-bench-");
   const session = join(cwd, "bench.aicsession");
   try {
-    const flags = withSession ? ["--session", session] : [];
-    const run = await timeAic(unattended(srv.url, ...flags, `run true ${steps} times`), { cwd });
-    expectRun(`${steps}-step run${withSession ? " with --session" : ""}`, run, srv, { code: 0, requests: steps + 1 });
+    const flags = mode.flags.flatMap((f) => (f === "--session" ? [f, session] : [f]));
+    const run = await timeAic(unattended(srv.url, ...flags, `run true ${steps} times`), {
+      cwd,
+      pollRssMs: pollRss ? POLL_MS : undefined,
+    });
+    expectRun(`${steps}-step run ${mode.label}`, run, srv, { code: 0, requests: steps + 1 });
+    if (pollRss && run.peakRssKb === 0) throw new Error(`${steps}-step run ${mode.label}: never read VmHWM`);
     const at = srv.requests.map((r) => r.at);
     return {
       ms: run.ms,
       intervals: at.slice(2).map((t, i) => t - at[i + 1]!),
-      sessionBytes: withSession ? statSync(session).size : 0,
+      sessionBytes: mode.key === "none" ? 0 : statSync(session).size,
+      peakMb: run.peakRssKb / 1024,
     };
   } finally {
     srv.close();
+    rmSync(cwd, { recursive: true, force: true });
   }
 }
 
 export const sessionCheckpoint: Benchmark = {
   name: "session",
-  description: `SessionStore.save() (atomic write + fsync) on ~100 KB / 1 MB / 5 MB histories, ${WRITES} writes each; per-step cost of --session over ${STEPS}-step runs`,
+  description: `SessionStore.save() (atomic write + fsync) on ~100 KB / 1 MB / 5 MB histories, ${WRITES} writes each; per-step cost and peak RSS of --session (with and without checkpoints) over ${STEPS}-step runs`,
   async run(ctx) {
     const metrics: Metric[] = [];
     for (const size of SIZES) {
@@ -259,57 +284,109 @@ export const sessionCheckpoint: Benchmark = {
       });
     }
 
-    const overhead = { with: [] as number[], without: [] as number[] };
-    const intervals = { with: [] as number[], without: [] as number[] };
+    const empty = () => ({ none: [] as number[], session: [] as number[], store: [] as number[] });
+    const overhead = empty();
+    const intervals = empty();
+    const peaks = empty();
     let sessionBytes = 0;
     for (let r = 1; r <= REPEATS; r++) {
-      // Interleaved so both modes see the same background load.
-      for (const withSession of [false, true]) {
-        const key = withSession ? "with" : "without";
-        ctx.log(
-          `session: repeat ${r}/${REPEATS}: 1-step and ${STEPS}-step runs ${withSession ? "with --session" : "without a session"}`,
-        );
-        const one = await stepRun(1, withSession);
-        const many = await stepRun(STEPS, withSession);
-        overhead[key].push((many.ms - one.ms) / (STEPS - 1));
-        intervals[key].push(...many.intervals);
-        if (withSession) sessionBytes = many.sessionBytes;
+      // Interleaved so every mode sees the same background load.
+      for (const mode of MODES) {
+        ctx.log(`session: repeat ${r}/${REPEATS}: 1-step and ${STEPS}-step runs ${mode.label}`);
+        const one = await stepRun(1, mode, false);
+        const many = await stepRun(STEPS, mode, true);
+        overhead[mode.key].push((many.ms - one.ms) / (STEPS - 1));
+        intervals[mode.key].push(...many.intervals);
+        peaks[mode.key].push(many.peakMb);
+        if (mode.key === "session") sessionBytes = many.sessionBytes;
       }
     }
     const list = (xs: number[]) => xs.map((v) => v.toFixed(1)).join(", ");
-    const stepWith = median(intervals.with);
-    const stepWithout = median(intervals.without);
-    metrics.push({
-      name: "per-step overhead without a session (median)",
-      value: median(overhead.without),
-      unit: "ms",
-      note: `(${STEPS}-step − 1-step) / ${STEPS - 1}; repeats: ${list(overhead.without)} ms`,
-    });
-    metrics.push({
-      name: "per-step overhead with --session (median)",
-      value: median(overhead.with),
-      unit: "ms",
-      note: `repeats: ${list(overhead.with)} ms; final file ${(sessionBytes / 1024).toFixed(0)} KB`,
-    });
-    metrics.push({
-      name: "step interval without a session (median)",
-      value: stepWithout,
-      unit: "ms",
-      note: `${intervals.without.length} steps, between model requests`,
-    });
-    metrics.push({
-      name: "step interval with --session (median)",
-      value: stepWith,
-      unit: "ms",
-      note: `${intervals.with.length} steps`,
-    });
-    metrics.push({
-      name: "cost of --session per step",
-      value: stepWith - stepWithout,
-      unit: "ms",
-      target: STEP_TARGET_MS,
-      note: "difference of the step-interval medians; three checkpoints a step",
-    });
+    const step = { none: median(intervals.none), session: median(intervals.session), store: median(intervals.store) };
+    const peak = { none: median(peaks.none), session: median(peaks.session), store: median(peaks.store) };
+    metrics.push(
+      {
+        name: "per-step overhead without a session (median)",
+        value: median(overhead.none),
+        unit: "ms",
+        note: `(${STEPS}-step − 1-step) / ${STEPS - 1}; repeats: ${list(overhead.none)} ms`,
+      },
+      {
+        name: "per-step overhead with --session (median)",
+        value: median(overhead.session),
+        unit: "ms",
+        note: `checkpoints on (the default); repeats: ${list(overhead.session)} ms; final file ${(sessionBytes / 1024).toFixed(0)} KB`,
+      },
+      {
+        name: "per-step overhead, --session --no-checkpoints",
+        value: median(overhead.store),
+        unit: "ms",
+        note: `median; repeats: ${list(overhead.store)} ms`,
+      },
+      {
+        name: "step interval without a session (median)",
+        value: step.none,
+        unit: "ms",
+        note: `${intervals.none.length} steps, between model requests`,
+      },
+      {
+        name: "step interval with --session (median)",
+        value: step.session,
+        unit: "ms",
+        note: `${intervals.session.length} steps; checkpoints on`,
+      },
+      {
+        name: "step interval, --session --no-checkpoints",
+        value: step.store,
+        unit: "ms",
+        note: `median of ${intervals.store.length} steps`,
+      },
+      {
+        name: "cost of --session per step",
+        value: step.session - step.none,
+        unit: "ms",
+        target: STEP_TARGET_MS,
+        note: "difference of the step-interval medians: the session store's checkpoints plus a file snapshot a step",
+      },
+      {
+        name: "  of which the session store",
+        value: step.store - step.none,
+        unit: "ms",
+        target: STEP_TARGET_MS,
+        note: "--session --no-checkpoints against no session: three session writes a step",
+      },
+      {
+        name: "  of which the file checkpoints",
+        value: step.session - step.store,
+        unit: "ms",
+        note: "--session against --session --no-checkpoints: the snapshot before each command",
+      },
+      {
+        name: `peak RSS, ${STEPS}-step run without a session`,
+        value: peak.none,
+        unit: "MB",
+        note: `median; repeats ${list(peaks.none)} MB`,
+      },
+      {
+        name: `peak RSS, ${STEPS}-step run with --session`,
+        value: peak.session,
+        unit: "MB",
+        note: `median; repeats ${list(peaks.session)} MB`,
+      },
+      {
+        name: `peak RSS, ${STEPS}-step run, --no-checkpoints`,
+        value: peak.store,
+        unit: "MB",
+        note: `--session --no-checkpoints; median; repeats ${list(peaks.store)} MB`,
+      },
+      {
+        name: "peak RSS with --session / without",
+        value: peak.session / peak.none,
+        unit: "x",
+        target: RSS_RATIO_TARGET,
+        note: `--no-checkpoints / without: ${(peak.store / peak.none).toFixed(2)}×`,
+      },
+    );
     return metrics;
   },
 };
