@@ -5339,6 +5339,13 @@ class ShadowRepository {
   private readonly env: Record<string, string>;
   /** The newest checkpoint and its tree, so an unchanged tree costs no commit. */
   private last: { commit: string; tree: string } | undefined;
+  /**
+   * The index file's identity (inode, size, times) when `last.tree` was
+   * written from it. git replaces the index by rename whenever it changes
+   * anything, so an `add -A` that leaves it identical staged nothing, and
+   * the tree is `last.tree` without asking `write-tree`.
+   */
+  private indexAtLast: string | undefined;
 
   constructor(
     readonly directory: string,
@@ -5499,18 +5506,31 @@ class ShadowRepository {
     if (add.timedOut) throw new Error(`taking the snapshot took longer than ${limitMs / 1000} s`);
     // --ignore-errors stages everything it can; a nested repository (a clone, a submodule) needs its files listed.
     if (add.code !== 0 || add.stderr) await this.includeNestedRepositories();
+    if (this.last && this.indexAtLast !== undefined && this.indexIdentity() === this.indexAtLast) return this.last;
     const tree = (await this.gitOk(["write-tree"])).trim();
     if (!this.last) {
       const head = await this.git(["rev-parse", "--verify", "-q", `${LAST_CHECKPOINT_REF}^{commit}`]);
       const commit = head.code === 0 ? head.stdout.toString().trim() : "";
       if (commit) this.last = { commit, tree: (await this.gitOk(["rev-parse", `${commit}^{tree}`])).trim() };
     }
-    if (this.last?.tree === tree) return this.last;
-    return this.commit(tree, message);
+    const made = this.last?.tree === tree ? this.last : await this.commit(tree, message);
+    // Read after write-tree, which may have stored its cache in the index.
+    this.indexAtLast = this.indexIdentity();
+    return made;
+  }
+
+  private indexIdentity(): string | undefined {
+    try {
+      const st = fs.statSync(path.join(this.gitDir, "index"), { bigint: true });
+      return `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}:${st.ctimeNs}`;
+    } catch {
+      return undefined;
+    }
   }
 
   /** A parentless commit of `tree` with a ref of its own (dropping the ref frees it), made the newest. */
   async commit(tree: string, message: string): Promise<{ commit: string; tree: string }> {
+    this.indexAtLast = undefined;
     const commit = (await this.gitOk(["commit-tree", "--no-gpg-sign", tree, "-m", message])).trim();
     const ref = `${CHECKPOINT_REF}${String(Date.now()).padStart(14, "0")}-${process.pid}-${randomName()}`;
     await this.gitOk(["update-ref", "--stdin", "-z"], {
