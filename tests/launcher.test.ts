@@ -5,17 +5,34 @@
  * what a launcher taken over by a command might say.
  */
 import { describe, expect, test } from "bun:test";
-import { existsSync } from "node:fs";
+import { chmodSync, existsSync } from "node:fs";
 import { homedir } from "node:os";
 import { join } from "node:path";
 import { SandboxLauncher } from "../aic.ts";
-import { ROOT, bash, headless, kernelLandlockAbi, perTestFixtures, runAic, toolAnswer, unique } from "./helpers.ts";
+import {
+  AIC,
+  ROOT,
+  bash,
+  has,
+  headless,
+  kernelLandlockAbi,
+  perTestFixtures,
+  runAic,
+  runCommand,
+  scratch,
+  toolAnswer,
+  unique,
+} from "./helpers.ts";
 
 const ABI = kernelLandlockAbi();
 const fixtures = perTestFixtures();
 
 /** What a command prints about the process that started it: its pid, its command line, its NoNewPrivs flag. */
-const PARENT_REPORT = `echo "parent=$PPID"; tr '\\0' ' ' < /proc/$PPID/cmdline; echo; grep NoNewPrivs /proc/$PPID/status`;
+const PARENT_REPORT = [
+  `echo "parent=$PPID"; tr '\\0' ' ' < /proc/$PPID/cmdline; echo; grep NoNewPrivs /proc/$PPID/status`,
+  // Every thread of the launcher, not only its main one, was born after the restriction.
+  `echo "threads=$(ls /proc/$PPID/task | wc -l) unconfined=$(grep -L 'NoNewPrivs:.*1' /proc/$PPID/task/*/status | wc -l)"`,
+].join("; ");
 
 describe.skipIf(ABI < 1)(`the sandbox launcher (kernel Landlock ABI ${ABI})`, () => {
   test("every command is started by one confined launcher", async () => {
@@ -33,6 +50,8 @@ describe.skipIf(ABI < 1)(`the sandbox launcher (kernel Landlock ABI ${ABI})`, ()
     const second = toolAnswer(srv.requests.at(-1), "call_2");
     expect(first).toContain("__sandbox-launcher");
     expect(first).toMatch(/NoNewPrivs:\s+1/);
+    expect(Number(/threads=(\d+)/.exec(first)?.[1])).toBeGreaterThan(1);
+    expect(first).toContain("unconfined=0");
     // The same launcher, not one per command.
     expect(/parent=(\d+)/.exec(first)?.[1]).toBe(/parent=(\d+)/.exec(second)?.[1]!);
   });
@@ -92,3 +111,33 @@ test.skipIf(ABI < 1)("the launcher's environment has no API key in it", async ()
   // Only the harmless variable that merely contains the marker is there.
   expect(toolAnswer(srv.requests.at(-1), "call_env")).toMatch(/count=1\b/);
 });
+
+// The launcher's pipe to aic is reachable through /proc/<launcher>/fd only for whoever may trace it: a command that
+// is not root may not, since the launcher is not dumpable. Needs root and setpriv to run aic as `nobody`.
+test.skipIf(ABI < 1 || !has.root || !has.setpriv)(
+  "a command that is not root cannot open the launcher's pipes",
+  async () => {
+    const cwd = scratch();
+    chmodSync(cwd, 0o777);
+    const probe = `ls /proc/$PPID/fd >/dev/null 2>&1 && echo fd-listed || echo fd-refused; echo x > /proc/$PPID/fd/1 2>/dev/null && echo fd-written || echo write-refused`;
+    const srv = fixtures.serve([bash(probe, "call_fd"), { content: "TASKCOMPLETE" }]);
+    const run = await runCommand(
+      [
+        "setpriv",
+        "--reuid=nobody",
+        "--regid=nogroup",
+        "--clear-groups",
+        "--",
+        AIC,
+        ...headless(srv.url),
+        "--auto-approve",
+        "poke",
+      ],
+      { cwd, env: { HOME: cwd }, killAfterMs: 60_000 },
+    );
+    expect(run.code).toBe(0);
+    const answer = toolAnswer(srv.requests.at(-1), "call_fd");
+    expect(answer).toContain("fd-refused");
+    expect(answer).toContain("write-refused");
+  },
+);
