@@ -11,13 +11,16 @@
  *   Constants and defaults → CLI and configuration → Secrets → What the model
  *   reads → Events → Plain and JSON output → Messages and token accounting →
  *   Model failures → Model client → Context compression → Own files on
- *   hostile ground → Session repairs → Session store → Sandbox → PTY and
- *   process groups → Output capture → Waiting-for-input detection → Command
- *   runner → Tool calls: the approval gate and the command → Agent loop →
- *   Run wiring → Headless front end → Web search → TUI parts (prompt history
- *   and figures; log panes; the shell's screen and its keys; the approval
- *   dialog, the Shell tab and the footer; how events look, and the prompt) →
- *   TUI app → TUI keys, slash commands and start-up → Main
+ *   hostile ground → Session repairs → Session file writing → Session store →
+ *   Sandbox → PTY and process groups → Sandbox launcher → Output capture →
+ *   Waiting-for-input detection → Command runner → Background jobs →
+ *   Checkpoints (the shadow repository; undo and redo) → Command rules
+ *   (reading a command line; what it runs; the rules file and the verdict) →
+ *   Tool calls: the approval gate and the command → Model calls and their
+ *   tokens → Agent loop → Run wiring → Headless front end → Web search → TUI
+ *   parts (prompt history and figures; log panes; the shell's screen and its
+ *   keys; the approval dialog, the Shell tab and the footer; how events look,
+ *   and the prompt) → TUI app → TUI keys, slash commands and start-up → Main
  *
  * The agent core never touches the terminal: it emits typed events to a sink
  * and awaits an approval function. Plain text, JSON Lines and the TUI are
@@ -2435,21 +2438,54 @@ function openRegular(file: string, flags: number, mode = 0o600): number {
 function readOwnFile(file: string, max = MAX_OWN_FILE_BYTES, head = false): Buffer {
   const fd = openRegular(file, O.O_RDONLY);
   try {
-    const size = fs.fstatSync(fd).size;
-    if (size > max && !head)
-      throw new OwnFileError(`it is ${size} bytes, more than the ${max} bytes aic reads of its own files`, "type");
-    const buffer = Buffer.alloc(Math.min(size, max) + 1);
-    let length = 0;
-    for (let n; length < buffer.length && (n = fs.readSync(fd, buffer, length, buffer.length - length, null)) > 0;)
-      length += n;
-    if (length > max) {
-      if (!head) throw new OwnFileError(`it grew past the ${max} bytes aic reads of its own files`, "type");
-      length = max;
-    }
-    return buffer.subarray(0, length);
+    return readOwnFd(fd, max, head);
   } finally {
     fs.closeSync(fd);
   }
+}
+
+/** readOwnFile on a descriptor openRegular gave, from its start (so it can be read again). */
+function readOwnFd(fd: number, max = MAX_OWN_FILE_BYTES, head = false): Buffer {
+  const size = fs.fstatSync(fd).size;
+  if (size > max && !head)
+    throw new OwnFileError(`it is ${size} bytes, more than the ${max} bytes aic reads of its own files`, "type");
+  const buffer = Buffer.alloc(Math.min(size, max) + 1);
+  let length = 0;
+  for (let n; length < buffer.length && (n = fs.readSync(fd, buffer, length, buffer.length - length, length)) > 0;)
+    length += n;
+  if (length > max) {
+    if (!head) throw new OwnFileError(`it grew past the ${max} bytes aic reads of its own files`, "type");
+    length = max;
+  }
+  return buffer.subarray(0, length);
+}
+
+/** Own files are read in slices of this size when they need not be whole in memory. */
+const READ_SLICE_BYTES = 1 << 20;
+
+/**
+ * readOwnFd (never `head`) in slices handed to `each` as they are read, so
+ * the whole file is never in memory at once: each slice is a fresh buffer
+ * `each` may keep, or, with `reuse`, the same buffer every time. Returns the
+ * number of bytes read.
+ */
+function readOwnFdInSlices(fd: number, each: (slice: Buffer) => void, reuse = false): number {
+  const max = MAX_OWN_FILE_BYTES;
+  const size = fs.fstatSync(fd).size;
+  if (size > max)
+    throw new OwnFileError(`it is ${size} bytes, more than the ${max} bytes aic reads of its own files`, "type");
+  const limit = size + 1;
+  const scratch = reuse ? Buffer.allocUnsafe(Math.min(READ_SLICE_BYTES, limit)) : undefined;
+  let length = 0;
+  while (length < limit) {
+    const slice = scratch ?? Buffer.allocUnsafe(Math.min(READ_SLICE_BYTES, limit - length));
+    const n = fs.readSync(fd, slice, 0, Math.min(slice.length, limit - length), length);
+    if (n === 0) break;
+    length += n;
+    if (length > max) throw new OwnFileError(`it grew past the ${max} bytes aic reads of its own files`, "type");
+    each(n === slice.length ? slice : slice.subarray(0, n));
+  }
+  return length;
 }
 
 const randomName = () => Math.random().toString(36).slice(2, 10);
@@ -2528,7 +2564,7 @@ class HeldDirectory {
    * a random name, written (and flushed to disk when `durable`), renamed over
    * the old one. A link planted at `name` is replaced, never written through.
    */
-  replace(name: string, data: string | Uint8Array | readonly Uint8Array[], durable: boolean): void {
+  replace(name: string, data: string | Uint8Array | Iterable<Uint8Array>, durable: boolean): void {
     const temporary = `.${name}.${randomName()}.tmp`;
     const fd = this.createExclusive(temporary);
     try {
@@ -2609,27 +2645,48 @@ class HeldDirectory {
   }
 }
 
-/** Pieces are written in batches of about this many bytes: one copy of a batch, never of the whole file. */
+/** Pieces are handed to the kernel in batches of about this many bytes (and at most IOV_MAX pieces), never copied. */
 const WRITE_BATCH_BYTES = 1 << 20;
+const WRITE_BATCH_PIECES = 1024;
 
-function writeAll(fd: number, data: string | Uint8Array | readonly Uint8Array[]): void {
-  if (typeof data !== "string" && !(data instanceof Uint8Array)) {
-    let batch: Uint8Array[] = [];
-    let size = 0;
-    const flush = () => {
-      if (size) writeAll(fd, batch.length === 1 ? batch[0]! : Buffer.concat(batch, size));
+function writeAll(fd: number, data: string | Uint8Array | Iterable<Uint8Array>): void {
+  if (typeof data === "string" || data instanceof Uint8Array) {
+    let rest = typeof data === "string" ? Buffer.from(data) : data;
+    while (rest.length) rest = rest.subarray(fs.writeSync(fd, rest));
+    return;
+  }
+  let batch: Uint8Array[] = [];
+  let size = 0;
+  for (const piece of data) {
+    batch.push(piece);
+    size += piece.length;
+    if (size >= WRITE_BATCH_BYTES || batch.length >= WRITE_BATCH_PIECES) {
+      writevAll(fd, batch);
       batch = [];
       size = 0;
-    };
-    for (const piece of data) {
-      batch.push(piece);
-      size += piece.length;
-      if (size >= WRITE_BATCH_BYTES) flush();
     }
-    return flush();
   }
-  let rest = typeof data === "string" ? Buffer.from(data) : data;
-  while (rest.length) rest = rest.subarray(fs.writeSync(fd, rest));
+  if (batch.length) writevAll(fd, batch);
+}
+
+/** One writev after another until every byte of `pieces` is written. */
+function writevAll(fd: number, pieces: Uint8Array[]): void {
+  for (let first = 0; first < pieces.length;) {
+    let written = fs.writevSync(fd, first ? pieces.slice(first) : pieces);
+    while (first < pieces.length && written >= pieces[first]!.length) written -= pieces[first++]!.length;
+    if (written) pieces[first] = pieces[first]!.subarray(written);
+  }
+}
+
+/** Copies the first `length` bytes of `from` into `to`, a slice at a time. */
+function copyOwnFd(from: number, to: number, length: number): void {
+  const slice = Buffer.allocUnsafe(Math.max(1, Math.min(READ_SLICE_BYTES, length)));
+  for (let at = 0; at < length;) {
+    const n = fs.readSync(from, slice, 0, Math.min(slice.length, length - at), at);
+    if (n === 0) throw new Error("it became shorter while aic read it");
+    writeAll(to, slice.subarray(0, n));
+    at += n;
+  }
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -2766,6 +2823,359 @@ function decodeSessionText(bytes: Uint8Array, reports: string[]): string {
   return text;
 }
 
+const isJsonSpace = (b: number | undefined) => b === 0x20 || b === 0x0a || b === 0x0d || b === 0x09;
+const MESSAGES_KEY = Buffer.from('"messages"');
+
+/**
+ * A session file parsed message by message as its slices are read, so that
+ * neither the whole file nor a string of it is ever in memory: the bytes are
+ * scanned for the `messages` list and the boundaries of its elements
+ * (tracking strings, escapes and depth), each element is decoded and parsed
+ * on its own as soon as it is complete (only a message with characters
+ * beyond Latin-1 becomes UTF-16), and the slices behind it are let go. The
+ * rest of the document is parsed at the end with an empty list in its place.
+ * The outcome is what JSON.parse of the whole text gives; anything but the
+ * plain shape aic writes (an object with one `messages` list, valid UTF-8,
+ * no byte-order mark, valid JSON) gives undefined, and the file is then read
+ * whole as before, so every repair is made and reported the same way.
+ */
+class SessionReader {
+  /** The slices still needed (from `needed` on), and where the first of them starts in the file. */
+  private slices: Buffer[] = [];
+  private first = 0;
+  private total = 0;
+  private failed = false;
+  private started = false;
+  private depth = 0;
+  private inString = false;
+  /** The slice before ended inside a string with a backslash whose character had not come yet. */
+  private escaped = false;
+  private stringStart = 0;
+  /** The last string read at depth 1: a key when a colon follows. */
+  private key: [number, number] | undefined;
+  private found = 0;
+  private expectList = false;
+  private listStart = -1;
+  private listEnd = -1;
+  private inList = false;
+  private elementStart = 0;
+  private head = "";
+  private readonly messages: unknown[] = [];
+  private readonly decoder = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
+  private fresh = 0;
+
+  push(slice: Buffer): void {
+    if (this.failed) return;
+    const base = this.total;
+    this.slices.push(slice);
+    this.total += slice.length;
+    for (let i = 0; i < slice.length && !this.failed;) {
+      if (this.inString) {
+        const end = this.stringEnd(slice, i);
+        if (end >= slice.length) break;
+        this.inString = false;
+        if (this.depth === 1) this.key = [this.stringStart, base + end + 1];
+        i = end + 1;
+        continue;
+      }
+      this.structure(slice[i]!, base + i);
+      i++;
+    }
+    this.letGo();
+    // The slice is read into again: what is still needed of it is kept as a copy.
+    const needed = this.needed();
+    if (this.failed || needed >= this.total) {
+      this.slices = [];
+      this.first = this.total;
+    } else if (needed >= base) {
+      this.slices = [Buffer.from(slice.subarray(needed - base))];
+      this.first = needed;
+    } else this.slices[this.slices.length - 1] = Buffer.from(slice);
+    // A collection every few megabytes of messages keeps their short-lived texts off the peak. A full one:
+    // a young-generation collection would promote the strings still in use at that moment, garbage soon
+    // after, that only a full collection frees (measured: a tenth more resident memory at the end).
+    if (this.fresh >= COLLECT_EVERY_BYTES / 2) {
+      this.fresh = 0;
+      Bun.gc(true);
+    }
+  }
+
+  private needed(): number {
+    return this.inList ? this.elementStart : this.listEnd >= 0 ? this.listEnd + 1 : 0;
+  }
+
+  /** Where the string being read ends in `slice` (its closing quote), or slice.length when it goes on. */
+  private stringEnd(slice: Buffer, from: number): number {
+    let at = from;
+    if (this.escaped) {
+      this.escaped = false;
+      at++;
+    }
+    let quote = slice.indexOf(0x22, at);
+    let backslash = slice.indexOf(0x5c, at);
+    for (;;) {
+      if (backslash < 0 || (quote >= 0 && quote < backslash)) return quote < 0 ? slice.length : quote;
+      at = backslash + 2;
+      if (at > slice.length) {
+        this.escaped = true;
+        return slice.length;
+      }
+      backslash = slice.indexOf(0x5c, at);
+      if (quote >= 0 && quote < at) quote = slice.indexOf(0x22, at);
+    }
+  }
+
+  private structure(b: number, at: number): void {
+    if (isJsonSpace(b)) return;
+    if (!this.started) {
+      if (b !== 0x7b) return this.fail(); // not an object (a byte-order mark included)
+      this.started = true;
+    }
+    if (this.expectList) {
+      this.expectList = false;
+      if (b !== 0x5b) return this.fail();
+      this.listStart = at;
+    }
+    if (b === 0x22) {
+      this.inString = true;
+      this.stringStart = at;
+    } else if (b === 0x7b || b === 0x5b) {
+      this.depth++;
+      if (at === this.listStart) {
+        try {
+          this.head = this.text(0, at);
+        } catch {
+          return this.fail(); // not valid UTF-8
+        }
+        this.inList = true;
+        this.elementStart = at + 1;
+      }
+    } else if (b === 0x7d || b === 0x5d) {
+      this.depth--;
+      if (this.depth < 0) return this.fail();
+      if (this.inList && this.depth === 1) {
+        if (b !== 0x5d) return this.fail();
+        this.element(this.elementStart, at, true);
+        this.inList = false;
+        this.listEnd = at;
+      }
+    } else if (b === 0x2c) {
+      if (this.inList && this.depth === 2) {
+        this.element(this.elementStart, at, false);
+        this.elementStart = at + 1;
+      }
+    } else if (b === 0x3a && this.depth === 1 && this.key) {
+      // A key of the document. An escaped one could spell `messages` another way: the whole read decides.
+      const key = this.bytes(this.key[0], this.key[1]);
+      if (key.includes(0x5c)) return this.fail();
+      if (key.equals(MESSAGES_KEY)) {
+        if (++this.found > 1) return this.fail();
+        this.expectList = true;
+      }
+    }
+  }
+
+  /** One element of the list, between `start` and `end` (separators excluded). */
+  private element(start: number, end: number, last: boolean): void {
+    const bytes = this.bytes(start, end);
+    let from = 0;
+    let to = bytes.length;
+    while (from < to && isJsonSpace(bytes[from])) from++;
+    while (to > from && isJsonSpace(bytes[to - 1])) to--;
+    if (from === to && last && this.messages.length === 0 && start === this.listStart + 1) return; // []
+    try {
+      const text = this.decoder.decode(bytes.subarray(from, to));
+      this.messages.push(JSON.parse(text));
+      this.fresh += text.length;
+    } catch {
+      this.fail(); // not valid UTF-8 or not valid JSON: the whole read says what is wrong
+    }
+  }
+
+  /** The file is not in the plain shape: what was read of it is dropped before it is read whole. */
+  private fail(): void {
+    this.failed = true;
+    this.slices = [];
+    this.messages.length = 0;
+  }
+
+  /** The bytes from `start` to `end`: a view when one slice holds them, else a copy. */
+  private bytes(start: number, end: number): Buffer {
+    const parts: Buffer[] = [];
+    let at = this.first;
+    for (const slice of this.slices) {
+      const from = Math.max(start, at);
+      const to = Math.min(end, at + slice.length);
+      if (from < to) parts.push(slice.subarray(from - at, to - at));
+      at += slice.length;
+      if (at >= end) break;
+    }
+    return parts.length === 1 ? parts[0]! : Buffer.concat(parts);
+  }
+
+  private text(start: number, end: number): string {
+    return this.decoder.decode(this.bytes(start, end));
+  }
+
+  /** Drops the slices that lie wholly before what is still needed. */
+  private letGo(): void {
+    const needed = this.needed();
+    let drop = 0;
+    while (drop < this.slices.length - 1 && this.first + this.slices[drop]!.length <= needed)
+      this.first += this.slices[drop++]!.length;
+    if (drop) this.slices = this.slices.slice(drop);
+  }
+
+  /** The parsed document, or undefined when the file must be read whole. */
+  finish(): Record<string, unknown> | undefined {
+    if (!this.failed && !this.inString && this.depth === 0 && this.found === 1 && this.listEnd >= 0)
+      try {
+        const doc = JSON.parse(`${this.head}[]${this.text(this.listEnd + 1, this.total)}`) as Record<string, unknown>;
+        this.slices = [];
+        doc.messages = this.messages;
+        return doc;
+      } catch {
+        /* not valid JSON or not valid UTF-8 after the list */
+      }
+    this.fail();
+    return undefined;
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Session file writing
+// Owns: turning the session document into the bytes of the file, piece by
+// piece (never one string of a whole long history), with each message's and
+// each checkpoint step's bytes cached until it changes; and the --debug dump.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** What JSON.stringify({ messages: [m] }, null, 2) puts around the message. */
+const MESSAGE_PREFIX = '{\n  "messages": [\n';
+const MESSAGE_SUFFIX = "\n  ]\n}";
+const LIST_OPEN = Buffer.from("[\n");
+const LIST_COMMA = Buffer.from(",\n");
+const LIST_CLOSE = Buffer.from("\n  ]");
+const EMPTY_LIST = Buffer.from("[]");
+/** Stands in for the checkpoint steps (`checkpoints.done`) as MESSAGES_SLOT does for the messages. */
+const STEPS_SLOT = "\u0000aic-checkpoint-steps\u0000";
+const STEPS_KEY = `\n    "done": ${JSON.stringify(STEPS_SLOT)}`;
+/** What JSON.stringify({ checkpoints: { done: [s] } }, null, 2) puts around the step. */
+const STEP_PREFIX = '{\n  "checkpoints": {\n    "done": [\n';
+const STEP_SUFFIX = "\n    ]\n  }\n}";
+const STEPS_CLOSE = Buffer.from("\n    ]");
+/** Bulk work on a long history asks for a garbage collection after about this many bytes of short-lived strings. */
+const COLLECT_EVERY_BYTES = 8 << 20;
+
+/**
+ * The session document's bytes. Kept apart from the store because a long
+ * history makes memory, not correctness, the hard part: what is cached, for
+ * how long, and when garbage is collected is decided here.
+ */
+class SessionWriter {
+  private readonly messageText = new WeakMap<Message, { content: unknown; calls: unknown; bytes: Buffer }>();
+  private readonly stepText = new WeakMap<
+    CheckpointStep,
+    { commit: string; call: string; command: string; bytes: Buffer }
+  >();
+  /**
+   * The messages load() restored, until the first checkpoint has written
+   * them: that one stringifies them without caching their bytes, which for a
+   * long session would keep a second copy of the file for the run (most of
+   * it compressed away soon after). Later checkpoints cache them as usual.
+   */
+  restored: WeakSet<Message> | undefined;
+
+  /**
+   * The indented JSON of the document, as UTF-8 pieces made as they are
+   * written: no string or buffer of the whole file is ever made (for a long
+   * history that was three copies of it at once, as UTF-16). Each message's
+   * bytes, and each checkpoint step's, are cached until it changes, so a
+   * checkpoint costs only the new messages plus the write.
+   */
+  *pieces(
+    doc: Record<string, unknown>,
+    messages: readonly Message[],
+    steps: readonly CheckpointStep[],
+  ): Generator<Uint8Array> {
+    const restored = this.restored;
+    this.restored = undefined;
+    const text = JSON.stringify(doc, null, 2) + "\n";
+    const slot = JSON.stringify(MESSAGES_SLOT);
+    const at = text.indexOf(slot);
+    yield Buffer.from(text.slice(0, at));
+    let fresh = 0;
+    for (let i = 0; i < messages.length; i++) {
+      const m = messages[i]!;
+      const hit = this.messageText.get(m);
+      let bytes: Buffer;
+      if (hit && hit.content === m.content && hit.calls === m.tool_calls) bytes = hit.bytes;
+      else {
+        // Stringified where the file holds it (a message of `messages`), so the indentation comes out right.
+        const whole = Buffer.from(JSON.stringify({ messages: [m] }, null, 2));
+        bytes = whole.subarray(MESSAGE_PREFIX.length, whole.length - MESSAGE_SUFFIX.length);
+        if (!restored?.has(m)) this.messageText.set(m, { content: m.content, calls: m.tool_calls, bytes });
+        // Many new messages at once (the first checkpoint of a long resumed session) leave twice their
+        // size in short-lived strings and buffers: a collection every few megabytes keeps that garbage from
+        // piling onto the peak. A full one: the pieces waiting to be written survive a young-generation
+        // collection, and a promoted buffer is only freed by a full one (measured: +40 MB on a 50 MB session).
+        fresh += whole.length;
+        if (fresh >= COLLECT_EVERY_BYTES) {
+          fresh = 0;
+          Bun.gc(true);
+        }
+      }
+      yield i === 0 ? LIST_OPEN : LIST_COMMA;
+      yield bytes;
+    }
+    yield messages.length ? LIST_CLOSE : EMPTY_LIST;
+    const rest = at + slot.length;
+    const stepsAt = steps.length ? text.indexOf(STEPS_KEY, rest) : -1;
+    if (stepsAt < 0) {
+      yield Buffer.from(text.slice(rest));
+      return;
+    }
+    yield Buffer.from(text.slice(rest, stepsAt + STEPS_KEY.length - JSON.stringify(STEPS_SLOT).length));
+    for (let i = 0; i < steps.length; i++) {
+      const s = steps[i]!;
+      let hit = this.stepText.get(s);
+      if (!hit || hit.commit !== s.commit || hit.call !== s.call || hit.command !== s.command) {
+        const whole = Buffer.from(JSON.stringify({ checkpoints: { done: [s] } }, null, 2));
+        const bytes = whole.subarray(STEP_PREFIX.length, whole.length - STEP_SUFFIX.length);
+        hit = { commit: s.commit, call: s.call, command: s.command, bytes };
+        this.stepText.set(s, hit);
+      }
+      yield i === 0 ? LIST_OPEN : LIST_COMMA;
+      yield hit.bytes;
+    }
+    yield STEPS_CLOSE;
+    yield Buffer.from(text.slice(stepsAt + STEPS_KEY.length));
+  }
+}
+
+/** --debug: the history as it is about to be sent, for diagnosing prompts and compression. */
+function writeDebugDump(dir: HeldDirectory, messages: readonly Message[], estimate: number, budget: number): void {
+  const lines = [
+    `time: ${new Date().toISOString()}`,
+    `messages: ${messages.length}`,
+    `estimated_tokens: ${estimate}`,
+    `budget: ${budget}`,
+    "",
+  ];
+  messages.forEach((m, i) => {
+    lines.push(
+      `--- [${i}] role=${m.role}${m.tool_call_id ? ` tool_call_id=${m.tool_call_id}` : ""} content_length=${contentText(m.content).length}`,
+    );
+    if (m.tool_calls?.length) lines.push(`tool_calls: ${JSON.stringify(m.tool_calls)}`);
+    lines.push(contentText(m.content));
+  });
+  try {
+    // Replaced, not opened: whatever a command planted under this name (a link, a FIFO) is swapped out, never written through.
+    dir.replace("commander-debug.txt", lines.join("\n") + "\n", false);
+  } catch {
+    /* a debugging aid must never stop the run */
+  }
+}
+
 // ════════════════════════════════════════════════════════════════════════════
 // Session store
 // Owns: `.aicsession`, the hand-editable mirror of the conversation: claiming a
@@ -2829,15 +3239,6 @@ const SESSION_KEYS = new Set([
 
 /** Stands in for the message list while the rest of the document is stringified. */
 const MESSAGES_SLOT = "\u0000aic-messages\u0000";
-/** What JSON.stringify({ messages: [m] }, null, 2) puts around the message. */
-const MESSAGE_PREFIX = '{\n  "messages": [\n';
-const MESSAGE_SUFFIX = "\n  ]\n}";
-const LIST_OPEN = Buffer.from("[\n");
-const LIST_COMMA = Buffer.from(",\n");
-const LIST_CLOSE = Buffer.from("\n  ]");
-const EMPTY_LIST = Buffer.from("[]");
-/** Bulk work on a long history asks for a garbage collection after about this many bytes of short-lived strings. */
-const COLLECT_EVERY_BYTES = 8 << 20;
 
 /**
  * One claimed session file and its checkpoints. The file sits where commands
@@ -2856,7 +3257,7 @@ class SessionStore {
   loadedBytes = 0;
   /** What the last fsynced write held: the message list, its length, its last message and the system text. */
   private durable: unknown[] | undefined;
-  private readonly messageText = new WeakMap<Message, { content: unknown; calls: unknown; bytes: Buffer }>();
+  private readonly writer = new SessionWriter();
 
   private constructor(
     private readonly dir: HeldDirectory,
@@ -2865,8 +3266,8 @@ class SessionStore {
     private readonly lockFd: number | undefined,
     private meta: { model: string; apiBase: string },
     private readonly sink: EventSink,
-    /** The file's bytes as read while claiming it (undefined: there was none). */
-    private claimedBytes: Buffer | undefined,
+    /** The file as opened and read through while claiming it (undefined: there was none). */
+    private claimedFd: number | undefined,
   ) {}
 
   get path(): string {
@@ -2921,10 +3322,14 @@ class SessionStore {
           continue;
         }
       }
-      let bytes: Buffer | undefined;
+      // Read through to know it can be read (a long session is read again, as it is parsed, by load()).
+      let fd: number | undefined;
       try {
-        bytes = dir.read(candidate);
+        fd = dir.open(candidate, O.O_RDONLY);
+        readOwnFdInSlices(fd, () => {}, true);
       } catch (error) {
+        if (fd !== undefined) fs.closeSync(fd);
+        fd = undefined;
         const e = ownFileError(error);
         if (!e.missing) {
           if (lockFd !== undefined) fs.closeSync(lockFd);
@@ -2937,7 +3342,7 @@ class SessionStore {
           type: "warning",
           text: `${skipped.join("; ")}; this instance uses ${candidate} instead (instance ${n})`,
         });
-      return new SessionStore(dir, candidate, n, lockFd, meta, sink, bytes);
+      return new SessionStore(dir, candidate, n, lockFd, meta, sink, fd);
     }
     dir.close();
     throw new Error(`could not claim any session file next to ${absolute}`);
@@ -2945,30 +3350,52 @@ class SessionStore {
 
   /** Reads and repairs the file. Never throws for bad content: it is moved aside and the run starts clean. */
   load(systemPrompt?: string): LoadedSession {
-    let bytes = this.claimedBytes;
-    this.claimedBytes = undefined;
-    if (bytes === undefined) {
-      try {
-        bytes = this.dir.read(this.name);
-      } catch (error) {
-        const e = ownFileError(error);
-        if (e.missing) return { reports: [`no session yet; this conversation will persist to ${this.path}`] };
-        this.frozen = true;
-        return {
-          reports: [
-            `cannot read ${this.path} (${e.message}); starting clean without saving, so the file stays untouched`,
-          ],
-        };
-      }
-    }
-    this.loadedBytes = bytes.length;
-    const reports: string[] = [];
-    const text = decodeSessionText(bytes, reports);
-    let parsed: unknown;
+    let fd = this.claimedFd;
+    this.claimedFd = undefined;
     try {
-      parsed = JSON.parse(text);
+      fd ??= this.dir.open(this.name, O.O_RDONLY);
     } catch (error) {
-      return this.moveAside(`it is not valid JSON (${(error as Error).message})`);
+      return this.unreadable(error);
+    }
+    try {
+      return this.loadFrom(fd, systemPrompt);
+    } finally {
+      fs.closeSync(fd);
+    }
+  }
+
+  private unreadable(error: unknown): LoadedSession {
+    const e = ownFileError(error);
+    if (e.missing) return { reports: [`no session yet; this conversation will persist to ${this.path}`] };
+    this.frozen = true;
+    return {
+      reports: [`cannot read ${this.path} (${e.message}); starting clean without saving, so the file stays untouched`],
+    };
+  }
+
+  private loadFrom(fd: number, systemPrompt: string | undefined): LoadedSession {
+    const reader = new SessionReader();
+    let parsed: unknown;
+    /** The whole file, read only when it is not in the plain shape the reader takes. */
+    let bytes: Buffer | undefined;
+    const reports: string[] = [];
+    try {
+      this.loadedBytes = readOwnFdInSlices(fd, (slice) => reader.push(slice), true);
+      parsed = reader.finish();
+      if (parsed === undefined) {
+        bytes = readOwnFd(fd);
+        this.loadedBytes = bytes.length;
+      }
+    } catch (error) {
+      return this.unreadable(error);
+    }
+    if (bytes) {
+      const text = decodeSessionText(bytes, reports);
+      try {
+        parsed = JSON.parse(text);
+      } catch (error) {
+        return this.moveAside(`it is not valid JSON (${(error as Error).message})`);
+      }
     }
     let rawMessages: unknown;
     if (Array.isArray(parsed)) rawMessages = parsed;
@@ -3007,7 +3434,7 @@ class SessionStore {
       if (typeof storedUsage[key] === "number") usage[key] = storedUsage[key] as number;
     if (storedUsage.estimated === true) usage.estimated = true;
     const stepCount = typeof doc.step_count === "number" && doc.step_count >= 0 ? Math.floor(doc.step_count) : 0;
-    if (reports.length) reports.push(this.keepOriginal(bytes));
+    if (reports.length) reports.push(this.keepOriginal(bytes ?? fd));
     reports.push(
       `Restored ${messages.length - 1} message(s) from ${this.path} (session ${this.sessionId}, step ${stepCount})`,
     );
@@ -3016,6 +3443,7 @@ class SessionStore {
     if (!this.meta.model && typeof doc.model === "string")
       this.meta = { model: doc.model, apiBase: typeof doc.api_base === "string" ? doc.api_base : "" };
     const jobs = Array.isArray(doc.jobs) ? (doc.jobs as JobRecord[]) : undefined;
+    this.writer.restored = new WeakSet(messages);
     return { messages, stepCount, usage, sessionId: this.sessionId, reports, checkpoints, jobs };
   }
 
@@ -3023,7 +3451,7 @@ class SessionStore {
    * Before a repaired file replaces the one a person may have edited by
    * hand, the original is kept beside it, so a mistyped entry is never lost.
    */
-  private keepOriginal(bytes: Buffer): string {
+  private keepOriginal(original: Buffer | number): string {
     for (let n = 1; n < MAX_SESSION_INSTANCES; n++) {
       const name = `${this.name}.orig.${newSessionId()}${n > 1 ? `-${n}` : ""}`;
       let fd: number;
@@ -3035,7 +3463,8 @@ class SessionStore {
         return `could not keep the original beside it (${ownFileError(error).message}), so this run does not write over it`;
       }
       try {
-        writeAll(fd, bytes);
+        if (typeof original === "number") copyOwnFd(original, fd, this.loadedBytes);
+        else writeAll(fd, original);
         fs.fsyncSync(fd);
       } finally {
         fs.closeSync(fd);
@@ -3090,7 +3519,11 @@ class SessionStore {
     };
     if (this.outputDir) doc.output_dir = this.outputDir;
     if (state.jobs) doc.jobs = state.jobs;
-    if (state.checkpoints) doc.checkpoints = state.checkpoints;
+    const firstSinceLoad = this.writer.restored !== undefined;
+    // The steps (up to CHECKPOINTS_KEPT of them) are written from cached bytes, as the messages are.
+    const steps = state.checkpoints?.done.length ? state.checkpoints.done : [];
+    if (state.checkpoints)
+      doc.checkpoints = steps.length ? { ...state.checkpoints, done: STEPS_SLOT } : state.checkpoints;
     for (const [key, value] of Object.entries(this.extra)) if (!(key in doc)) doc[key] = value;
     try {
       // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
@@ -3104,7 +3537,7 @@ class SessionStore {
       ];
       const durableAlready = this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
       this.noticePlantedLink();
-      this.dir.replace(this.name, this.serialise(doc, state.messages), !durableAlready);
+      this.dir.replace(this.name, this.writer.pieces(doc, state.messages, steps), !durableAlready);
       if (!durableAlready) this.durable = signature;
       return true;
     } catch (error) {
@@ -3116,6 +3549,10 @@ class SessionStore {
         });
       }
       return false;
+    } finally {
+      // A long restored history has just been written out: its short-lived strings are collected now,
+      // before the run allocates more (the tokenizer, a compression), so that they do not add to the peak.
+      if (firstSinceLoad && this.loadedBytes >= COLLECT_EVERY_BYTES) Bun.gc(true);
     }
   }
 
@@ -3133,43 +3570,6 @@ class SessionStore {
       type: "warning",
       text: `${this.path} had been replaced by a symbolic link (by a command?); aic replaces the link with the session file and never writes through it`,
     });
-  }
-
-  /**
-   * The indented JSON of the document, as UTF-8 pieces written one after
-   * another: no string or buffer of the whole file is ever made (for a long
-   * history that was three copies of it at once, as UTF-16). Each message's
-   * bytes are cached until it changes, so a checkpoint costs only the new
-   * messages plus the write.
-   */
-  private serialise(doc: Record<string, unknown>, messages: readonly Message[]): Uint8Array[] {
-    const text = JSON.stringify(doc, null, 2) + "\n";
-    const slot = JSON.stringify(MESSAGES_SLOT);
-    const at = text.indexOf(slot);
-    const pieces: Uint8Array[] = [Buffer.from(text.slice(0, at))];
-    let fresh = 0;
-    messages.forEach((m, i) => {
-      let hit = this.messageText.get(m);
-      if (!hit || hit.content !== m.content || hit.calls !== m.tool_calls) {
-        // Stringified where the file holds it (a message of `messages`), so the indentation comes out right.
-        const json = JSON.stringify({ messages: [m] }, null, 2);
-        const whole = Buffer.from(json);
-        const bytes = whole.subarray(MESSAGE_PREFIX.length, whole.length - MESSAGE_SUFFIX.length);
-        hit = { content: m.content, calls: m.tool_calls, bytes };
-        this.messageText.set(m, hit);
-        // Many new messages at once (the first checkpoint of a long resumed session) leave twice their
-        // size in short-lived strings: a young-generation collection every few megabytes keeps that
-        // garbage from piling onto the peak (it also makes the loop faster).
-        fresh += whole.length;
-        if (fresh >= COLLECT_EVERY_BYTES) {
-          fresh = 0;
-          Bun.gc(false);
-        }
-      }
-      pieces.push(i === 0 ? LIST_OPEN : LIST_COMMA, hit.bytes);
-    });
-    pieces.push(messages.length ? LIST_CLOSE : EMPTY_LIST, Buffer.from(text.slice(at + slot.length)));
-    return pieces;
   }
 
   /** What /session shows: the file, its id and instance, and what the file on disk holds now. */
@@ -3197,6 +3597,8 @@ class SessionStore {
   }
 
   release(): void {
+    if (this.claimedFd !== undefined) fs.closeSync(this.claimedFd);
+    this.claimedFd = undefined;
     if (this.lockFd !== undefined)
       try {
         fs.closeSync(this.lockFd);
@@ -3204,30 +3606,6 @@ class SessionStore {
         /* already closed */
       }
     this.dir.close();
-  }
-}
-
-/** --debug: the history as it is about to be sent, for diagnosing prompts and compression. */
-function writeDebugDump(dir: HeldDirectory, messages: readonly Message[], estimate: number, budget: number): void {
-  const lines = [
-    `time: ${new Date().toISOString()}`,
-    `messages: ${messages.length}`,
-    `estimated_tokens: ${estimate}`,
-    `budget: ${budget}`,
-    "",
-  ];
-  messages.forEach((m, i) => {
-    lines.push(
-      `--- [${i}] role=${m.role}${m.tool_call_id ? ` tool_call_id=${m.tool_call_id}` : ""} content_length=${contentText(m.content).length}`,
-    );
-    if (m.tool_calls?.length) lines.push(`tool_calls: ${JSON.stringify(m.tool_calls)}`);
-    lines.push(contentText(m.content));
-  });
-  try {
-    // Replaced, not opened: whatever a command planted under this name (a link, a FIFO) is swapped out, never written through.
-    dir.replace("commander-debug.txt", lines.join("\n") + "\n", false);
-  } catch {
-    /* a debugging aid must never stop the run */
   }
 }
 
@@ -3674,9 +4052,9 @@ function spawnPty(argv: string[], opts: PtyOptions): PtyProcess {
 }
 
 /** Bun.spawn for aic's own helper programs (git): registered, so the zombie reaper never takes a child Bun waits for. */
-function spawnOwned<Err extends "pipe" | "ignore">(
+function spawnOwned<Out extends "pipe" | number, Err extends "pipe" | "ignore" | number>(
   argv: string[],
-  opts: { cwd: string; env: Record<string, string>; stdin: "ignore" | Uint8Array; stdout: "pipe"; stderr: Err },
+  opts: { cwd: string; env: Record<string, string>; stdin: "ignore" | Uint8Array; stdout: Out; stderr: Err },
 ) {
   const proc = Bun.spawn(argv, opts);
   bunChildren.add(proc.pid);
@@ -3723,6 +4101,8 @@ function processInfo(pid: number): ProcessInfo | undefined {
     return undefined;
   }
   const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+  // Dead and being released (state X, its parent already detached: ppid 0, pgid -1): as good as gone.
+  if (f[0] === "X" || f[0] === "x" || f[1] === "0") return undefined;
   return {
     pid,
     ppid: Number(f[1]),
@@ -5319,6 +5699,23 @@ const SHADOW_CONFIG = `[core]
 /** Stronger than any .gitattributes of the project: the bytes are stored and put back exactly (no CRLF, no LFS, no $Id$). */
 const SHADOW_ATTRIBUTES = "* -text -eol -filter -ident -working-tree-encoding\n";
 
+/** Linux's O_TMPFILE (it includes O_DIRECTORY): an unnamed file in a directory, gone once closed. */
+const O_TMPFILE = 0o20000000 | O.O_DIRECTORY;
+
+/** Everything a git call wrote into a capture file. */
+function readCapture(fd: number): Buffer {
+  const chunks: Buffer[] = [];
+  let size = 0;
+  for (let chunk = Buffer.alloc(Math.max(fs.fstatSync(fd).size, 64)); ;) {
+    const n = fs.readSync(fd, chunk, 0, chunk.length, size);
+    if (n === 0) break;
+    chunks.push(chunk.subarray(0, n));
+    size += n;
+    chunk = n === chunk.length ? Buffer.alloc(chunk.length) : chunk.subarray(n);
+  }
+  return chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks, size);
+}
+
 /** The outcome of one git call. */
 interface GitResult {
   code: number;
@@ -5381,26 +5778,64 @@ class ShadowRepository {
     args: string[],
     opts: { input?: string; limitMs?: number; env?: Record<string, string> } = {},
   ): Promise<GitResult> {
-    const proc = spawnOwned(["git", "--no-pager", ...args], {
-      cwd: this.workTree,
-      env: opts.env ?? this.env,
-      stdin: opts.input === undefined ? "ignore" : utf8.encode(opts.input),
-      stdout: "pipe",
-      stderr: "pipe",
-    });
-    let timedOut = false;
-    const timer = setTimeout(() => {
-      timedOut = true;
-      proc.kill("SIGTERM"); // git removes its lock files on SIGTERM
-      setTimeout(() => proc.kill("SIGKILL"), KILL_GRACE_MS).unref?.();
-    }, opts.limitMs ?? GIT_TIME_LIMIT_MS);
-    const [stdout, stderr] = await Promise.all([
-      new Response(proc.stdout).arrayBuffer(),
-      new Response(proc.stderr).text(),
-    ]);
-    const code = await proc.exited;
-    clearTimeout(timer);
-    return { code, stdout: Buffer.from(stdout), stderr, timedOut };
+    // git writes into files, read once it has exited: a pipe costs a read buffer of a quarter megabyte
+    // per stream, held until the garbage collector finalises the process object (half a megabyte per
+    // call, measured: the bulk of what checkpoints added to the peak resident set of a long run).
+    const out = this.captureFile();
+    let err: number | undefined;
+    try {
+      err = this.captureFile();
+      const proc = spawnOwned(["git", "--no-pager", ...args], {
+        cwd: this.workTree,
+        env: opts.env ?? this.env,
+        stdin: opts.input === undefined ? "ignore" : utf8.encode(opts.input),
+        stdout: out,
+        stderr: err,
+      });
+      let timedOut = false;
+      const timer = setTimeout(() => {
+        timedOut = true;
+        proc.kill("SIGTERM"); // git removes its lock files on SIGTERM
+        setTimeout(() => proc.kill("SIGKILL"), KILL_GRACE_MS).unref?.();
+      }, opts.limitMs ?? GIT_TIME_LIMIT_MS);
+      const code = await proc.exited;
+      clearTimeout(timer);
+      return { code, stdout: readCapture(out), stderr: readCapture(err).toString("utf8"), timedOut };
+    } finally {
+      fs.closeSync(out);
+      if (err !== undefined) fs.closeSync(err);
+    }
+  }
+
+  /**
+   * A file for one output stream of one git call, in aic's own directory
+   * (commands cannot write there): unnamed where Linux allows it
+   * (O_TMPFILE), else created under a fresh name and unlinked at once.
+   */
+  private captureFile(): number {
+    if (process.platform === "linux")
+      try {
+        return fs.openSync(this.home, O_TMPFILE | O.O_RDWR | O.O_NOFOLLOW, 0o600);
+      } catch {
+        /* a file system without O_TMPFILE: a named file */
+      }
+    for (;;) {
+      const file = path.join(this.home, `.capture-${process.pid}-${randomName()}`);
+      let fd: number;
+      try {
+        fd = fs.openSync(file, O.O_RDWR | O.O_CREAT | O.O_EXCL | O.O_NOFOLLOW, 0o600);
+      } catch (error) {
+        if ((error as NodeJS.ErrnoException).code === "EEXIST") continue;
+        throw error;
+      }
+      try {
+        fs.unlinkSync(file);
+      } catch (error) {
+        fs.closeSync(fd);
+        throw error;
+      }
+      return fd;
+    }
   }
 
   /** The same, throwing with git's own words when it fails. */
@@ -8023,8 +8458,9 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   });
   for (const report of prepared.rules.reports) front.sink.emit({ type: "warning", text: report });
   const loaded = session?.load(fullSystemPrompt(prepared));
-  // A long session's bytes and their decoded text (about three times the file) are garbage once it is
-  // parsed: collected now, before the first checkpoint allocates as much again, so the peak is not their sum.
+  // What reading a long session left (the last of its texts; for a file read whole, its bytes and their
+  // decoded text) is garbage once it is parsed: collected now, before the first checkpoint allocates
+  // again, so the peak is not their sum.
   if (session && session.loadedBytes >= COLLECT_EVERY_BYTES) Bun.gc(true);
   const outputs = new OutputStore(
     session !== undefined,
