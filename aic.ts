@@ -20,7 +20,7 @@
  *   tokens → Agent loop → Run wiring → Headless front end → Web search → TUI
  *   parts (prompt history and figures; log panes; the shell's screen and its
  *   keys; the approval dialog, the Shell tab and the footer; how events look,
- *   and the prompt) → TUI app → TUI keys, slash commands and start-up → Main
+ *   and the prompt; pacing) → TUI app → TUI keys, slash commands and start-up → Main
  *
  * The agent core never touches the terminal: it emits typed events to a sink
  * and awaits an approval function. Plain text, JSON Lines and the TUI are
@@ -10402,6 +10402,110 @@ function layOutTui(
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// TUI parts: pacing
+// Owns: the TUI's timers, so that nothing ticks at rest: the footer's tok/s
+// while tokens stream, keys drawn at once while the panes stream, and a run's
+// garbage collected in one go once the person is reading the answer.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** How often the footer's tok/s is redrawn while tokens stream. */
+const RATE_REFRESH_MS = 500;
+/**
+ * How long after a run ends its garbage is collected (once its last frames are
+ * drawn and its session saved), and how long the keyboard must have been
+ * quiet for it.
+ */
+const COLLECT_AFTER_RUN_MS = 1000;
+
+/**
+ * Drops garbage and the JIT's code, and hands freed memory back to the
+ * system (JavaScriptCore's shrinkFootprint, run as soon as no JavaScript is
+ * on the stack); a full collection where a Bun no longer has Bun.shrink.
+ * Dropped code is compiled again when it runs again.
+ */
+function shrinkHeap(): void {
+  if (typeof Bun.shrink === "function") Bun.shrink();
+  else Bun.gc(true);
+}
+
+/** When the TUI draws and collects outside the renderer's own requests; every timer here stops by itself. */
+class TuiPacing {
+  private readonly tokens = new TokenRate();
+  /** Runs only while tokens stream and until tok/s has decayed to 0. */
+  private rateTimer: ReturnType<typeof setInterval> | undefined;
+  private collectTimer: ReturnType<typeof setTimeout> | undefined;
+  private keyFrameQueued = false;
+  private lastKeyAt = 0;
+
+  constructor(
+    private readonly r: CliRenderer,
+    private readonly tui: { refresh(): void; idle(): boolean },
+  ) {}
+
+  rate(): number {
+    return this.tokens.rate();
+  }
+
+  /** One more streamed token: the footer's tok/s follows it, and decays to 0 once the stream is idle. */
+  token(): void {
+    this.tokens.add(1);
+    this.rateTimer ??= setInterval(() => {
+      this.tui.refresh();
+      if (this.tokens.rate() === 0) {
+        clearInterval(this.rateTimer);
+        this.rateTimer = undefined;
+      }
+    }, RATE_REFRESH_MS);
+  }
+
+  /**
+   * While the panes stream, the renderer is live and paces its frames at
+   * targetFps (30 a second), so a key could wait a whole frame interval (and
+   * more on a busy machine) before it shows: the keys of one read are drawn
+   * at once instead, once whoever takes them has handled them. At rest the
+   * prompt's own request for a frame is answered within a frame (maxFps).
+   */
+  keysHandled(): void {
+    this.lastKeyAt = performance.now();
+    if (!this.r.isRunning || this.keyFrameQueued) return;
+    this.keyFrameQueued = true;
+    queueMicrotask(() => {
+      this.keyFrameQueued = false;
+      if (this.r.isRunning) this.r.intermediateRender();
+    });
+  }
+
+  runStarted(): void {
+    clearTimeout(this.collectTimer);
+  }
+
+  /**
+   * A run leaves tens of MB of garbage (a command's flood of output, the
+   * streamed text, the requests) and the JIT's code for its hot paths. Left
+   * alone, Bun collects it piecemeal with its once-a-second collections
+   * through the first idle seconds, each of them dearer for the code. Shrunk
+   * in one go instead (a pause of a few tens of ms) while the person reads the
+   * answer and does not type, the TUI then sits nearly still.
+   */
+  runEnded(delay = COLLECT_AFTER_RUN_MS): void {
+    clearTimeout(this.collectTimer);
+    this.collectTimer = setTimeout(() => {
+      this.collectTimer = undefined;
+      if (!this.tui.idle()) return;
+      const quietFor = performance.now() - this.lastKeyAt;
+      if (quietFor < COLLECT_AFTER_RUN_MS) return this.runEnded(COLLECT_AFTER_RUN_MS - quietFor);
+      shrinkHeap();
+    }, delay);
+    this.collectTimer.unref?.();
+  }
+
+  stop(): void {
+    clearInterval(this.rateTimer);
+    clearTimeout(this.collectTimer);
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // TUI app
 // Owns: the split-pane @opentui/core interface: one more sink for the agent's
 // events and the approval function it awaits. Loaded only without --nogui, so
@@ -10414,8 +10518,6 @@ const QUIT_RUN_WAIT_MS = 3000;
 const QUIT_TERMINAL_WAIT_MS = 1000;
 /** Loading the tokenizer costs a few hundred ms of CPU: paid just after the first screen, not mid-stream. */
 const WARM_UP_DELAY_MS = 50;
-/** How often the footer's tok/s is redrawn while tokens stream. */
-const RATE_REFRESH_MS = 500;
 /** The first Ctrl+C interrupts; a second one within this long quits. */
 const CTRL_C_QUIT_WINDOW_MS = 2000;
 const SHELL_TAB_PLACEHOLDER = "The Shell tab has your keys: it is your own shell. Tab goes back to the console.";
@@ -10445,9 +10547,7 @@ class Tui implements EventSink {
   private readonly tooSmall: BoxNode;
   private tab: "console" | "shell" = "console";
   private running: Promise<RunOutcome> | undefined;
-  private readonly rate = new TokenRate();
-  /** Runs only while tokens stream and until tok/s has decayed to 0: nothing ticks at rest. */
-  private rateTimer: ReturnType<typeof setInterval> | undefined;
+  private readonly pacing: TuiPacing;
   readonly figures: TuiFigures;
   /** Where the person's keys go for a command that waits for input (auto-approve off): set while one runs. */
   private commandInput: ((data: string | Uint8Array) => void) | undefined;
@@ -10459,6 +10559,10 @@ class Tui implements EventSink {
   constructor(private readonly o: TuiOptions) {
     const { config, renderer: r, ot } = o;
     this.r = r;
+    this.pacing = new TuiPacing(r, {
+      refresh: () => this.refreshStatus(),
+      idle: () => !this.exiting && !this.running,
+    });
     const prepared = o.prepared ?? prepareParts(config);
     this.prepared = prepared;
     this.prompt = new PromptBar(
@@ -10505,6 +10609,9 @@ class Tui implements EventSink {
 
     r.keyInput.on("keypress", (key: KeyEvent) => this.onKey(key));
     r.keyInput.on("paste", (event: { bytes: Uint8Array; preventDefault(): void }) => this.onPaste(event));
+    // After the prompt (or whoever takes the key) has handled it.
+    r.keyInput.on("keypress", () => this.pacing.keysHandled());
+    r.keyInput.on("paste", () => this.pacing.keysHandled());
 
     this.run = createRun(
       config,
@@ -10610,10 +10717,12 @@ class Tui implements EventSink {
   private startRun(request: string): void {
     this.agentPane.line(`> ${visibleControls(request)}`, COLORS.command);
     this.figures.step = 0;
+    this.pacing.runStarted();
     this.running = this.agent.run(request);
     this.running.finally(() => {
       this.running = undefined;
       this.refreshStatus();
+      this.pacing.runEnded();
     });
   }
 
@@ -10789,22 +10898,10 @@ class Tui implements EventSink {
     const state = this.awaitingApproval ? "pending" : this.agent?.running ? "running" : "idle";
     const autoApprove = this.agent?.autoApproving ?? this.o.config.autoApprove;
     this.status.draw(
-      { ...this.figures, rate: this.rate.rate(), state, autoApprove },
+      { ...this.figures, rate: this.pacing.rate(), state, autoApprove },
       this.dialog.request,
       this.r.width,
     );
-  }
-
-  /** One more streamed token: the footer's tok/s follows it, and decays to 0 once the stream is idle. */
-  private countToken(): void {
-    this.rate.add(1);
-    this.rateTimer ??= setInterval(() => {
-      this.refreshStatus();
-      if (this.rate.rate() === 0) {
-        clearInterval(this.rateTimer);
-        this.rateTimer = undefined;
-      }
-    }, RATE_REFRESH_MS);
   }
 
   // ── events from the agent ────────────────────────────────────────────────
@@ -10818,7 +10915,7 @@ class Tui implements EventSink {
         return;
       case "reasoning_delta":
       case "assistant_delta":
-        this.countToken();
+        this.pacing.token();
         break;
       case "command_waiting":
         this.commandWaiting = this.commandInput !== undefined;
@@ -10845,7 +10942,7 @@ class Tui implements EventSink {
   async quit(code: number, reason: string, message?: string): Promise<void> {
     if (this.exiting) return;
     this.exiting = true;
-    clearInterval(this.rateTimer);
+    this.pacing.stop();
     clearTimeout(this.ctrlCTimer);
     this.agent.stop(code);
     this.dialog.answer({ kind: "reject" });
