@@ -6022,13 +6022,29 @@ class ShadowRepository {
 
   /**
    * Holds the repository for one operation: two aic processes in the same
-   * directory take turns. Holding it, an index.lock can only be what a killed
-   * git left behind, and is removed.
+   * directory take turns. Holding it, an index.lock or a half-written pack
+   * can only be what a killed git left behind (a first snapshot stopped at
+   * its time limit leaves a pack as big as what it had read of the tree,
+   * every time aic starts there), and is removed.
    */
   lock(): () => void {
     const fd = openRegular(path.join(this.home, "aic.lock"), O.O_WRONLY | O.O_CREAT | O.O_APPEND);
     libc()?.symbols.flock(fd, LOCK_EX);
     fs.rmSync(path.join(this.gitDir, "index.lock"), { force: true });
+    // Listed through a descriptor opened without following a link, like every path aic opens (the state
+    // directory may be under /tmp); removing a name never follows one.
+    const packs = path.join(this.gitDir, "objects", "pack");
+    let dir = -1;
+    try {
+      dir = fs.openSync(packs, O.O_RDONLY | O.O_DIRECTORY | O.O_NOFOLLOW);
+      for (const name of fs.readdirSync(`/proc/self/fd/${dir}`))
+        if (name.startsWith("tmp_pack_") || name.startsWith("tmp_idx_"))
+          fs.rmSync(path.join(packs, name), { force: true });
+    } catch {
+      /* no pack directory yet */
+    } finally {
+      if (dir >= 0) fs.closeSync(dir);
+    }
     return () => fs.closeSync(fd);
   }
 }
