@@ -4035,31 +4035,40 @@ async function drainedExit(proc: Bun.Subprocess, eof: Promise<void>): Promise<nu
 function spawnPty(argv: string[], opts: PtyOptions): PtyProcess {
   let eofReached!: () => void;
   const eof = new Promise<void>((resolve) => (eofReached = resolve));
-  const proc = Bun.spawn(argv, {
-    cwd: opts.cwd,
-    env: opts.env,
-    terminal: {
-      cols: opts.cols,
-      rows: opts.rows,
-      name: "xterm-256color",
-      data: (_term, bytes) => opts.onData(bytes),
-      exit: () => eofReached(),
-    },
-  });
-  bunChildren.add(proc.pid);
-  void proc.exited.then(() => bunChildren.delete(proc.pid));
+  const proc = reapedByBun(
+    Bun.spawn(argv, {
+      cwd: opts.cwd,
+      env: opts.env,
+      terminal: {
+        cols: opts.cols,
+        rows: opts.rows,
+        name: "xterm-256color",
+        data: (_term, bytes) => opts.onData(bytes),
+        exit: () => eofReached(),
+      },
+    }),
+  );
   return { proc, terminal: proc.terminal!, eof };
 }
 
-/** Bun.spawn for aic's own helper programs (git): registered, so the zombie reaper never takes a child Bun waits for. */
+/** Registers a child Bun started and will reap, so the zombie reaper never takes a child Bun waits for. */
+function reapedByBun<P extends Bun.Subprocess>(proc: P): P {
+  bunChildren.add(proc.pid);
+  void proc.exited.then(() => bunChildren.delete(proc.pid));
+  return proc;
+}
+
+/** Bun.spawn for aic's own helper programs (git), registered. */
 function spawnOwned<Out extends "pipe" | number, Err extends "pipe" | "ignore" | number>(
   argv: string[],
   opts: { cwd: string; env: Record<string, string>; stdin: "ignore" | Uint8Array; stdout: Out; stderr: Err },
 ) {
-  const proc = Bun.spawn(argv, opts);
-  bunChildren.add(proc.pid);
-  void proc.exited.then(() => bunChildren.delete(proc.pid));
-  return proc;
+  return reapedByBun(Bun.spawn(argv, opts));
+}
+
+/** `env` without its unset variables, as a spawn request and Bun.spawn's strict type want it. */
+function definedEnvironment(env: Record<string, string | undefined>): Record<string, string> {
+  return Object.fromEntries(Object.entries(env).filter((entry): entry is [string, string] => entry[1] !== undefined));
 }
 
 const SIGNAL_NUMBERS = os.constants.signals as Record<string, number>;
@@ -4237,7 +4246,7 @@ const FRAME = {
   close: 3,
   /** launcher → aic: confined (it got here through restrict and execve, which is the proof). */
   ready: 10,
-  /** launcher → aic: u32 pid. */
+  /** launcher → aic: i32 pid. */
   spawned: 11,
   /** launcher → aic: bytes the command's terminal printed. */
   output: 12,
@@ -4279,7 +4288,7 @@ function encodeFrame(kind: number, id: number, payload: Uint8Array = new Uint8Ar
   return frame;
 }
 
-function u32Frame(kind: number, id: number, value: number): Uint8Array {
+function int32Frame(kind: number, id: number, value: number): Uint8Array {
   const payload = new Uint8Array(4);
   new DataView(payload.buffer).setInt32(0, value, true);
   return encodeFrame(kind, id, payload);
@@ -4335,9 +4344,9 @@ async function runSandboxLauncher(): Promise<number> {
       });
       void eof.then(() => send(encodeFrame(FRAME.eof, id)));
       terminals.set(id, terminal);
-      send(u32Frame(FRAME.spawned, id, proc.pid));
+      send(int32Frame(FRAME.spawned, id, proc.pid));
       // After the output it printed before exiting, which the pipe then delivers in order.
-      void drainedExit(proc, eof).then((code) => send(u32Frame(FRAME.exit, id, code ?? -1)));
+      void drainedExit(proc, eof).then((code) => send(int32Frame(FRAME.exit, id, code ?? -1)));
     } catch (error) {
       send(encodeFrame(FRAME.failed, id, utf8.encode((error as Error).message)));
     }
@@ -4393,17 +4402,14 @@ class SandboxLauncher {
   }
 
   private launch(): Promise<string | undefined> {
-    const env: Record<string, string> = {};
-    for (const [k, v] of Object.entries(commandEnvironment())) if (v !== undefined) env[k] = v;
+    const env = definedEnvironment(commandEnvironment());
     let proc: Bun.Subprocess<"pipe", "pipe", "pipe">;
     try {
       // Its own session: a Ctrl+C at aic's terminal is aic's to handle, not a way to kill every command at once.
-      proc = Bun.spawn(this.argv, { stdin: "pipe", stdout: "pipe", stderr: "pipe", env, detached: true });
+      proc = reapedByBun(Bun.spawn(this.argv, { stdin: "pipe", stdout: "pipe", stderr: "pipe", env, detached: true }));
     } catch (error) {
       return Promise.resolve(`the sandbox launcher cannot start: ${(error as Error).message}`);
     }
-    bunChildren.add(proc.pid);
-    void proc.exited.then(() => bunChildren.delete(proc.pid));
     const live: LauncherProcess = { proc, commands: new Map() };
     this.live = live;
     return new Promise((resolve) => {
@@ -4500,8 +4506,7 @@ class SandboxLauncher {
     const eof = new Promise<void>((resolve) => (reachedEof = resolve));
     let exitedWith!: (code: number | null) => void;
     const exited = new Promise<number | null>((resolve) => (exitedWith = resolve));
-    const env: Record<string, string> = {};
-    for (const [k, v] of Object.entries(opts.env)) if (v !== undefined) env[k] = v;
+    const env = definedEnvironment(opts.env);
     const request: LaunchRequest = { argv, cwd: opts.cwd, env, cols: opts.cols, rows: opts.rows };
     const pid = await new Promise<number>((started, refused) => {
       live.commands.set(id, { onData: opts.onData, started, refused, exitedWith, reachedEof });
