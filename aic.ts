@@ -1422,17 +1422,20 @@ function loadEncoder(): Promise<Encoder> {
  */
 function roughTokenEstimate(messages: readonly Message[]): number {
   let total = 0;
-  for (const m of messages)
-    total += PER_MESSAGE_OVERHEAD + Math.ceil(countedTexts(m).reduce((n, t) => n + Buffer.byteLength(t), 0) / 4);
+  for (const m of messages) total += PER_MESSAGE_OVERHEAD + Math.ceil(countedBytes(m) / 4);
   return total;
 }
 
 /** Never fewer than the real count: a byte-level BPE token covers at least one byte. */
 function tokenUpperBound(messages: readonly Message[]): number {
   let total = 0;
-  for (const m of messages)
-    total += PER_MESSAGE_OVERHEAD + countedTexts(m).reduce((n, t) => n + Buffer.byteLength(t), 0);
+  for (const m of messages) total += PER_MESSAGE_OVERHEAD + countedBytes(m);
   return total;
+}
+
+/** The UTF-8 size of what counts as tokens in a message. */
+function countedBytes(m: Message): number {
+  return countedTexts(m).reduce((n, t) => n + Buffer.byteLength(t), 0);
 }
 
 /** The texts of a message that count as tokens: its content, and each tool call's name and arguments. */
