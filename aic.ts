@@ -327,6 +327,7 @@ function helpText(): string {
     "  aic search QUERY [--max-results N] web search, prints a JSON array",
     "  aic undo [N] [--session PATH]      put the files back as before the last N commands (default 1)",
     "  aic redo [--session PATH]          undo the last undo",
+    "  aic diff [N] [--session PATH]      show what the N-th last command changed (default 1)",
     "  A request that starts with a dash goes after --.",
     "",
     "Options:",
@@ -354,7 +355,7 @@ type ParsedArgs =
   | { kind: "help" }
   | { kind: "version" }
   | { kind: "search"; query: string; maxResults: number }
-  | { kind: "undo" | "redo"; count: number; session: string }
+  | { kind: "undo" | "redo" | "diff"; count: number; session: string }
   | { kind: "run"; config: Config };
 
 function describeFlag(f: FlagSpec): string {
@@ -436,7 +437,7 @@ function parseHeaders(f: FlagSpec, lines: string[]): Record<string, string> {
 
 function parseArgs(argv: string[], env: Record<string, string | undefined>): ParsedArgs {
   if (argv[0] === "search") return parseSearchArgs(argv.slice(1));
-  if (argv[0] === "undo" || argv[0] === "redo") return parseUndoArgs(argv[0], argv.slice(1));
+  if (argv[0] === "undo" || argv[0] === "redo" || argv[0] === "diff") return parseUndoArgs(argv[0], argv.slice(1));
   const given = new Map<FlagSpec, string[]>();
   const words: string[] = [];
   let onlyWords = false;
@@ -530,8 +531,8 @@ function parseSearchArgs(argv: string[]): ParsedArgs {
   return { kind: "search", query: words.join(" "), maxResults };
 }
 
-/** `aic undo [N] [--session PATH]`, `aic redo [--session PATH]`. */
-function parseUndoArgs(kind: "undo" | "redo", argv: string[]): ParsedArgs {
+/** `aic undo [N] [--session PATH]`, `aic redo [--session PATH]`, `aic diff [N] [--session PATH]`. */
+function parseUndoArgs(kind: "undo" | "redo" | "diff", argv: string[]): ParsedArgs {
   let session = ".aicsession";
   let count = 1;
   let counted = false;
@@ -542,12 +543,12 @@ function parseUndoArgs(kind: "undo" | "redo", argv: string[]): ParsedArgs {
       const value = arg.includes("=") ? arg.slice(arg.indexOf("=") + 1) : argv[++i];
       if (!value) throw new UsageError(`${kind} --session needs a file path`);
       session = value;
-    } else if (kind === "undo" && !counted && /^[0-9]+$/.test(arg) && Number(arg) > 0) {
+    } else if (kind !== "redo" && !counted && /^[0-9]+$/.test(arg) && Number(arg) > 0) {
       count = Number(arg);
       counted = true;
     } else
       throw new UsageError(
-        `${kind} takes ${kind === "undo" ? "[N] (how many commands) and " : ""}[--session PATH], not '${arg}'`,
+        `${kind} takes ${kind === "undo" ? "[N] (how many commands) and " : kind === "diff" ? "[N] (which command, 1 the last) and " : ""}[--session PATH], not '${arg}'`,
       );
   }
   return { kind, count, session };
@@ -868,6 +869,16 @@ function truncationNote(
 }
 
 /** Output a command printed faster than it could be rendered, when even pausing it could not keep up. */
+/** The line a tool result ends with when the command changed files: the first few names of each kind. */
+function changedFilesNote(c: ChangedFiles): string {
+  const part = (label: string, list: string[]) =>
+    list.length
+      ? `${label} ${list.slice(0, 8).join(", ")}${list.length > 8 ? ` and ${list.length - 8} more` : ""}`
+      : "";
+  const parts = [part("created", c.created), part("modified", c.modified), part("deleted", c.deleted)].filter(Boolean);
+  return parts.length ? `Files changed: ${parts.join("; ")}.` : "";
+}
+
 const droppedOutputNote = (bytes: number) =>
   `[… ${bytes} bytes arrived faster than they could be rendered and were left out …]`;
 
@@ -950,6 +961,8 @@ type AgentEvent =
       status: CommandStatus;
       output: string;
       saved_to?: string;
+      /** What the command created, modified and deleted under the start directory (null when checkpoints are off). */
+      changed_files: ChangedFiles | null;
     }
   | {
       type: "compression";
@@ -1115,7 +1128,8 @@ function describeEvent(e: AgentEvent): EventLine[] {
         e.status === "exited"
           ? `exit code ${e.exit_code}`
           : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
-      return console(e.exit_code === 0 ? "ok" : "bad", `[${note}]`);
+      const files = e.changed_files ? changedFilesNote(e.changed_files) : "";
+      return [...console(e.exit_code === 0 ? "ok" : "bad", `[${note}]`), ...(files ? console("dim", files) : [])];
     }
     case "compression":
       return agent(
@@ -2540,13 +2554,27 @@ class HeldDirectory {
   }
 
   isStillAtPath(): boolean {
+    return this.whyNotAtPath() === undefined;
+  }
+
+  /** Why the path no longer leads to the directory aic holds (moved, replaced by a link, gone), or undefined when it does. */
+  whyNotAtPath(): string | undefined {
+    let there: fs.Stats;
     try {
-      const here = fs.fstatSync(this.fd);
-      const there = fs.lstatSync(this.path);
-      return there.isDirectory() && here.ino === there.ino && here.dev === there.dev;
+      there = fs.lstatSync(this.path);
     } catch {
-      return false;
+      return `${this.path} is gone (moved or deleted)`;
     }
+    if (there.isSymbolicLink()) return `${this.path} was replaced by a symbolic link`;
+    const here = fs.fstatSync(this.fd);
+    if (!there.isDirectory() || here.ino !== there.ino || here.dev !== there.dev)
+      return `${this.path} is no longer the directory aic started in (it was moved or replaced)`;
+    return undefined;
+  }
+
+  /** The descriptor, for operations made relative to it (and for a child process to inherit). */
+  get descriptor(): number {
+    return this.fd;
   }
 
   read(name: string, max?: number): Buffer {
@@ -3078,7 +3106,7 @@ class SessionWriter {
   private readonly messageText = new WeakMap<Message, { content: unknown; calls: unknown; bytes: Buffer }>();
   private readonly stepText = new WeakMap<
     CheckpointStep,
-    { commit: string; call: string; command: string; bytes: Buffer }
+    { commit: string; call: string; command: string; after: string | undefined; bytes: Buffer }
   >();
   /**
    * The messages load() restored, until the first checkpoint has written
@@ -3141,10 +3169,16 @@ class SessionWriter {
     for (let i = 0; i < steps.length; i++) {
       const s = steps[i]!;
       let hit = this.stepText.get(s);
-      if (!hit || hit.commit !== s.commit || hit.call !== s.call || hit.command !== s.command) {
+      if (
+        !hit ||
+        hit.commit !== s.commit ||
+        hit.call !== s.call ||
+        hit.command !== s.command ||
+        hit.after !== s.after
+      ) {
         const whole = Buffer.from(JSON.stringify({ checkpoints: { done: [s] } }, null, 2));
         const bytes = whole.subarray(STEP_PREFIX.length, whole.length - STEP_SUFFIX.length);
-        hit = { commit: s.commit, call: s.call, command: s.command, bytes };
+        hit = { commit: s.commit, call: s.call, command: s.command, after: s.after, bytes };
         this.stepText.set(s, hit);
       }
       yield i === 0 ? LIST_OPEN : LIST_COMMA;
@@ -5707,6 +5741,52 @@ const SHADOW_CONFIG = `[core]
 /** Stronger than any .gitattributes of the project: the bytes are stored and put back exactly (no CRLF, no LFS, no $Id$). */
 const SHADOW_ATTRIBUTES = "* -text -eol -filter -ident -working-tree-encoding\n";
 
+/** One checkpoint: its commit, the tree of the files, and the manifest of what git does not record (modes, empty directories). */
+interface Snapshot {
+  commit: string;
+  tree: string;
+  manifest: string;
+}
+
+/** Where a checkpoint's message starts listing what git does not record. */
+const MANIFEST_HEADING = "aic-manifest";
+/** How deep, and how many, empty directories a checkpoint records: a tree of empty directories is no project's content. */
+const MANIFEST_DIR_DEPTH = 32;
+const MANIFEST_DIR_LIMIT = 1000;
+
+/** The start directory's path no longer leads to the directory aic holds: checkpoints stop, and undo refuses. */
+class ProjectMoved extends Error {}
+
+/** The permission bits a fresh file gets (what git's checkout writes): 0666 or 0777, less the umask. */
+function checkoutMode(executable: boolean): number {
+  return (executable ? 0o777 : 0o666) & ~process.umask();
+}
+
+/** A path below the start directory as git stores one: no empty, `.` or `..` component, no NUL. */
+function safeRelativePath(rel: string): boolean {
+  return rel !== "" && !rel.includes("\0") && rel.split("/").every((c) => c !== "" && c !== "." && c !== "..");
+}
+
+/** What a checkpoint's manifest says: permission bits that differ from a checkout's, and the empty directories. */
+function parseManifest(text: string): { modes: Map<string, number>; dirs: Set<string> } {
+  const modes = new Map<string, number>();
+  const dirs = new Set<string>();
+  for (const line of text.split("\n")) {
+    const m = /^(mode ([0-7]{1,4})|dir) (".*")$/.exec(line);
+    if (!m) continue;
+    let rel: unknown;
+    try {
+      rel = JSON.parse(m[3]!);
+    } catch {
+      continue;
+    }
+    if (typeof rel !== "string" || !safeRelativePath(rel)) continue;
+    if (m[2]) modes.set(rel, Number.parseInt(m[2], 8));
+    else dirs.add(rel);
+  }
+  return { modes, dirs };
+}
+
 /** Linux's O_TMPFILE (it includes O_DIRECTORY): an unnamed file in a directory, gone once closed. */
 const O_TMPFILE = 0o20000000 | O.O_DIRECTORY;
 
@@ -5742,8 +5822,8 @@ class ShadowRepository {
   /** The start directory relative to the work tree, "" or "a/b/". */
   readonly prefix: string;
   private readonly env: Record<string, string>;
-  /** The newest checkpoint and its tree, so an unchanged tree costs no commit. */
-  private last: { commit: string; tree: string } | undefined;
+  /** The newest checkpoint, its tree and manifest, so an unchanged tree costs no commit. */
+  private last: Snapshot | undefined;
   /**
    * The index file's identity (inode, size, times) when `last.tree` was
    * written from it. git replaces the index by rename whenever it changes
@@ -5753,20 +5833,47 @@ class ShadowRepository {
   private indexAtLast: string | undefined;
 
   constructor(
-    readonly directory: string,
+    /** The start directory, held open: every snapshot and restore first checks that its path still leads there. */
+    readonly project: HeldDirectory,
     readonly workTree: string,
     readonly home: string,
     private readonly ownFiles: string[],
   ) {
     this.gitDir = path.join(home, "git");
+    const directory = project.path;
     this.prefix = workTree === directory ? "" : `${path.relative(workTree, directory).split(path.sep).join("/")}/`;
     this.env = shadowGitEnvironment(this.gitDir, workTree);
   }
 
-  /** The shadow repository of `directory`: `$XDG_STATE_HOME/aic/checkpoints/<hash of its real path>`. */
-  static of(directory: string, ownFiles: string[]): ShadowRepository {
-    // The start directory comes from getcwd (or a session that recorded it), so it is already a real path.
-    const real = path.resolve(directory);
+  get directory(): string {
+    return this.project.path;
+  }
+
+  /** Removes a run's own store (see `of`), and those of runs that died without removing theirs. */
+  removeIfEphemeral(): void {
+    const runs = path.dirname(this.home);
+    if (path.basename(runs) !== "runs") return;
+    try {
+      fs.rmSync(this.home, { recursive: true, force: true });
+      for (const name of fs.readdirSync(runs)) {
+        const pid = Number(name.split("-")[0]);
+        if (pid > 0 && pid !== process.pid && !fs.existsSync(`/proc/${pid}`))
+          fs.rmSync(path.join(runs, name), { recursive: true, force: true });
+      }
+    } catch {
+      /* no runs directory, or one aic may not write: nothing of this run's is there */
+    }
+  }
+
+  /**
+   * The shadow repository of the held start directory:
+   * `$XDG_STATE_HOME/aic/checkpoints/<hash of its real path>`, or, for a run
+   * nobody can undo later (no session file), one of its own under
+   * `…/aic/runs/`, removed when the run ends.
+   */
+  static of(project: HeldDirectory, ownFiles: string[], ephemeral = false): ShadowRepository {
+    // The start directory comes from getcwd (or the session file's own directory), so it is already a real path.
+    const real = path.resolve(project.path);
     let top: string | undefined;
     for (let d = real; ; d = path.dirname(d)) {
       if (fs.existsSync(path.join(d, ".git"))) {
@@ -5778,7 +5885,10 @@ class ShadowRepository {
     const state = process.env.XDG_STATE_HOME;
     const base = state && path.isAbsolute(state) ? state : path.join(os.homedir(), ".local", "state");
     const hash = createHash("sha256").update(real).digest("hex").slice(0, 16);
-    return new ShadowRepository(real, top ?? real, path.join(base, "aic", "checkpoints", hash), ownFiles);
+    const home = ephemeral
+      ? path.join(base, "aic", "runs", `${process.pid}-${randomName()}`)
+      : path.join(base, "aic", "checkpoints", hash);
+    return new ShadowRepository(project, top ?? real, home, ownFiles);
   }
 
   /** `git` with the shut-out environment, stdin closed (or fed), in the work tree, under a time limit. */
@@ -5793,26 +5903,49 @@ class ShadowRepository {
     let err: number | undefined;
     try {
       err = this.captureFile();
-      const proc = spawnOwned(["git", "--no-pager", ...args], {
-        cwd: this.workTree,
-        env: opts.env ?? this.env,
-        stdin: opts.input === undefined ? "ignore" : utf8.encode(opts.input),
-        stdout: out,
-        stderr: err,
-      });
-      let timedOut = false;
-      const timer = setTimeout(() => {
-        timedOut = true;
-        proc.kill("SIGTERM"); // git removes its lock files on SIGTERM
-        setTimeout(() => proc.kill("SIGKILL"), KILL_GRACE_MS).unref?.();
-      }, opts.limitMs ?? GIT_TIME_LIMIT_MS);
-      const code = await proc.exited;
-      clearTimeout(timer);
+      const { code, timedOut } = await this.spawnGit(args, opts, out, err);
       return { code, stdout: readCapture(out), stderr: readCapture(err).toString("utf8"), timedOut };
     } finally {
       fs.closeSync(out);
       if (err !== undefined) fs.closeSync(err);
     }
+  }
+
+  /** `git` whose output stays in an unnamed file of aic's own, read from its descriptor (the caller closes it). */
+  async gitToFile(args: string[], input: string): Promise<number> {
+    const out = this.captureFile();
+    try {
+      const { code, timedOut } = await this.spawnGit(args, { input }, out, "ignore");
+      if (code !== 0 || timedOut) throw new Error(`git ${args[0]} failed${timedOut ? ": it took too long" : ""}`);
+      return out;
+    } catch (error) {
+      fs.closeSync(out);
+      throw error;
+    }
+  }
+
+  private async spawnGit(
+    args: string[],
+    opts: { input?: string; limitMs?: number; env?: Record<string, string> },
+    stdout: number,
+    stderr: number | "ignore",
+  ): Promise<{ code: number; timedOut: boolean }> {
+    const proc = spawnOwned(["git", "--no-pager", ...args], {
+      cwd: this.workTree,
+      env: opts.env ?? this.env,
+      stdin: opts.input === undefined ? "ignore" : utf8.encode(opts.input),
+      stdout,
+      stderr,
+    });
+    let timedOut = false;
+    const timer = setTimeout(() => {
+      timedOut = true;
+      proc.kill("SIGTERM"); // git removes its lock files on SIGTERM
+      setTimeout(() => proc.kill("SIGKILL"), KILL_GRACE_MS).unref?.();
+    }, opts.limitMs ?? GIT_TIME_LIMIT_MS);
+    const code = await proc.exited;
+    clearTimeout(timer);
+    return { code, timedOut };
   }
 
   /**
@@ -5935,12 +6068,12 @@ class ShadowRepository {
   /**
    * One checkpoint of the tree as it is now; its commit. Unchanged files
    * cost only a stat (git's index), and an unchanged tree no commit at all.
+   * The start directory must still be where it was, before and after: a
+   * snapshot taken while a command swapped it for a link is thrown away, so
+   * nothing read through the link stays in the store.
    */
-  async snapshot(
-    message: string,
-    limitMs = GIT_TIME_LIMIT_MS,
-    bulk = false,
-  ): Promise<{ commit: string; tree: string }> {
+  async snapshot(message: string, limitMs = GIT_TIME_LIMIT_MS, bulk = false): Promise<Snapshot> {
+    this.ensureInPlace();
     // A first snapshot stores every file: streamed into one pack instead of a file per object, it is several
     // times faster on a busy disk (measured: 0.58 s against 2.67 s for 5,000 files). Later ones store a few
     // files, where loose objects are cheaper than a new pack each time.
@@ -5949,17 +6082,116 @@ class ShadowRepository {
     if (add.timedOut) throw new Error(`taking the snapshot took longer than ${limitMs / 1000} s`);
     // --ignore-errors stages everything it can; a nested repository (a clone, a submodule) needs its files listed.
     if (add.code !== 0 || add.stderr) await this.includeNestedRepositories();
-    if (this.last && this.indexAtLast !== undefined && this.indexIdentity() === this.indexAtLast) return this.last;
+    // git rewrites the index whenever a file's content, mode or directory changed (the untracked cache notes
+    // new directories): the same index is the same tree and the same manifest.
+    if (this.last && this.indexAtLast !== undefined && this.indexIdentity() === this.indexAtLast) {
+      await this.confirmInPlace(undefined);
+      return this.last;
+    }
     const tree = (await this.gitOk(["write-tree"])).trim();
+    const manifest = await this.manifest();
     if (!this.last) {
       const head = await this.git(["rev-parse", "--verify", "-q", `${LAST_CHECKPOINT_REF}^{commit}`]);
       const commit = head.code === 0 ? head.stdout.toString().trim() : "";
-      if (commit) this.last = { commit, tree: (await this.gitOk(["rev-parse", `${commit}^{tree}`])).trim() };
+      if (commit) this.last = await this.snapshotOf(commit);
     }
-    const made = this.last?.tree === tree ? this.last : await this.commit(tree, message);
+    const same = this.last?.tree === tree && this.last.manifest === manifest;
+    const made = same ? this.last! : await this.commit(tree, message, manifest);
     // Read after write-tree, which may have stored its cache in the index.
     this.indexAtLast = this.indexIdentity();
+    await this.confirmInPlace(same ? undefined : made);
     return made;
+  }
+
+  /** Throws ProjectMoved when the start directory's path no longer leads to the directory aic holds. */
+  ensureInPlace(): void {
+    const why = this.project.whyNotAtPath();
+    if (why) throw new ProjectMoved(why);
+  }
+
+  /**
+   * After a git call that read the tree: if the directory was swapped
+   * meanwhile, the snapshot `made` (if new) is dropped and its objects are
+   * collected, so what git may have read through a link is not kept.
+   */
+  private async confirmInPlace(made: Snapshot | undefined): Promise<void> {
+    const why = this.project.whyNotAtPath();
+    if (!why) return;
+    this.last = undefined;
+    this.indexAtLast = undefined;
+    if (made) {
+      const refs = (await this.gitOk(["for-each-ref", "--format=%(refname)", `--points-at=${made.commit}`])).split(
+        "\n",
+      );
+      await this.git(["update-ref", "--stdin", "-z"], {
+        input: refs
+          .filter(Boolean)
+          .map((r) => `delete ${r}\0\0`)
+          .join(""),
+      });
+    }
+    // The index holds what add -A staged through the link: emptied, and every object no ref reaches removed.
+    await this.git(["read-tree", "--empty"]);
+    await this.git(["gc", "--quiet", "--prune=now"]);
+    throw new ProjectMoved(why);
+  }
+
+  /** A path git printed (relative to its work tree) as a path relative to the start directory, or undefined outside it. */
+  relative(gitPath: string): string | undefined {
+    if (!gitPath.startsWith(this.prefix)) return undefined;
+    const rel = gitPath.slice(this.prefix.length);
+    return safeRelativePath(rel) ? rel : undefined;
+  }
+
+  /**
+   * What git does not record, as lines for the checkpoint's message: files
+   * whose permission bits are not what a checkout would give them (git
+   * keeps only the executable bit), and empty directories.
+   */
+  private async manifest(): Promise<string> {
+    const lines: string[] = [];
+    for (const entry of (await this.gitOk(["ls-files", "-z", "-s", ...this.pathspec])).split("\0")) {
+      const tab = entry.indexOf("\t");
+      const kind = entry.slice(0, 6);
+      const rel = tab > 0 && (kind === "100644" || kind === "100755") ? this.relative(entry.slice(tab + 1)) : undefined;
+      if (rel === undefined) continue;
+      const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
+      const mode = st?.isFile() ? st.mode & 0o7777 : undefined;
+      if (mode !== undefined && mode !== checkoutMode(kind === "100755"))
+        lines.push(`mode ${mode.toString(8)} ${JSON.stringify(rel)}`);
+    }
+    // After add -A every file git would keep is staged: what it still lists as untracked directories holds
+    // only empty directories (and ignored files), whose empty leaves are recorded.
+    const others = ["ls-files", "-z", "-o", "--directory", "--exclude-standard", ...this.pathspec];
+    const empty: string[] = [];
+    for (const entry of (await this.gitOk(others)).split("\0")) {
+      const rel = entry.endsWith("/") ? this.relative(entry.slice(0, -1)) : undefined;
+      if (rel !== undefined) this.emptyLeaves(rel, empty, 0);
+    }
+    for (const rel of empty) lines.push(`dir ${JSON.stringify(rel)}`);
+    return lines.join("\n");
+  }
+
+  /** The empty directories at or below `rel` (a directory git tracks nothing in), walked without following links. */
+  private emptyLeaves(rel: string, out: string[], depth: number): void {
+    if (depth > MANIFEST_DIR_DEPTH || out.length >= MANIFEST_DIR_LIMIT) return;
+    let entries: fs.Dirent[];
+    try {
+      entries = fs.readdirSync(this.project.at(rel), { withFileTypes: true });
+    } catch {
+      return; // gone meanwhile
+    }
+    if (entries.length === 0) out.push(rel);
+    for (const e of entries) if (e.isDirectory()) this.emptyLeaves(`${rel}/${e.name}`, out, depth + 1);
+  }
+
+  /** A checkpoint commit as a snapshot: its tree and the manifest in its message. */
+  async snapshotOf(commit: string): Promise<Snapshot> {
+    const body = await this.gitOk(["cat-file", "commit", commit]);
+    const tree = /^tree ([0-9a-f]+)$/m.exec(body)?.[1] ?? "";
+    const at = body.indexOf(`\n${MANIFEST_HEADING}\n`);
+    const manifest = at < 0 ? "" : body.slice(at + MANIFEST_HEADING.length + 2).replace(/\n$/, "");
+    return { commit, tree, manifest };
   }
 
   private indexIdentity(): string | undefined {
@@ -5971,15 +6203,16 @@ class ShadowRepository {
     }
   }
 
-  /** A parentless commit of `tree` with a ref of its own (dropping the ref frees it), made the newest. */
-  async commit(tree: string, message: string): Promise<{ commit: string; tree: string }> {
+  /** A parentless commit of `tree` (its manifest in the message) with a ref of its own (dropping the ref frees it), made the newest. */
+  async commit(tree: string, message: string, manifest: string): Promise<Snapshot> {
     this.indexAtLast = undefined;
-    const commit = (await this.gitOk(["commit-tree", "--no-gpg-sign", tree, "-m", message])).trim();
+    const text = manifest ? `${message}\n\n${MANIFEST_HEADING}\n${manifest}\n` : `${message}\n`;
+    const commit = (await this.gitOk(["commit-tree", "--no-gpg-sign", tree, "-F", "-"], { input: text })).trim();
     const ref = `${CHECKPOINT_REF}${String(Date.now()).padStart(14, "0")}-${process.pid}-${randomName()}`;
     await this.gitOk(["update-ref", "--stdin", "-z"], {
       input: `update ${ref}\0${commit}\0\0update ${LAST_CHECKPOINT_REF}\0${commit}\0\0`,
     });
-    this.last = { commit, tree };
+    this.last = { commit, tree, manifest };
     return this.last;
   }
 
@@ -6110,6 +6343,15 @@ interface CheckpointStep {
   /** The tool call that ran it: the conversation is cut back to the assistant turn holding it. */
   call: string;
   command: string;
+  /** The checkpoint just after it ran: what it changed is the difference (absent for a command still running, or a kill -9). */
+  after?: string;
+}
+
+/** What one command did to the files of the start directory (paths relative to it; an empty directory ends in /). */
+interface ChangedFiles {
+  created: string[];
+  modified: string[];
+  deleted: string[];
 }
 
 /** An undo that can be redone: the files as they were before it, the steps it undid, the messages it cut. */
@@ -6133,14 +6375,15 @@ interface CheckpointRecord {
  */
 function checkpointRecordFrom(raw: unknown, reports: string[]): CheckpointRecord | undefined {
   if (raw === undefined) return undefined;
+  const isCommit = (c: unknown) => typeof c === "string" && /^[0-9a-f]{40,64}$/.test(c);
   const isStep = (s: unknown): s is CheckpointStep => {
     const o = s as Record<string, unknown> | null;
     return (
       !!o &&
-      typeof o.commit === "string" &&
-      /^[0-9a-f]{40,64}$/.test(o.commit) &&
+      isCommit(o.commit) &&
       typeof o.call === "string" &&
-      typeof o.command === "string"
+      typeof o.command === "string" &&
+      (o.after === undefined || isCommit(o.after))
     );
   };
   const o = raw as Record<string, unknown> | null;
@@ -6168,17 +6411,20 @@ interface RestoreReport {
   restored: string[];
   recreated: string[];
   removed: string[];
+  /** Paths that could not be put back, and why (something aic never snapshotted is in the way). */
+  skipped: string[];
 }
 
 /** The note every undo and redo ends with: what checkpoints cannot cover. */
 const undoLimits = (directory: string) =>
-  `Not covered: files outside ${directory}, ignored files (node_modules/, …), empty directories, and effects beyond files (network calls, databases, the project's git history).`;
+  `Not covered: files outside ${directory}, ignored files (node_modules/, …), and effects beyond files (network calls, databases, the project's git history).`;
 
 /**
  * The checkpoints of one start directory for one conversation: taken
- * before each command, undone and redone by whole commands. Off (with the
- * reason said once) when git is missing, the tree is too big, the first
- * snapshot too slow, or a snapshot fails; the run goes on without them.
+ * before and after each command, undone and redone by whole commands. Off
+ * (with the reason said once) when git is missing, the tree is too big, the
+ * first snapshot too slow, a snapshot fails, or the start directory's path
+ * no longer leads to it; the run goes on without them.
  */
 class Checkpoints {
   done: CheckpointStep[] = [];
@@ -6192,14 +6438,24 @@ class Checkpoints {
     private readonly warn: (text: string) => void,
   ) {}
 
-  /** The checkpoints of `directory`; aic's own files there (the session, its locks and backups) are never in them. */
-  static forDirectory(directory: string, sessionFile: string | undefined, warn: (text: string) => void): Checkpoints {
+  /** The checkpoints of the held start directory; aic's own files there (the session, its locks and backups) are never in them. */
+  static forDirectory(
+    project: HeldDirectory,
+    sessionFile: string | undefined,
+    warn: (text: string) => void,
+    ephemeral = false,
+  ): Checkpoints {
     const own = [".aicsession*", "..aicsession*.tmp", "commander-debug.txt", ".commander-debug.txt.*.tmp"];
-    if (sessionFile && path.dirname(path.resolve(sessionFile)) === path.resolve(directory)) {
+    if (sessionFile && path.dirname(path.resolve(sessionFile)) === path.resolve(project.path)) {
       const name = path.basename(sessionFile).replace(/[*?[\\]/g, "\\$&");
       own.push(`${name}*`, `.${name}*.tmp`);
     }
-    return new Checkpoints(ShadowRepository.of(directory, own), warn);
+    return new Checkpoints(ShadowRepository.of(project, own, ephemeral), warn);
+  }
+
+  /** The run ends: a store of the run's own (no session file) is removed; a directory's shared store stays. */
+  dispose(): void {
+    this.shadow.removeIfEphemeral();
   }
 
   adopt(record: CheckpointRecord | undefined): void {
@@ -6222,6 +6478,7 @@ class Checkpoints {
   private async start(): Promise<boolean> {
     if (this.ready) return true;
     if (!Bun.which("git")) return (this.turnOff("git was not found on PATH"), false);
+    this.shadow.ensureInPlace();
     await this.shadow.prepare();
     const { count, tooBig } = await this.shadow.countFiles(MAX_CHECKPOINT_FILES, FIRST_SNAPSHOT_LIMIT_MS);
     if (tooBig)
@@ -6237,31 +6494,117 @@ class Checkpoints {
     return true;
   }
 
-  /** Before a command runs: a checkpoint of the files, recorded against its tool call. A failure turns checkpoints off. */
-  async beforeCommand(call: string, command: string): Promise<void> {
-    if (this.off) return;
+  /** One snapshot under the shadow repository's lock; a failure (or a moved directory) turns checkpoints off. */
+  private async take(message: string): Promise<Snapshot | undefined> {
+    if (this.off) return undefined;
     const first = !this.ready;
     try {
-      if (!(await this.start())) return;
+      if (!(await this.start())) return undefined;
       const release = this.shadow.lock();
       try {
-        const message = `before: ${oneLine(command, 200)}`;
-        const { commit } = first ? await this.firstSnapshot(message) : await this.shadow.snapshot(message);
-        this.done.push({ commit, call, command });
-        this.redo = []; // a new command forks the history: what was undone stays undone
-        if (this.done.length > CHECKPOINTS_KEPT) this.done.splice(0, this.done.length - CHECKPOINTS_KEPT);
+        const made = first ? await this.firstSnapshot(message) : await this.shadow.snapshot(message);
         if (first) await this.shadow.pruneIfNeeded(this.keptCommits());
+        return made;
       } finally {
         release();
       }
     } catch (error) {
       const why = (error as Error).message;
       this.turnOff(
-        first && /longer than/.test(why)
-          ? `the first snapshot took over ${FIRST_SNAPSHOT_LIMIT_MS / 1000} s`
-          : `a snapshot failed (${why})`,
+        error instanceof ProjectMoved
+          ? `${why}, so aic no longer snapshots or restores anything there`
+          : first && /longer than/.test(why)
+            ? `the first snapshot took over ${FIRST_SNAPSHOT_LIMIT_MS / 1000} s`
+            : `a snapshot failed (${why})`,
       );
+      return undefined;
     }
+  }
+
+  /** Before a command runs: a checkpoint of the files, recorded against its tool call. */
+  async beforeCommand(call: string, command: string): Promise<void> {
+    const made = await this.take(`before: ${oneLine(command, 200)}`);
+    if (!made) return;
+    this.done.push({ commit: made.commit, call, command });
+    this.redo = []; // a new command forks the history: what was undone stays undone
+    if (this.done.length > CHECKPOINTS_KEPT) this.done.splice(0, this.done.length - CHECKPOINTS_KEPT);
+  }
+
+  /** After the command of `call` ran: the checkpoint after it, and what it changed (undefined when checkpoints are off). */
+  async afterCommand(call: string): Promise<ChangedFiles | undefined> {
+    const step = this.done.at(-1);
+    if (!step || step.call !== call) return undefined;
+    const made = await this.take(`after: ${oneLine(step.command, 200)}`);
+    if (!made) return undefined;
+    step.after = made.commit;
+    try {
+      return await this.changesOf(step);
+    } catch (error) {
+      this.warn(`could not list what the command changed: ${(error as Error).message}`);
+      return undefined;
+    }
+  }
+
+  /** What one recorded command changed: its checkpoint before against the one after. */
+  async changesOf(step: CheckpointStep): Promise<ChangedFiles> {
+    if (!step.after)
+      throw new Error("there is no checkpoint after this command (it was still running, or aic was killed)");
+    const [before, after] = await Promise.all([
+      this.shadow.snapshotOf(step.commit),
+      this.shadow.snapshotOf(step.after),
+    ]);
+    const changed: ChangedFiles = { created: [], modified: [], deleted: [] };
+    const entries = await this.shadow.gitOk([
+      "diff-tree",
+      "-r",
+      "-z",
+      "--no-renames",
+      "--name-status",
+      before.tree,
+      after.tree,
+    ]);
+    const parts = entries.split("\0");
+    for (let i = 0; i + 1 < parts.length; i += 2) {
+      const rel = this.shadow.relative(parts[i + 1]!);
+      if (rel === undefined) continue;
+      (parts[i] === "A" ? changed.created : parts[i] === "D" ? changed.deleted : changed.modified).push(rel);
+    }
+    // Permission bits git does not record, and empty directories.
+    const was = parseManifest(before.manifest);
+    const now = parseManifest(after.manifest);
+    const touched = new Set([...changed.created, ...changed.modified, ...changed.deleted]);
+    for (const rel of new Set([...was.modes.keys(), ...now.modes.keys()]))
+      if (!touched.has(rel) && was.modes.get(rel) !== now.modes.get(rel)) changed.modified.push(rel);
+    for (const dir of now.dirs) if (!was.dirs.has(dir)) changed.created.push(`${dir}/`);
+    for (const dir of was.dirs) if (!now.dirs.has(dir)) changed.deleted.push(`${dir}/`);
+    for (const list of Object.values(changed)) list.sort();
+    return changed;
+  }
+
+  /** The unified diff of what the N-th last command changed (binary files named, not dumped). */
+  async diffOf(n: number, color: boolean): Promise<string> {
+    const withAfter = this.done.filter((s) => s.after);
+    const step = withAfter[withAfter.length - n];
+    if (!step)
+      throw new Error(
+        withAfter.length === 0
+          ? this.off
+            ? `checkpoints are off: ${this.off}`
+            : "no command has run with checkpoints yet"
+          : `only ${withAfter.length} command(s) have a recorded change`,
+      );
+    const relative = this.shadow.prefix ? [`--relative=${this.shadow.prefix}`] : [];
+    const args = ["diff", "--no-ext-diff", "--no-textconv", `--color=${color ? "always" : "never"}`, ...relative];
+    const text = await this.shadow.gitOk([...args, step.commit, step.after!, ...this.shadow.pathspec]);
+    const changed = await this.changesOf(step);
+    const modesOnly = changed.modified.filter((f) => !text.includes(` b/${f}\n`));
+    const dirs = [...changed.created, ...changed.deleted].filter((f) => f.endsWith("/"));
+    const notes = [
+      ...modesOnly.map((f) => `(permissions of ${f} changed)`),
+      ...dirs.map((d) => `(empty directory ${d} ${changed.created.includes(d) ? "created" : "removed"})`),
+    ];
+    const head = `# ${oneLine(step.command, 200)}\n`;
+    return head + (text || notes.length ? text + notes.map((l) => `${l}\n`).join("") : "(no files changed)\n");
   }
 
   /**
@@ -6269,7 +6612,7 @@ class Checkpoints {
    * written (a checkout, an unpacked archive) a busy disk can make that slow
    * once, so one more try is given: git keeps what the first one stored.
    */
-  private async firstSnapshot(message: string): Promise<{ commit: string; tree: string }> {
+  private async firstSnapshot(message: string): Promise<Snapshot> {
     try {
       return await this.shadow.snapshot(message, FIRST_SNAPSHOT_LIMIT_MS, true);
     } catch (error) {
@@ -6279,7 +6622,10 @@ class Checkpoints {
   }
 
   private keptCommits(): Set<string> {
-    return new Set([...this.done.map((s) => s.commit), ...this.redo.map((r) => r.commit)]);
+    return new Set([
+      ...this.done.flatMap((s) => (s.after ? [s.commit, s.after] : [s.commit])),
+      ...this.redo.map((r) => r.commit),
+    ]);
   }
 
   /** Why nothing can be undone now, or undefined. */
@@ -6287,6 +6633,8 @@ class Checkpoints {
     if (this.done.length === 0)
       return this.off ? `checkpoints are off: ${this.off}` : "nothing to undo: no command has run with a checkpoint";
     if (n > this.done.length) return `only ${this.done.length} command(s) can be undone`;
+    const why = this.shadow.project.whyNotAtPath();
+    if (why) return `${why}; undo puts nothing back there`;
     return undefined;
   }
 
@@ -6308,9 +6656,11 @@ class Checkpoints {
 
   /**
    * Puts the tree back to checkpoint `target`: first a snapshot of now (the
-   * redo target, and the index then knows every file), then `read-tree -u
-   * --reset`, which writes what differs and removes only files a snapshot
-   * saw. Permission bits beyond the exec bit are kept as they are.
+   * redo target), then every file that differs is written, re-created or
+   * removed through descriptors beneath the held start directory (no link
+   * is followed; a link is restored as a link), permission bits and empty
+   * directories as the target's manifest says. Only what the snapshot of
+   * now saw is ever removed. A last snapshot checks the result.
    */
   private async restore(target: string): Promise<{ report: RestoreReport; before: string }> {
     if (!(await this.start())) throw new Error(`checkpoints are off: ${this.off}`);
@@ -6318,32 +6668,254 @@ class Checkpoints {
     const release = s.lock();
     try {
       const now = await s.snapshot("before an undo");
-      const tree = (await s.gitOk(["rev-parse", `${target}^{tree}`])).trim();
-      const diff = (await s.gitOk(["diff-tree", "-r", "-z", "--no-renames", "--name-status", now.tree, tree])).split(
-        "\0",
-      );
-      const report: RestoreReport = { restored: [], recreated: [], removed: [] };
-      for (let i = 0; i + 1 < diff.length; i += 2) {
-        const file = diff[i + 1]!.slice(s.prefix.length);
-        (diff[i] === "A" ? report.recreated : diff[i] === "D" ? report.removed : report.restored).push(file);
-      }
-      const modes = new Map<string, number>();
-      for (const f of report.restored) {
-        const st = fs.lstatSync(path.join(s.directory, f), { throwIfNoEntry: false });
-        if (st?.isFile()) modes.set(f, st.mode & 0o7777);
-      }
-      if (diff.length > 1) await s.gitOk(["read-tree", "-u", "--reset", tree]);
-      for (const [f, mode] of modes) {
-        const file = path.join(s.directory, f);
-        const st = fs.lstatSync(file, { throwIfNoEntry: false });
-        const wanted = (mode & ~0o111) | ((st?.mode ?? 0) & 0o111);
-        if (st?.isFile() && (st.mode & 0o7777) !== wanted) fs.chmodSync(file, wanted);
-      }
-      await s.commit(tree, `restored ${target}`);
+      const goal = await s.snapshotOf(target);
+      const report = await new TreeRestore(s, now, goal).run();
+      s.ensureInPlace();
+      const after = await s.snapshot(`restored ${target}`);
+      if (after.tree !== goal.tree && !report.skipped.length)
+        report.skipped.push(
+          "(the files differ from the checkpoint after the restore; a job may have changed them meanwhile)",
+        );
       return { report, before: now.commit };
+    } catch (error) {
+      if (error instanceof ProjectMoved) throw new Error(`${error.message}; undo puts nothing back there`);
+      throw error;
     } finally {
       release();
     }
+  }
+}
+
+/** One entry of `git diff-tree --raw`: modes and blobs on each side, and the path relative to the start directory. */
+interface TreeChange {
+  fromMode: string;
+  toMode: string;
+  toBlob: string;
+  status: string;
+  rel: string;
+}
+
+const GIT_SYMLINK = "120000";
+const isGitFile = (mode: string) => mode === "100644" || mode === "100755" || mode === GIT_SYMLINK;
+
+/**
+ * One restore of the start directory to a checkpoint. Every file operation
+ * goes through descriptors of directories opened component by component
+ * from the held start directory with O_NOFOLLOW: whatever a command renamed
+ * or linked, nothing outside the directory is read, written or removed.
+ */
+class TreeRestore {
+  private readonly dirs = new Map<string, number>();
+  private readonly report: RestoreReport = { restored: [], recreated: [], removed: [], skipped: [] };
+
+  constructor(
+    private readonly shadow: ShadowRepository,
+    private readonly now: Snapshot,
+    private readonly goal: Snapshot,
+  ) {}
+
+  async run(): Promise<RestoreReport> {
+    try {
+      const changes = await this.changes();
+      const contents = await this.blobs(changes.filter((c) => isGitFile(c.toMode)).map((c) => c.toBlob));
+      try {
+        for (const c of changes) if (isGitFile(c.fromMode)) this.remove(c);
+        const written = new Set<string>();
+        for (const c of changes) if (isGitFile(c.toMode) && this.write(c, contents)) written.add(c.rel);
+        this.fixModes(changes, written);
+        this.fixEmptyDirectories();
+      } finally {
+        fs.closeSync(contents.fd);
+      }
+      return this.report;
+    } finally {
+      for (const fd of this.dirs.values()) fs.closeSync(fd);
+    }
+  }
+
+  private async changes(): Promise<TreeChange[]> {
+    const raw = await this.shadow.gitOk([
+      "diff-tree",
+      "-r",
+      "-z",
+      "--no-renames",
+      "--raw",
+      this.now.tree,
+      this.goal.tree,
+    ]);
+    const parts = raw.split("\0");
+    const out: TreeChange[] = [];
+    for (let i = 0; i + 1 < parts.length; i += 2) {
+      const [fromMode, toMode, , toBlob, status] = parts[i]!.replace(/^:/, "").split(" ");
+      const rel = this.shadow.relative(parts[i + 1]!);
+      if (rel === undefined || !fromMode || !toMode || !toBlob || !status) continue;
+      out.push({ fromMode, toMode, toBlob, status, rel });
+    }
+    return out;
+  }
+
+  /** The contents of `blobs` in one `git cat-file --batch` capture: where each starts in it and its size. */
+  private async blobs(blobs: string[]): Promise<{ fd: number; at: Map<string, { start: number; size: number }> }> {
+    const r = await this.shadow.gitToFile(["cat-file", "--batch"], blobs.map((b) => `${b}\n`).join(""));
+    const at = new Map<string, { start: number; size: number }>();
+    const head = Buffer.alloc(256);
+    for (let offset = 0, n = 0; n < blobs.length; n++) {
+      const got = fs.readSync(r, head, 0, head.length, offset);
+      const nl = head.subarray(0, got).indexOf(0x0a);
+      const m = nl > 0 ? /^([0-9a-f]+) blob (\d+)$/.exec(head.subarray(0, nl).toString()) : null;
+      if (!m) break;
+      const size = Number(m[2]);
+      at.set(m[1]!, { start: offset + nl + 1, size });
+      offset += nl + 1 + size + 1;
+    }
+    return { fd: r, at };
+  }
+
+  /** A directory beneath the start directory, as a descriptor (made when `create`); undefined when a non-directory or a link is in the way. */
+  private dir(rel: string, create: boolean): number | undefined {
+    if (rel === "") return this.shadow.project.descriptor;
+    const known = this.dirs.get(rel);
+    if (known !== undefined) return known;
+    const parent = this.dir(parentOf(rel), create);
+    if (parent === undefined) return undefined;
+    const at = `/proc/self/fd/${parent}/${baseName(rel)}`;
+    const open = () => fs.openSync(at, O_PATH | O.O_DIRECTORY | O.O_NOFOLLOW);
+    let fd: number;
+    try {
+      fd = open();
+    } catch (error) {
+      if ((error as NodeJS.ErrnoException).code !== "ENOENT" || !create) return undefined;
+      try {
+        fs.mkdirSync(at, 0o777 & ~process.umask());
+        fd = open();
+      } catch {
+        return undefined;
+      }
+    }
+    this.dirs.set(rel, fd);
+    return fd;
+  }
+
+  /** `/proc/self/fd/<parent>/<name>` for `rel`: its last component is never followed by what is done to it. */
+  private entry(rel: string, create: boolean): string | undefined {
+    const parent = this.dir(parentOf(rel), create);
+    return parent === undefined ? undefined : `/proc/self/fd/${parent}/${baseName(rel)}`;
+  }
+
+  /** Removes a file or link the snapshot of now saw; then its parent directories that became empty. */
+  private remove(c: TreeChange): void {
+    const at = this.entry(c.rel, false);
+    const st = at ? fs.lstatSync(at, { throwIfNoEntry: false }) : undefined;
+    if (!at || !st || !(st.isFile() || st.isSymbolicLink())) return;
+    fs.unlinkSync(at);
+    if (!isGitFile(c.toMode)) this.report.removed.push(c.rel);
+    const keep = parseManifest(this.goal.manifest).dirs;
+    for (let dir = parentOf(c.rel); dir !== "" && !keep.has(dir); dir = parentOf(dir))
+      if (!this.removeDirIfEmpty(dir)) break;
+  }
+
+  private removeDirIfEmpty(rel: string): boolean {
+    const at = this.entry(rel, false);
+    if (!at) return false;
+    try {
+      const fd = this.dirs.get(rel);
+      if (fd !== undefined) {
+        this.dirs.delete(rel);
+        fs.closeSync(fd);
+      }
+      fs.rmdirSync(at);
+      return true;
+    } catch {
+      return false;
+    }
+  }
+
+  /** Writes one file or link of the goal; true when done. Something else in the way (never snapshotted) is left alone and named. */
+  private write(c: TreeChange, contents: { fd: number; at: Map<string, { start: number; size: number }> }): boolean {
+    const blob = contents.at.get(c.toBlob);
+    const at = this.entry(c.rel, true);
+    const st = at ? fs.lstatSync(at, { throwIfNoEntry: false }) : undefined;
+    if (!blob || !at || (st && !st.isFile())) {
+      this.report.skipped.push(
+        `${c.rel} (${!blob ? "its content is missing from the store" : "something aic never snapshotted is in the way"})`,
+      );
+      return false;
+    }
+    if (c.toMode === GIT_SYMLINK) {
+      const target = Buffer.alloc(blob.size);
+      fs.readSync(contents.fd, target, 0, blob.size, blob.start);
+      if (st) fs.unlinkSync(at);
+      fs.symlinkSync(target.toString(), at);
+    } else {
+      const fd = fs.openSync(at, O.O_WRONLY | O.O_CREAT | O.O_TRUNC | O.O_NOFOLLOW, 0o600);
+      try {
+        copyOwnRange(contents.fd, blob.start, fd, blob.size);
+        fs.fchmodSync(fd, this.wantedMode(c.rel, c.toMode === "100755"));
+      } finally {
+        fs.closeSync(fd);
+      }
+    }
+    (c.status === "A" ? this.report.recreated : this.report.restored).push(c.rel);
+    return true;
+  }
+
+  private wantedMode(rel: string, executable: boolean): number {
+    return parseManifest(this.goal.manifest).modes.get(rel) ?? checkoutMode(executable);
+  }
+
+  /** Permission bits of files whose content did not change but whose bits did (git keeps only the executable bit). */
+  private fixModes(changes: TreeChange[], written: Set<string>): void {
+    const was = parseManifest(this.now.manifest).modes;
+    const goal = parseManifest(this.goal.manifest).modes;
+    const changed = new Set(changes.map((c) => c.rel));
+    for (const rel of new Set([...was.keys(), ...goal.keys()])) {
+      if (written.has(rel) || changed.has(rel)) continue;
+      const at = this.entry(rel, false);
+      if (!at) continue;
+      let fd: number;
+      try {
+        fd = fs.openSync(at, O_PATH | O.O_NOFOLLOW);
+      } catch {
+        continue;
+      }
+      try {
+        const st = fs.fstatSync(fd);
+        const wanted = goal.get(rel) ?? checkoutMode((st.mode & 0o100) !== 0);
+        if (!st.isFile() || (st.mode & 0o7777) === wanted) continue;
+        fs.chmodSync(`/proc/self/fd/${fd}`, wanted);
+        this.report.restored.push(rel);
+      } finally {
+        fs.closeSync(fd);
+      }
+    }
+  }
+
+  /** Empty directories as the goal had them: made where missing, removed (when still empty) where the goal had none. */
+  private fixEmptyDirectories(): void {
+    const was = parseManifest(this.now.manifest).dirs;
+    const goal = parseManifest(this.goal.manifest).dirs;
+    for (const dir of goal)
+      if (this.dir(dir, false) === undefined && this.dir(dir, true) !== undefined)
+        this.report.recreated.push(`${dir}/`);
+    for (const dir of was) {
+      if (goal.has(dir) || !this.removeDirIfEmpty(dir)) continue;
+      this.report.removed.push(`${dir}/`);
+      // Parents that only held it go too (mkdir -p made them), unless the goal has them.
+      for (let up = parentOf(dir); up !== "" && !goal.has(up); up = parentOf(up)) if (!this.removeDirIfEmpty(up)) break;
+    }
+  }
+}
+
+const parentOf = (rel: string) => (rel.includes("/") ? rel.slice(0, rel.lastIndexOf("/")) : "");
+
+/** Copies `length` bytes of `from` starting at `start` into `to`, a slice at a time. */
+function copyOwnRange(from: number, start: number, to: number, length: number): void {
+  const slice = Buffer.allocUnsafe(Math.max(1, Math.min(READ_SLICE_BYTES, length)));
+  for (let at = 0; at < length;) {
+    const n = fs.readSync(from, slice, 0, Math.min(slice.length, length - at), start + at);
+    if (n === 0) throw new Error("the store's copy of a file is shorter than it says");
+    writeAll(to, slice.subarray(0, n));
+    at += n;
   }
 }
 
@@ -6408,6 +6980,25 @@ async function undoCommands(
  * `aic undo [N]` / `aic redo` on a session file (a --nogui run's, or one no
  * TUI holds now): the same as /undo and /redo, saved back to the file.
  */
+/**
+ * The project of a session file for `aic undo|redo|diff`: the directory the
+ * file lives in, held open. The checkpoints' directory written inside the
+ * file must be that one: a session sits where commands write, so what it
+ * says is never a reason to touch another directory.
+ */
+function projectOfSession(sessionFile: string, record: CheckpointRecord): HeldDirectory {
+  const directory = path.dirname(fs.realpathSync(sessionFile));
+  if (record.directory !== directory)
+    throw new Error(
+      `${sessionFile} says its checkpoints cover ${record.directory}, but the session file lives in ${directory}; aic only undoes, redoes or shows changes in the directory that holds the session file (was the project moved, or the session edited?), so nothing was touched`,
+    );
+  return HeldDirectory.open(directory);
+}
+
+/**
+ * `aic undo [N]` / `aic redo` on a session file (a --nogui run's, or one no
+ * TUI holds now): the same as /undo and /redo, saved back to the file.
+ */
 async function runUndo(kind: "undo" | "redo", count: number, sessionPath: string): Promise<number> {
   const fail = (message: string) => (writeOut(2, `aic: error: ${message}\n`), EXIT.failure);
   if (!fs.existsSync(sessionPath))
@@ -6423,26 +7014,21 @@ async function runUndo(kind: "undo" | "redo", count: number, sessionPath: string
   } catch (error) {
     return fail((error as Error).message);
   }
+  let project: HeldDirectory | undefined;
   try {
     const loaded = store.load();
     if (!loaded.messages) return fail(loaded.reports[0] ?? `${store.path} holds no conversation`);
     const record = loaded.checkpoints;
     if (!record)
       return fail(`nothing to ${kind}: ${store.path} records no checkpoint (no command ran with checkpoints on)`);
-    const checkpoints = Checkpoints.forDirectory(record.directory, store.path, (text) =>
-      sink.emit({ type: "warning", text }),
-    );
+    project = projectOfSession(store.path, record);
+    const checkpoints = Checkpoints.forDirectory(project, store.path, (text) => sink.emit({ type: "warning", text }));
     checkpoints.adopt(record);
     const conversation = { messages: loaded.messages };
-    let lines: string[];
-    try {
-      lines =
-        kind === "undo"
-          ? await undoCommands(checkpoints, conversation, count)
-          : await redoCommands(checkpoints, conversation);
-    } catch (error) {
-      return fail((error as Error).message);
-    }
+    const lines =
+      kind === "undo"
+        ? await undoCommands(checkpoints, conversation, count)
+        : await redoCommands(checkpoints, conversation);
     const saved = store.save(kind, {
       messages: conversation.messages,
       stepCount: loaded.stepCount ?? 0,
@@ -6454,8 +7040,45 @@ async function runUndo(kind: "undo" | "redo", count: number, sessionPath: string
     writeOut(1, `${lines.join("\n")}\n`);
     if (!saved) return fail(`the files were put back, but ${store.path} could not be saved`);
     return EXIT.ok;
+  } catch (error) {
+    return fail((error as Error).message);
   } finally {
+    project?.close();
     store.release();
+  }
+}
+
+/** `aic diff [N] [--session PATH]`: the unified diff of the N-th last command's changes. Reads the session, never writes it. */
+async function runDiff(count: number, sessionPath: string): Promise<number> {
+  const fail = (message: string) => (writeOut(2, `aic: error: ${message}\n`), EXIT.failure);
+  let project: HeldDirectory | undefined;
+  try {
+    let doc: Record<string, unknown>;
+    try {
+      doc = JSON.parse(readOwnFile(sessionPath).toString("utf8")) as Record<string, unknown>;
+    } catch (error) {
+      const e = ownFileError(error);
+      return fail(
+        e.missing
+          ? `there is no session file ${path.resolve(sessionPath)} (give --session PATH)`
+          : `cannot read ${path.resolve(sessionPath)}: ${e.message}`,
+      );
+    }
+    const reports: string[] = [];
+    const record = checkpointRecordFrom(doc?.checkpoints, reports);
+    if (!record)
+      return fail(
+        reports[0] ?? `${path.resolve(sessionPath)} records no checkpoint (no command ran with checkpoints on)`,
+      );
+    project = projectOfSession(path.resolve(sessionPath), record);
+    const checkpoints = Checkpoints.forDirectory(project, sessionPath, () => {});
+    checkpoints.adopt(record);
+    writeOut(1, await checkpoints.diffOf(count, useColor(process.stdout)));
+    return EXIT.ok;
+  } catch (error) {
+    return fail((error as Error).message);
+  } finally {
+    project?.close();
   }
 }
 
@@ -7447,6 +8070,8 @@ interface ToolCallContext {
   rulesChanged(): void;
   /** Right before the command runs: the checkpoint of the files, saved with the session. */
   beforeRun(call: string, command: string): Promise<void>;
+  /** Right after it ran: the checkpoint after it, and what it changed (undefined when checkpoints are off). */
+  afterRun(call: string): Promise<ChangedFiles | undefined>;
 }
 
 /** Reads the call's arguments, asks for approval, runs the command, and words the result for the model. */
@@ -7479,7 +8104,9 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
     onWaitingForInput: () => emit({ type: "command_waiting", id: call.id }),
     attachInput: o.attachInput,
   });
+  const changed = await ctx.afterRun(call.id);
   let content = describeCommandResult(result, o.config.timeoutSec, o.config.maxOutputBytes);
+  if (changed && changedFilesNote(changed)) content += `\n${changedFilesNote(changed)}`;
   if (result.jobs?.refused.length)
     content += `\nThis command left ${result.jobs.refused.length} more process group(s) running, but at most ${MAX_JOBS} background jobs run at once, so aic stopped them: ${result.jobs.refused.map((j) => j.command).join("; ")}. Stop a job you no longer need (kill its pid) before starting another.`;
   emit({
@@ -7489,6 +8116,7 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
     status: result.status,
     output: content,
     saved_to: result.savedTo,
+    changed_files: changed ?? null,
   });
   const notice = o.rules.changeNotice();
   if (notice) emit({ type: "warning", text: notice });
@@ -8020,6 +8648,12 @@ class Agent {
     return lines;
   }
 
+  /** /diff N: the unified diff of what the N-th last command changed. */
+  async diff(n: number): Promise<string> {
+    if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
+    return this.o.checkpoints.diffOf(n, false);
+  }
+
   /** /redo: the newest undo undone, files and conversation. */
   async redo(): Promise<string[]> {
     if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
@@ -8216,6 +8850,7 @@ class Agent {
           await this.o.checkpoints.beforeCommand(id, command);
           this.checkpoint("before_command"); // so that undo works even after a kill -9 during the command
         },
+        afterRun: async (id) => this.o.checkpoints?.afterCommand(id),
       });
       if (result.kind === "no_input") {
         answerOpenCalls(this.messages, NOT_EXECUTED_STOPPED);
@@ -8498,11 +9133,11 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   // Before the first command: a daemon it double-forks must become aic's, to be found and stopped later.
   becomeSubreaper();
   const jobs = new JobTable((e) => front.sink.emit(e), outputs, RUNAWAY_FACTOR * config.maxOutputBytes);
-  // Without a session file and without the TUI nobody could ever undo, so no snapshot is taken.
-  const checkpoints =
-    config.noCheckpoints || (!session && config.nogui)
-      ? undefined
-      : Checkpoints.forDirectory(process.cwd(), session?.path, (text) => front.sink.emit({ type: "warning", text }));
+  // Without a session file nobody can undo later, but each command's changed files are still shown: its
+  // snapshots then go to a store of the run's own, removed when it ends.
+  const checkpoints = config.noCheckpoints
+    ? undefined
+    : Checkpoints.forDirectory(workDir, session?.path, (text) => front.sink.emit({ type: "warning", text }), !session);
   const agent = new Agent({
     config,
     sink: front.sink,
@@ -8537,6 +9172,7 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
       agent.checkpoint(reason);
       session?.release();
       outputs.close();
+      checkpoints?.dispose();
       workDir.close();
     },
   };
@@ -11048,6 +11684,12 @@ const SLASH_COMMANDS: readonly SlashCommand[] = [
   },
   { names: ["/redo"], help: "undo the last /undo: files and conversation", run: (t) => undoOrRedo(t, "redo", "") },
   {
+    names: ["/diff"],
+    args: "[N]",
+    help: "show what the N-th last command changed (default 1: the last)",
+    run: (t, text) => showDiff(t, text),
+  },
+  {
     names: ["/jobs"],
     args: "[kill N]",
     help: "list what commands left running; /jobs kill N stops job N",
@@ -11080,6 +11722,27 @@ async function undoOrRedo(t: Tui, kind: "undo" | "redo", args: string): Promise<
     t.agentPane.line(`/${kind}: ${(error as Error).message}`, COLORS.warning);
   }
   t.refreshStatus();
+}
+
+/** /diff [N]: the unified diff of the N-th last command, coloured in the agent pane. */
+async function showDiff(t: Tui, args: string): Promise<void> {
+  const n = args.trim() ? Number(args.trim()) : 1;
+  if (!Number.isInteger(n) || n < 1)
+    return t.agentPane.line("Usage: /diff [N], N a positive whole number", COLORS.warning);
+  try {
+    for (const line of (await t.agent.diff(n)).replace(/\n$/, "").split("\n")) {
+      const color = line.startsWith("+")
+        ? COLORS.ok
+        : line.startsWith("-")
+          ? COLORS.error
+          : line.startsWith("@@")
+            ? COLORS.command
+            : COLORS.info;
+      t.agentPane.line(visibleControls(line), color);
+    }
+  } catch (error) {
+    t.agentPane.line(`/diff: ${(error as Error).message}`, COLORS.warning);
+  }
 }
 
 /** /always: the dialog's "Always allow" from the keyboard; only where a rule line can be written for the command. */
@@ -11335,6 +11998,8 @@ async function main(argv: string[]): Promise<number> {
       case "undo":
       case "redo":
         return await runUndo(parsed.kind, parsed.count, parsed.session);
+      case "diff":
+        return await runDiff(parsed.count, parsed.session);
       case "run": {
         const config = parsed.config;
         secretsToRedact = [config.apiKey ?? "", ...Object.values(config.headers)];

@@ -14,7 +14,7 @@
  */
 import { mkdirSync, renameSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { Checkpoints, redoCommands, undoCommands } from "../../aic.ts";
+import { Checkpoints, HeldDirectory, redoCommands, undoCommands } from "../../aic.ts";
 import { has, scratch } from "../helpers.ts";
 import { type Benchmark, type Metric, median } from "./lib.ts";
 
@@ -60,11 +60,13 @@ export const checkpoints: Benchmark = {
     mkdirSync(dir);
     const state = process.env.XDG_STATE_HOME;
     process.env.XDG_STATE_HOME = join(root, "state");
+    let project: HeldDirectory | undefined;
     try {
       ctx.log("checkpoints: writing the 5,000-file tree");
       makeTree(dir);
       const warnings: string[] = [];
-      const cp = Checkpoints.forDirectory(dir, undefined, (w) => warnings.push(w));
+      project = HeldDirectory.open(dir);
+      const cp = Checkpoints.forDirectory(project, undefined, (w) => warnings.push(w));
       let call = 0;
       const snapshot = () => cp.beforeCommand(`c${call++}`, "true");
       const first = await timed(snapshot);
@@ -76,6 +78,22 @@ export const checkpoints: Benchmark = {
         for (let f = 0; f < 10; f++) writeFileSync(join(dir, "src", `m${f * 7}`, `f${i}.ts`), `// edit ${i}\n`);
         changed.push(await timed(snapshot));
       }
+      // What a command changed: the snapshot after it and the difference, unchanged and with 50 files changed.
+      const listUnchanged: number[] = [];
+      const list50: number[] = [];
+      let listed = 0;
+      for (let i = 0; i < RUNS; i++) {
+        await snapshot();
+        listUnchanged.push(await timed(async () => void (await cp.afterCommand(`c${call - 1}`))));
+        await snapshot();
+        for (let f = 0; f < 50; f++) writeFileSync(join(dir, "src", `m${f % 100}`, `g${i}-${f}.ts`), `// new ${i}\n`);
+        list50.push(
+          await timed(async () => {
+            listed = (await cp.afterCommand(`c${call - 1}`))?.created.length ?? -1;
+          }),
+        );
+      }
+      if (listed !== 50) throw new Error(`the 50-file change was listed as ${listed} created files`);
       // Undo of "rm -rf" of one tenth of the tree, and its redo.
       await snapshot();
       renameSync(join(dir, "src", "m0"), join(root, "aside"));
@@ -104,13 +122,31 @@ export const checkpoints: Benchmark = {
           unit: "ms",
           note: `median of ${RUNS}; worst ${Math.max(...changed).toFixed(1)} ms`,
         },
-        { name: "undo of rm -rf (50 files)", value: undoMs, unit: "ms", note: "snapshot of now, then read-tree" },
+        {
+          name: "changed files after a command, unchanged tree",
+          value: median(listUnchanged),
+          unit: "ms",
+          note: `snapshot after the command and its difference; median of ${RUNS}`,
+        },
+        {
+          name: "changed files after a command, 50 files created",
+          value: median(list50),
+          unit: "ms",
+          note: `median of ${RUNS}; worst ${Math.max(...list50).toFixed(1)} ms`,
+        },
+        {
+          name: "undo of rm -rf (50 files)",
+          value: undoMs,
+          unit: "ms",
+          note: "snapshot of now, then the files written through descriptors",
+        },
         { name: "redo of it", value: redoMs, unit: "ms" },
       ];
       return metrics;
     } finally {
       if (state === undefined) delete process.env.XDG_STATE_HOME;
       else process.env.XDG_STATE_HOME = state;
+      project?.close();
       rmSync(root, { recursive: true, force: true });
     }
   },
