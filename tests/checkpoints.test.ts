@@ -12,6 +12,7 @@ import { createHash } from "node:crypto";
 import { chmodSync, existsSync, mkdirSync, readdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
 import { join, relative } from "node:path";
 import {
+  alive,
   bash,
   has,
   headless,
@@ -162,13 +163,27 @@ describe("undo and redo from the command line", () => {
     const { dir, env } = project();
     writeFileSync(join(dir, "a.txt"), "original\n");
     const session = join(dir, "s.json");
-    const srv = fixtures.serve([bash("echo clobbered > a.txt; exec sleep 300")]);
+    // The command becomes a sleep (exec keeps the pid) after printing that pid.
+    const srv = fixtures.serve([bash("echo clobbered > a.txt; exec sh -c 'echo sleeper-pid=$$; exec sleep 300'")]);
     const live = startAic([...headless(srv.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env });
-    await waitFor("the command's write", () => readFileSync(join(dir, "a.txt"), "utf8") === "clobbered\n");
+    const printed = await waitFor(
+      "the command's write and its pid",
+      () => readFileSync(join(dir, "a.txt"), "utf8") === "clobbered\n" && /sleeper-pid=(\d+)\n/.exec(live.stdout()),
+    );
     live.proc.kill("SIGKILL");
     await live.done;
-    // The sleep was the command's own process: end it as a person would.
-    await runCommand(["pkill", "-f", "^sleep 300$"]);
+    // The sleep was the command's own process: end it as a person would, by the pid it printed (if it is still
+    // that sleep), never by name.
+    const sleeper = Number(printed[1]);
+    const isTheSleep = () => {
+      try {
+        return readFileSync(`/proc/${sleeper}/cmdline`, "utf8") === "sleep\x00300\x00";
+      } catch {
+        return false;
+      }
+    };
+    if (isTheSleep()) process.kill(sleeper, "SIGKILL");
+    await waitFor("the command's sleep to be gone", () => !alive(sleeper));
     const r = await runAic(["undo", "--session", session], { cwd: dir, env });
     expect(r.code).toBe(0);
     expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("original\n");

@@ -13,10 +13,13 @@ import {
   jsonLines,
   messagesOf,
   requestSequenceProblems,
+  reapAfterAll,
   runAic,
   scratch,
   type AicRun,
 } from "./helpers.ts";
+
+reapAfterAll();
 
 const INFLATION = 1.3; // the fake server's default
 const BUDGET = 12_000; // --max-prompt-len 20000 with a non-gpt model

@@ -8,7 +8,9 @@ import { join } from "node:path";
 import OpenAI, { APIError, APIUserAbortError, RateLimitError } from "openai";
 import type { ChatCompletionChunk } from "openai/resources/chat/completions";
 import { countPromptTokens, startFakeServer, type FakeServer, type Turn } from "./fake-openai.ts";
-import { lineReader, scratch, waitFor } from "./helpers.ts";
+import { lineReader, reapAfterAll, scratch, waitFor } from "./helpers.ts";
+
+reapAfterAll();
 
 // Loading the o200k_base table takes ~0.3 s idle but several seconds on a loaded machine; do it
 // once up front with a generous limit so it cannot push an individual test past the default 5 s.

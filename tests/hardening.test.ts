@@ -44,7 +44,9 @@ describe("standard input", () => {
   // A slow reader of aic's stdout (a CI log pipe) must still get every line, with plain \n endings.
   test("output to a slow pipe is complete", async () => {
     const srv = fixtures.serve([bash("seq 1 100000"), { content: "TASKCOMPLETE" }]);
-    const cmd = `${AIC} ${headless(srv.url).join(" ")} --auto-approve count | (sleep 2; grep -c -x '[0-9][0-9]*')`;
+    // The reader lets the pipe fill up before it reads anything (tests/full-pipe-reader.ts): no fixed sleep.
+    const reader = `${process.execPath} ${join(import.meta.dir, "full-pipe-reader.ts")}`;
+    const cmd = `${AIC} ${headless(srv.url).join(" ")} --auto-approve count | ${reader}`;
     const { stdout } = await runCommand(["sh", "-c", cmd]);
     expect(Number(stdout.trim())).toBe(100000);
   });

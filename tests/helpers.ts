@@ -11,7 +11,7 @@
  * - A test that needs a tool or a privilege the machine may lack skips itself where it is missing
  *   (`test.skipIf(!has.X)`), naming what it needs, so the runner reports a skip, not a failure.
  */
-import { afterEach } from "bun:test";
+import { afterAll, afterEach } from "bun:test";
 import { dlopen, FFIType } from "bun:ffi";
 import { existsSync, mkdtempSync, readdirSync, readFileSync, realpathSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -117,9 +117,26 @@ export interface AicOptions {
   killAfterMs?: number;
 }
 
-/** A fresh empty directory for one test. */
+/** Directories made by `scratch`, removed after the test file (`reapAfterAll`), or at exit outside `bun test`. */
+const scratchDirs: string[] = [];
+
+/** Removes every directory `scratch` made so far. */
+function removeScratchDirs(): void {
+  for (const dir of scratchDirs.splice(0)) {
+    try {
+      rmSync(dir, { recursive: true, force: true });
+    } catch {
+      /* a test made it unremovable on purpose: leave it */
+    }
+  }
+}
+process.once("exit", removeScratchDirs); // bun test emits no "exit": reapAfterAll does it there
+
+/** A fresh empty directory for one test, removed after its test file. */
 export function scratch(prefix = "aic-test-"): string {
-  return realpathSync(mkdtempSync(join(tmpdir(), prefix)));
+  const dir = realpathSync(mkdtempSync(join(tmpdir(), prefix)));
+  scratchDirs.push(dir);
+  return dir;
 }
 
 /** A name no other test or run uses, for files in shared places (/var/tmp, $HOME). */
@@ -128,19 +145,49 @@ export function unique(prefix = ""): string {
 }
 
 /**
- * Where the aic processes of this test run keep their checkpoints (the shadow repositories under
- * $XDG_STATE_HOME/aic), so the tests never fill the developer's own ~/.local/state. Removed at exit.
+ * Where the aic processes of a test file keep their checkpoints (the shadow repositories under
+ * $XDG_STATE_HOME/aic), so the tests never fill the developer's own ~/.local/state. Made when
+ * first needed, removed after the file (`reapAfterAll`): `bun test` emits no "exit" to clean up at.
  */
-export const TEST_STATE_HOME = mkdtempSync(join(tmpdir(), "aic-test-state-"));
-process.once("exit", () => rmSync(TEST_STATE_HOME, { recursive: true, force: true }));
+let stateHome: string | undefined;
+export function testStateHome(): string {
+  stateHome ??= mkdtempSync(join(tmpdir(), "aic-test-state-"));
+  return stateHome;
+}
 
-/** Environment without the developer's own model settings, so tests see only what they pass. */
+/** Removes the state home, if one was made; the next test file gets a fresh one. */
+function removeStateHome(): void {
+  if (stateHome) rmSync(stateHome, { recursive: true, force: true });
+  stateHome = undefined;
+}
+process.once("exit", removeStateHome); // outside `bun test` (the benchmarks)
+
+/**
+ * What npm adds to the environment of the scripts it runs (`npm test`): npm_config_cache and its
+ * kind point every npm a test starts at the developer's own ~/.npm and settings, whatever $HOME the
+ * test gives it. Never passed on: a test under `npm test` must see what it sees under `bun test`.
+ */
+const FROM_NPM = /^(npm_.*|INIT_CWD)$/i;
+for (const name of Object.keys(process.env)) if (FROM_NPM.test(name)) delete process.env[name];
+
+/**
+ * The marker of this test run: every process the tests start carries `AIC_TEST_RUN=<it>` in its
+ * environment (cleanEnv adds it; it is also in this process's own environment, for the aic that
+ * tui.test.ts runs in-process and for plain Bun.spawn), and so does everything those processes
+ * start. `reapAfterAll` finds leftovers by it, never by name.
+ */
+export const TEST_RUN_VAR = "AIC_TEST_RUN";
+export const TEST_RUN = `${process.pid}-${Math.random().toString(36).slice(2, 12)}`;
+process.env[TEST_RUN_VAR] = TEST_RUN;
+
+/** Environment without the developer's own model settings or npm's variables, so tests see only what they pass. */
 export function cleanEnv(extra: Record<string, string | undefined> = {}): Record<string, string> {
-  const env: Record<string, string> = { XDG_STATE_HOME: TEST_STATE_HOME };
+  const env: Record<string, string> = { XDG_STATE_HOME: testStateHome() };
   for (const [k, v] of Object.entries(process.env)) {
-    if (v === undefined || /^(AIC_|OPENAI_|XDG_STATE_HOME$)/.test(k)) continue;
+    if (v === undefined || /^(AIC_|OPENAI_|XDG_STATE_HOME$)/.test(k) || FROM_NPM.test(k)) continue;
     env[k] = v;
   }
+  env[TEST_RUN_VAR] = TEST_RUN;
   for (const [k, v] of Object.entries(extra)) if (v !== undefined) env[k] = v;
   return env;
 }
@@ -326,6 +373,66 @@ export function killGroup(pgid: number): void {
   }
 }
 
+/** Live processes other than this one whose environment carries this run's marker (TEST_RUN). */
+export function markedProcesses(): number[] {
+  const needle = `${TEST_RUN_VAR}=${TEST_RUN}`;
+  const found: number[] = [];
+  for (const entry of readdirSync("/proc")) {
+    if (!/^\d+$/.test(entry) || Number(entry) === process.pid) continue;
+    let environ: string;
+    try {
+      environ = readFileSync(`/proc/${entry}/environ`, "latin1");
+    } catch {
+      continue; // gone, or not ours to read
+    }
+    if (environ.split("\0").includes(needle) && alive(Number(entry))) found.push(Number(entry));
+  }
+  return found;
+}
+
+/**
+ * SIGKILL to every live process that carries this run's marker (a job, a server or a daemon a
+ * test's command left running), repeated until none is left, in case one forked in between.
+ * Returns the pids it killed.
+ */
+export async function reapMarkedProcesses(): Promise<number[]> {
+  const killed = new Set<number>();
+  for (let round = 0; round < 100; round++) {
+    const pids = killMarkedProcesses();
+    if (pids.length === 0) break;
+    for (const pid of pids) killed.add(pid);
+    await Bun.sleep(20);
+  }
+  return [...killed];
+}
+
+/** One pass of `reapMarkedProcesses`: SIGKILL to each marked process alive now; returns their pids. */
+function killMarkedProcesses(): number[] {
+  return markedProcesses().filter((pid) => {
+    try {
+      process.kill(pid, "SIGKILL");
+      return true;
+    } catch {
+      return false; // already gone
+    }
+  });
+}
+// Outside `bun test` (the benchmarks), at exit; bun test emits no "exit": reapAfterAll does it there.
+process.once("exit", killMarkedProcesses);
+
+/**
+ * After the test file that calls it: kills what its tests' commands left running
+ * (`reapMarkedProcesses`) and removes the directories `scratch` made and the state home. `perTestFixtures` calls it;
+ * a file that does not use the fixtures calls it once at its top.
+ */
+export function reapAfterAll(): void {
+  afterAll(async () => {
+    await reapMarkedProcesses();
+    removeScratchDirs();
+    removeStateHome();
+  });
+}
+
 /** Peak resident set (VmHWM) of `pid` in kB, or undefined once the process (or its memory map) is gone. */
 export function readPeakRssKb(pid: number): number | undefined {
   try {
@@ -459,10 +566,12 @@ export function loadedHistoryProblems(messages: unknown): string[] {
 
 /**
  * Fake servers, scratch paths and background processes opened by the tests of one file: closed,
- * removed and killed after each test whatever happens, so a failing test leaves nothing behind.
- * Call it once at the top of a test file.
+ * removed and killed after each test whatever happens, so a failing test leaves nothing behind;
+ * after the file, whatever its commands left running is killed and its scratch directories are
+ * removed (`reapAfterAll`). Call it once at the top of a test file.
  */
 export function perTestFixtures() {
+  reapAfterAll();
   const servers: FakeServer[] = [];
   const paths: string[] = [];
   afterEach(() => {

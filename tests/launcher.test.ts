@@ -61,7 +61,8 @@ describe.skipIf(ABI < 1)(`the sandbox launcher (kernel Landlock ABI ${ABI})`, ()
     const inHome = fixtures.disposable(join(homedir(), unique("aic-launcher-")));
     const srv = fixtures.serve([
       bash(`echo "before=$PPID"`, "call_before"),
-      bash(`kill -9 $PPID; sleep 1; echo survived`, "call_kill"),
+      // The command outlives its launcher until aic has reaped it (noticed it is gone), then ends.
+      bash(`kill -9 $PPID; while [ -e /proc/$PPID ]; do sleep 0.01; done; echo survived`, "call_kill"),
       bash(`echo "after=$PPID"; echo x > ${inHome}; echo "home write exit $?"`, "call_after"),
       { content: "TASKCOMPLETE" },
     ]);

@@ -18,14 +18,15 @@ test.skipIf(!has.tmux)(
   async () => {
     const srv = fixtures.serve([bash("read answer; echo got-$answer")]);
     const dir = fixtures.disposable(scratch());
-    // `sleep 60` keeps the pane (and what aic left on it) on screen after aic exits.
-    const cmd = `${AIC} --nogui --auto-approve --api-base ${srv.url} --model m 'ask me'; echo EXIT=$?; sleep 60`;
+    // `sleep 60` keeps the pane (and what aic left on it) on screen after aic exits; "." ends the exit code, so
+    // the wait below cannot match a code caught halfway through.
+    const cmd = `${AIC} --nogui --auto-approve --api-base ${srv.url} --model m 'ask me'; echo EXIT=$?.; sleep 60`;
     tmux = new Tmux(cleanEnv(), dir, [cmd], { width: 120, height: 30 });
     await tmux.waitFor("the command's echo on screen", (s) => /\$ read answer/.test(s));
     tmux.keys("typed-by-a-person", "Enter");
-    const screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+    const screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+\./.test(s));
     expect(screen).toContain("got-typed-by-a-person");
-    expect(screen).toContain("EXIT=0");
+    expect(screen).toContain("EXIT=0.");
     const toolMessage = srv.requests[1]!.body.messages.at(-1);
     expect(toolMessage.role).toBe("tool");
     expect(toolMessage.content).toContain("got-typed-by-a-person");

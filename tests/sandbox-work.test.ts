@@ -10,7 +10,7 @@
 import { describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, readFileSync, symlinkSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { bash, has, headless, perTestFixtures, runAic, sandboxLine, toolResults } from "./helpers.ts";
+import { bash, cleanEnv, has, headless, perTestFixtures, runAic, sandboxLine, toolResults } from "./helpers.ts";
 
 const fixtures = perTestFixtures();
 
@@ -41,7 +41,7 @@ describe.skipIf(!has.landlock)("the sandbox with a fake $HOME (Landlock)", () =>
     writeFileSync(join(pkg, "index.js"), "module.exports = 42;\n");
     const pack = Bun.spawnSync(["npm", "pack", "--silent", "--pack-destination", project], {
       cwd: pkg,
-      env: { ...process.env, HOME: fixtures.varTmp("aic-packhome-") },
+      env: cleanEnv({ HOME: fixtures.varTmp("aic-packhome-") }),
     });
     expect(pack.exitCode).toBe(0);
     const srv = fixtures.serve([

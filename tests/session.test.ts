@@ -27,6 +27,7 @@ import {
   scratch,
   startAic,
   waitFor,
+  type Live,
 } from "./helpers.ts";
 
 // ---------------------------------------------------------------------------------------------
@@ -455,12 +456,15 @@ describe("one file per live instance (locking)", () => {
     );
     const waiting = (task: string) => () => srv.requests.some((r) => lastUser(r) === task);
 
+    // The request reaching the server does not mean the test has read what aic printed before it: wait for both.
+    const said = (live: Live, file: string, instance: number) =>
+      live.stderr().includes(file) && new RegExp(`instance ${instance}\\b`).test(live.stderr());
     const a = startAic(sessionArgs(srv.url, ".aicsession", "task A"), { cwd });
     await waitFor("A's model request", waiting("task A"));
     const b = startAic(sessionArgs(srv.url, ".aicsession", "task B"), { cwd });
-    await waitFor("B's model request", waiting("task B"));
+    await waitFor("B's model request and its instance line", () => waiting("task B")() && said(b, ".aicsession2", 2));
     const c = startAic(sessionArgs(srv.url, ".aicsession", "task C"), { cwd });
-    await waitFor("C's model request", waiting("task C"));
+    await waitFor("C's model request and its instance line", () => waiting("task C")() && said(c, ".aicsession3", 3));
 
     expect(a.stderr()).not.toMatch(/instance \d/);
     expect(b.stderr()).toContain(".aicsession2");

@@ -26,6 +26,12 @@ function rightPaneRows(screen: string): string[] {
   );
 }
 
+/**
+ * Whether the outer shell has printed `EXIT=<code>` after aic and its prompt after that: the
+ * whole of aic's exit is on screen, not a frame caught halfway through.
+ */
+const exitedToPrompt = (screen: string) => /EXIT=\d+\n+outer\$/.test(screen);
+
 /** A tool result's lines, trimmed (to compare a whole line such as `/tmp`, not a prefix of `/tmp/x`). */
 function outputLines(toolResult: string): string[] {
   return toolResult.split("\n").map((l) => l.trim());
@@ -50,7 +56,7 @@ test.skipIf(!has.tmux)(
       fixtures.disposable(scratch(prefix)),
     ) as [string, string, string];
     const gate = (name: string) => join(gates, name);
-    const waitGate = (name: string) => `until [ -e ${gate(name)} ]; do sleep 0.1; done`;
+    const waitGate = (name: string) => `until [ -e ${gate(name)} ]; do sleep 0.02; done`;
 
     // The model's turns: each command holds until the test opens its gate, so the test can act in between.
     const commands = [
@@ -81,7 +87,10 @@ test.skipIf(!has.tmux)(
 
     // Y approves: the command runs and its output streams into the console pane.
     tmux.keys("y");
-    screen = await tmux.waitFor("hi-42 in the console pane", (s) => rightPaneRows(s).some((r) => r.includes("hi-42")));
+    screen = await tmux.waitFor(
+      "hi-42 in the console pane and the dialog gone",
+      (s) => rightPaneRows(s).some((r) => r.includes("hi-42")) && !s.includes("Approve command?"),
+    );
     expect(screen).not.toContain("Approve command?");
 
     // /aa while the command still runs turns auto-approve on (footer), for the next command.
@@ -110,10 +119,10 @@ test.skipIf(!has.tmux)(
     writeFileSync(gate("after-cd"), "");
 
     // The agent's next command runs where the person went.
-    screen = await tmux.waitFor("pwd's output in the console pane", (s) => {
+    screen = await tmux.waitFor("pwd's output (/tmp) in the console pane", (s) => {
       const rows = rightPaneRows(s);
       const at = rows.findIndex((r) => r.includes("$ pwd"));
-      return at >= 0 && rows[at + 1] !== undefined && rows[at + 1] !== "";
+      return at >= 0 && rows[at + 1] === "/tmp";
     });
     const pwdRows = rightPaneRows(screen);
     expect(pwdRows[pwdRows.findIndex((r) => r.includes("$ pwd")) + 1]).toBe("/tmp");
@@ -125,7 +134,7 @@ test.skipIf(!has.tmux)(
     tmux.keys("C-c");
     await tmux.waitFor("the footer saying a second Ctrl+C quits", (s) => footer(s).includes("Ctrl+C again to quit"));
     tmux.keys("C-c");
-    screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+    screen = await tmux.waitFor("aic's exit and the outer prompt", exitedToPrompt);
     // tmux wraps the long exit line at its width, so it is read with the line breaks taken out.
     const unwrapped = screen.replace(/\n/g, "");
     expect(unwrapped).toContain(`aic: the conversation is saved in ${join(cwd, ".aicsession")}`);
@@ -179,7 +188,7 @@ test.skipIf(!has.tmux)(
     tmux.keys("Tab");
     tmux.keys("C-c");
     tmux.keys("C-c");
-    await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+    await tmux.waitFor("aic's exit and the outer prompt", exitedToPrompt);
   },
   120_000,
 );
@@ -233,13 +242,16 @@ test.skipIf(!has.tmux)(
     await tmux.waitFor("the approval dialog", (s) => s.includes("Approve command?"));
     const sentence = "please modify it, yes only if nothing breaks";
     tmux.type(sentence);
-    const screen = await tmux.waitFor("the sentence in the prompt", (s) => s.includes(sentence));
+    const screen = await tmux.waitFor(
+      "the sentence in the prompt, the dialog still open",
+      (s) => s.includes(sentence) && s.includes("Approve command?"),
+    );
     expect(screen).toContain("Approve command?");
     expect(srv.requests.length).toBe(1);
     expect(existsSync(join(cwd, "ran-by-accident.txt"))).toBe(false);
     tmux.keys("C-c");
     tmux.keys("C-c");
-    await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+    await tmux.waitFor("aic's exit and the outer prompt", exitedToPrompt);
     expect(existsSync(join(cwd, "ran-by-accident.txt"))).toBe(false);
   },
 );
@@ -250,17 +262,24 @@ test.skipIf(!has.tmux)("a 43-line command shows its end and its buttons; PgUp re
   const body = Array.from({ length: 41 }, (_, i) => `echo line-${String(i + 1).padStart(2, "0")}`).join("\n");
   const srv = fixtures.serve([bash(`cat <<'EOF' > /dev/null\n${body}\nEOF`)]);
   const { tmux } = await startTui(srv.url);
-  let screen = await tmux.waitFor("the dialog", (s) => s.includes("43 lines"));
+  const end = ["43 lines", "line-41", "EOF", "[Y] Approve", "[N] Reject"];
+  let screen = await tmux.waitFor("the dialog with the command's end and the buttons", (s) => {
+    const dialog = dialogRows(s).join("\n");
+    return end.every((text) => dialog.includes(text));
+  });
   const dialog = dialogRows(screen).join("\n");
-  for (const text of ["line-41", "EOF", "[Y] Approve", "[N] Reject"]) expect(dialog).toContain(text);
+  for (const text of end) expect(dialog).toContain(text);
   expect(dialog).not.toContain("cat <<'EOF'");
   for (let i = 0; i < 4; i++) tmux.keys("PPage");
-  screen = await tmux.waitFor("the command's start", (s) => dialogRows(s).join("\n").includes("cat <<'EOF'"));
+  screen = await tmux.waitFor("the command's start and the buttons", (s) => {
+    const dialog = dialogRows(s).join("\n");
+    return dialog.includes("cat <<'EOF'") && dialog.includes("[Y] Approve");
+  });
   expect(dialogRows(screen).join("\n")).toContain("[Y] Approve");
   tmux.keys("n");
   tmux.keys("C-c");
   tmux.keys("C-c");
-  await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+  await tmux.waitFor("aic's exit and the outer prompt", exitedToPrompt);
 });
 
 // Escape interrupts a running command and the TUI stays open for the next task; Ctrl+C twice then quits,
@@ -277,7 +296,7 @@ test.skipIf(!has.tmux)("Escape interrupts a running command and the TUI stays; C
   expect(srv.requests).toHaveLength(1);
   tmux.keys("C-c");
   tmux.keys("C-c");
-  screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+  screen = await tmux.waitFor("aic's exit and the outer prompt", exitedToPrompt);
   expect(screen).toMatch(/aic: the conversation is saved in .*\.aicsession/);
   expect(screen).toContain("EXIT=0");
   // The saved conversation holds the command's answer, marked as interrupted by the person.
@@ -292,7 +311,7 @@ test.skipIf(!has.tmux)("quitting with --no-session says nothing was saved", asyn
   const { tmux, cwd } = await startTui(srv.url, "--no-session");
   await tmux.waitFor("the answer", (s) => s.includes("hello"));
   tmux.keys("C-d");
-  const screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+  const screen = await tmux.waitFor("aic's exit and the outer prompt", exitedToPrompt);
   expect(screen).toContain("aic: nothing was saved (--no-session).");
   expect(screen).toContain("EXIT=0");
   expect(existsSync(join(cwd, ".aicsession"))).toBe(false);
@@ -305,18 +324,20 @@ test.skipIf(!has.tmux || !has.landlock)("the Shell tab is not sandboxed; the age
   const srv = fixtures.serve([bash(`touch ${outside}-agent; echo agent-rc=$?`), { content: "TASKCOMPLETE" }]);
   const { tmux } = await startTui(srv.url, "--auto-approve");
   try {
-    await tmux.waitFor("the agent's command", (s) => s.includes("agent-rc="));
+    // Waits match the commands' output, never the echo of what was typed: agent-rc=$? shows as agent-rc=1,
+    // shell-made-$((6*7)) as shell-made-42.
+    await tmux.waitFor("the agent's command's exit code", (s) => /agent-rc=\d/.test(s));
     tmux.keys("Tab");
     await tmux.waitFor("the Shell tab", (s) => s.includes("Your own shell, not sandboxed"));
-    tmux.type(`touch ${outside}-shell && echo shell-made-it`);
+    tmux.type(`touch ${outside}-shell && echo shell-made-$((6*7))`);
     tmux.keys("Enter");
-    await tmux.waitFor("the shell's touch", (s) => s.includes("shell-made-it"));
+    await tmux.waitFor("the shell's touch", (s) => s.includes("shell-made-42"));
     expect(existsSync(`${outside}-shell`)).toBe(true);
     expect(existsSync(`${outside}-agent`)).toBe(false);
     tmux.keys("Tab");
     tmux.keys("C-c");
     tmux.keys("C-c");
-    await tmux.waitFor("aic's exit", (s) => /EXIT=\d+/.test(s));
+    await tmux.waitFor("aic's exit and the outer prompt", exitedToPrompt);
   } finally {
     rmSync(`${outside}-shell`, { force: true });
     rmSync(`${outside}-agent`, { force: true });
