@@ -40,6 +40,8 @@ import * as path from "node:path";
 // ════════════════════════════════════════════════════════════════════════════
 
 const VERSION = "0.1.0";
+/** The JSON Lines schema (README: "JSON output"): raised when an event's field changes meaning or goes away. */
+const JSON_SCHEMA = 1;
 const MARKER = "TASKCOMPLETE";
 
 /** Headers a browser would send, so sites that block bots still answer the model's fetches. */
@@ -106,11 +108,20 @@ const EXIT = {
   stepLimit: 3,
   needsApproval: 4,
   tokenBudget: 5,
+  /** A spent --max-time: the same code as a spent token budget (a budget is a budget). */
+  budget: 5,
   unverified: 6,
+  stalled: 7,
   sighup: 129,
   sigint: 130,
   sigterm: 143,
 } as const;
+
+/**
+ * What commands see unless --no-ci-env: test runners (vitest, jest, Playwright)
+ * and many tools stay non-interactive under CI=true: no watch mode, no prompts.
+ */
+const CI_ENV: Record<string, string> = { CI: "true" };
 
 /** The environment every command gets, so pagers and credential prompts never sit waiting for a person. */
 const COMMAND_ENV: Record<string, string> = {
@@ -163,9 +174,15 @@ interface Config {
   doneWhen: string | undefined;
   /** Input plus output tokens this aic process may spend on model calls. */
   maxTokens: number | undefined;
+  /** Seconds a run may take (wall clock). */
+  maxTime: number | undefined;
+  /** A run that refused commands for want of a person exits 4. */
+  failOnRefusal: boolean;
   /** The command rules file (default ./.aicrules, which may be absent). */
   rules: string | undefined;
   noCheckpoints: boolean;
+  /** Commands do not get CI=true. */
+  noCiEnv: boolean;
   request: string | undefined;
   /** Warnings found while parsing that are not errors (an unknown algorithm name). */
   warnings: string[];
@@ -300,10 +317,30 @@ const FLAGS: readonly FlagSpec[] = [
     help: "Take no snapshot of the files before each command (no /undo, no aic undo).",
   },
   {
+    name: "--no-ci-env",
+    kind: "bool",
+    key: "noCiEnv",
+    help: "Do not give commands CI=true (which keeps test runners out of watch mode and tools from prompting).",
+  },
+  {
     name: "--rules",
     kind: "string",
     key: "rules",
     help: "Command rules file: allow / ask / deny lines (default ./.aicrules when it exists).",
+  },
+  {
+    name: "--max-time",
+    kind: "int",
+    key: "maxTime",
+    env: ["AIC_MAX_TIME"],
+    max: MAX_TIMEOUT_SEC,
+    help: "Wall-clock budget for the run in seconds: the command in flight is stopped, the session saved (exit 5).",
+  },
+  {
+    name: "--fail-on-refusal",
+    kind: "bool",
+    key: "failOnRefusal",
+    help: "Exit 4 when a command was refused because it needed a person and nobody could answer.",
   },
   {
     name: "--max-tokens",
@@ -554,14 +591,40 @@ function parseUndoArgs(kind: "undo" | "redo" | "diff", argv: string[]): ParsedAr
   return { kind, count, session };
 }
 
-/** Budget for the prompt: non-gpt models reserve room for their output inside the context window. */
-function promptBudget(config: Pick<Config, "maxPromptLen" | "model">): number {
-  const reserve = isGptModel(config.model) ? 0 : OUTPUT_RESERVATION_TOKENS;
-  return Math.max(0, config.maxPromptLen - reserve);
+/**
+ * What an endpoint accepts, by a name aic shows at start. OpenAI's own API
+ * refuses parameters that servers of open-weight models want: those servers
+ * (vLLM, llama.cpp, SGLang, Ollama…) get `max_tokens` (without it some stop
+ * at a small default) and `chat_template_kwargs` to switch thinking on, and
+ * that output is reserved inside the prompt budget.
+ */
+interface ModelProfile {
+  name: "openai" | "open-weights";
+  /** The answer's length aic asks for (`max_tokens`), reserved in the budget; undefined: the server's own default. */
+  maxTokens: number | undefined;
+  chatTemplateKwargs: boolean;
 }
 
-function isGptModel(model: string): boolean {
-  return model.toLowerCase().includes("gpt");
+/** OpenAI's families (GPT, the o-series, ChatGPT, Codex), not the open-weight gpt-oss. */
+const OPENAI_MODEL = /^(gpt-(?!oss)|gpt\d|o\d|chatgpt-|codex-)/i;
+
+function modelProfile(config: Pick<Config, "model"> & Partial<Pick<Config, "apiBase">>): ModelProfile {
+  let host = "";
+  try {
+    host = config.apiBase ? new URL(config.apiBase).hostname : "";
+  } catch {
+    /* judged by the model's name alone */
+  }
+  const name = config.model.slice(config.model.lastIndexOf("/") + 1);
+  const openai = host === "api.openai.com" || host.endsWith(".openai.azure.com") || OPENAI_MODEL.test(name);
+  return openai
+    ? { name: "openai", maxTokens: undefined, chatTemplateKwargs: false }
+    : { name: "open-weights", maxTokens: OUTPUT_RESERVATION_TOKENS, chatTemplateKwargs: true };
+}
+
+/** Budget for the prompt: the answer aic asks for is reserved inside the context window. */
+function promptBudget(config: Pick<Config, "maxPromptLen" | "model"> & Partial<Pick<Config, "apiBase">>): number {
+  return Math.max(0, config.maxPromptLen - (modelProfile(config).maxTokens ?? 0));
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -646,8 +709,36 @@ function maskSecretArguments(args: Uint8Array): void {
   }
 }
 
-/** Secrets (the API key, header values) a server might echo back are never shown. */
+/** Secrets (the API key, credential header values) a server might echo back are never shown. */
 let secretsToRedact: string[] = [];
+
+/**
+ * A word of a header's name (split at - and _) that says its value is a credential: `Authorization`,
+ * `x-api-key`, `x-goog-api-key`, `Cookie`, `x-auth-token`. Other values (a gateway's routing,
+ * `x-portkey-provider: openai`, where "portkey" is a name, not a key) are words and are shown.
+ */
+const CREDENTIAL_WORD =
+  /^((api|access|auth|bearer|refresh|session|secret|private|client)?(key|token|secret|auth|password|passwd|credentials?|signature)s?|authorization|cookie|apikey)$/i;
+
+const isCredentialHeader = (name: string) => name.split(/[-_]/).some((word) => CREDENTIAL_WORD.test(word));
+
+/** A token that looks generated rather than written: long, letters and digits mixed (an id, a key inside a JSON config). */
+const looksGenerated = (token: string) => token.length >= 12 && /\d/.test(token) && /[A-Za-z]/.test(token);
+
+/**
+ * What redaction hides: the API key, the values of credential headers (each
+ * word of them too: `Bearer sk-…`), and anything that looks generated in
+ * another header's value (a gateway config may carry a key). Short, common
+ * words (`openai`) are never hidden.
+ */
+function credentialsOf(config: Pick<Config, "apiKey" | "headers">): string[] {
+  const values = Object.entries(config.headers).flatMap(([name, value]) =>
+    isCredentialHeader(name)
+      ? [value, ...value.split(/\s+/).slice(1)]
+      : value.split(/[^A-Za-z0-9._~+/=-]+/).filter(looksGenerated),
+  );
+  return [config.apiKey ?? "", ...values].filter((v) => v.length >= 8 || (v.length >= 4 && /\d/.test(v)));
+}
 
 function redactSecrets(text: string): string {
   let out = text;
@@ -699,6 +790,11 @@ interface PromptFacts {
   projectInstructions?: { files: string[]; text: string };
   /** The --done-when check, which the model is told about. */
   doneWhen?: string;
+  /** The shell commands run in, and the directory each starts in. */
+  shell: string;
+  cwd: string;
+  /** Commands see CI=true. */
+  ciEnv: boolean;
 }
 
 function buildSystemPrompt(f: PromptFacts): string {
@@ -708,11 +804,13 @@ function buildSystemPrompt(f: PromptFacts): string {
     ? ` Files in the usual secret stores (${s.secrets.join(", ")}) cannot be read at all.`
     : "";
   const sandboxLine = s.enabled
-    ? `Commands run inside a Landlock sandbox: they may read and execute almost anything, but may write only under ${s.writable.join(", ")}${caches}.${secrets} A "Permission denied" there comes from the sandbox; do not try to get around it.`
+    ? `Commands run inside a Landlock sandbox: they may read and execute almost anything, but may write only under ${s.writable.join(", ")}${caches}.${secrets} A "Permission denied" there comes from the sandbox; do not try to get around it. Installing works inside the project (npm install, a virtualenv: python3 -m venv .venv, then .venv/bin/pip install) and through the package caches; system-wide installs and pip install --user (~/.local) do not.`
     : `No sandbox confines your commands (${s.status}); they can change anything this user can, so be careful with destructive commands.`;
   const search = `To search the web run: ${f.selfCommand} search "QUERY" (it prints a JSON array of {title, href, body}). To read a page, fetch it with curl -sL or wget -qO-.`;
   const capRule = `Each command's output reaches you capped at ${f.maxOutputBytes} bytes. When it is longer you get its head and tail, a line naming a file that holds the whole output, and the final line "${TRUNCATION_SENTINEL}". When you see that, do not re-run the command: read the saved file in slices (sed -n '100,200p', head -c, tail -c) or search it with grep and wc. For commands you expect to be long, redirect their output to a file yourself and read it the same way.`;
-  const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work (a server, a long build) in the background with & and its output redirected (cmd > log 2>&1 &): it keeps running after your command returns, as a background job (at most ${MAX_JOBS} at once), and every later tool result ends with a line per job saying whether it still runs. Poll its log, stop it with kill when you are done with it. Otherwise split the work into smaller steps or bound it with timeout.`;
+  const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work (a server, a long build) in the background with & and its output redirected (cmd > log 2>&1 &): it keeps running after your command returns, as a background job (at most ${MAX_JOBS} at once), and every later tool result ends with a line per job saying whether it still runs and the exact command that stops it. Poll its log; stop it with that command when you are done with it. Otherwise split the work into smaller steps or bound it with timeout.`;
+  const shellName = path.basename(f.shell);
+  const shellRule = `Every command runs in ${shellName} (${f.shell} -c), in a fresh shell that starts in ${f.cwd}: a cd or an export does not carry over to the next command, so chain steps with && or give paths from there.${f.ciEnv ? " Commands see CI=true, so test runners run once instead of watching, and tools do not prompt." : ""}`;
   const doneWhen = f.doneWhen
     ? ` Your claim is checked by running \`${f.doneWhen}\`: if that fails, you get its output and keep working.`
     : "";
@@ -724,6 +822,7 @@ function buildSystemPrompt(f: PromptFacts): string {
       [
         "You are a shell agent. You complete the user's task by running shell commands with the execute_bash tool, one at a time, and reading each result before the next step.",
         marker,
+        shellRule,
         capRule,
         timeoutRule,
         honesty,
@@ -740,6 +839,7 @@ function buildSystemPrompt(f: PromptFacts): string {
         "3. Prefer small, checkable steps. Verify your work (run the tests, read back the file, check the service answers) before you call the task finished.\n" +
         "4. Keep going on your own. Ask the user a question only when you have run out of reasonable options.",
       marker,
+      shellRule,
       capRule,
       timeoutRule,
       "Commands run in a pseudo-terminal with no person watching it. Use non-interactive forms: -y / --yes / --non-interactive flags, DEBIAN_FRONTEND=noninteractive, git --no-pager, here-documents for input. A command that waits for input will be stopped.",
@@ -761,6 +861,12 @@ function invalidArgumentsMessage(name: string, args: string, error: string): str
     `You sent: ${args.length > 500 ? args.slice(0, 500) + "…" : args}`,
     `Send exactly one JSON object: keys and strings in double quotes, newlines inside strings written as \\n, quotes inside strings escaped as \\", no trailing commas. For example: {"command": "ls -la"}`,
   ].join("\n");
+}
+
+/** The tool answer for a call whose arguments the output limit cut off half-way: not a quoting mistake. */
+function cutOffMessage(name: string, limit: number | undefined): string {
+  const cap = limit ? `the output limit (max_tokens ${limit})` : "the output limit of the server";
+  return `Error: your answer was cut off by ${cap} in the middle of this ${name || "tool"} call, so its arguments are incomplete and nothing ran. Send shorter calls: write a long file in parts (cat > f <<'EOF' for the first part, cat >> f <<'EOF' for each next one), or generate it with a short command.`;
 }
 
 /** The tool answer for a command a deny rule refused: which part, which rule, why. */
@@ -917,14 +1023,34 @@ interface Usage {
   estimated?: boolean;
 }
 
+/** What the sandbox gives commands, as the start event reports it. */
+interface SandboxFacts {
+  enabled: boolean;
+  /** One line for people: `on (…)` or `off (why)`. */
+  status: string;
+  /** How commands are confined: `namespaces` (the jail: Landlock inside namespaces), `landlock` alone, or `off`. */
+  jail: "namespaces" | "landlock" | "off";
+  writable: string[];
+  unreadable: string[];
+  /** `on`, or `loopback` (--network off). */
+  network: "on" | "loopback";
+  /** How many Landlock rules each command's ruleset holds. */
+  rules: number;
+}
+
 type AgentEvent =
   | {
       type: "start";
+      aic_version: string;
+      /** The JSON Lines schema (see the README's JSON section): raised when a field changes meaning or goes away. */
+      schema: number;
+      session_id: string;
       model: string;
+      /** What aic sends the model's endpoint (see modelProfile). */
+      model_profile: ModelProfile["name"];
       api_base: string;
       cwd: string;
-      sandbox: string;
-      sandbox_rules: number;
+      sandbox: SandboxFacts;
       /** The command rules file in force, or null when there is none. */
       rules: string | null;
       session: string | null;
@@ -958,7 +1084,10 @@ type AgentEvent =
       type: "command_result";
       id: string;
       exit_code: number | null;
-      status: CommandStatus;
+      /** How it ended, or why it never ran (`denied` by a rule, `refused` for want of a person, `rejected` by the person, `skipped`). */
+      status: CommandStatus | NotRun;
+      duration_ms: number;
+      /** What the person saw (rendered and capped), without the words aic adds for the model. */
       output: string;
       saved_to?: string;
       /** What the command created, modified and deleted under the start directory (null when checkpoints are off). */
@@ -1005,9 +1134,18 @@ type AgentEvent =
       usage: Usage;
       /** True when --done-when confirmed the completion. */
       verified: boolean;
+      duration_ms: number;
+      session_id: string;
+      /** Commands refused because they needed a person and nobody could answer. */
+      refused: number;
+      /** The model's last answer, without the completion marker ("" when it gave none). */
+      result: string;
     };
 
 type AgentEventType = AgentEvent["type"];
+
+/** Why a command the model proposed never ran. */
+type NotRun = "denied" | "refused" | "rejected" | "skipped";
 type RunStatus =
   | "completed"
   | "step_limit"
@@ -1017,7 +1155,10 @@ type RunStatus =
   | "failed"
   | "terminal"
   | "token_budget"
-  | "unverified";
+  | "time_budget"
+  | "unverified"
+  | "stalled"
+  | "answered";
 
 interface EventSink {
   emit(event: AgentEvent): void;
@@ -1103,7 +1244,7 @@ function describeEvent(e: AgentEvent): EventLine[] {
     case "start":
       return [
         ...agent("dim", `aic ${VERSION} · model ${e.model} · ${e.api_base} · ${e.cwd}`),
-        ...agent(e.sandbox.startsWith("on") ? "ok" : "error", `Sandbox: ${e.sandbox}`),
+        ...agent(e.sandbox.enabled ? "ok" : "error", `Sandbox: ${e.sandbox.status}`),
       ];
     case "info":
       return agent("dim", e.text);
@@ -1156,9 +1297,10 @@ function describeEvent(e: AgentEvent): EventLine[] {
     }
     case "end": {
       const verified = e.verified ? " · verified by --done-when" : "";
+      const refused = e.refused ? ` · ${e.refused} command(s) refused for want of a person` : "";
       return agent(
         e.exit_code === 0 ? "ok" : "warning",
-        `[${e.status}] ${e.steps} step(s) · ${usageText(e.usage)}${verified}`,
+        `[${e.status}] ${e.steps} step(s) · ${usageText(e.usage)}${verified}${refused}`,
       );
     }
     default:
@@ -1719,6 +1861,29 @@ const UNREACHABLE_CODES: Record<string, string> = {
 };
 
 /** Reads `Retry-After` (seconds or an HTTP date) or `retry-after-ms` from whatever header shape the SDK hands over. */
+/**
+ * How long the server asks aic to wait, from wherever it says so: the
+ * `Retry-After` / `retry-after-ms` headers, a `google.rpc.RetryInfo` detail
+ * (`retryDelay: "1.2s"`), or words such as "try again in 11.5s" / "retry in
+ * 1.2s". Undefined when it gives no hint.
+ */
+function retryHintMs(headers: unknown, body: unknown, text: string): number | undefined {
+  const header = retryAfterMs(headers);
+  if (header !== undefined) return header;
+  let delay: string | undefined;
+  const visit = (value: unknown, depth: number): void => {
+    if (delay !== undefined || value === null || typeof value !== "object" || depth > 6) return;
+    if (Array.isArray(value)) return value.slice(0, 8).forEach((v) => visit(v, depth + 1));
+    const o = value as Record<string, unknown>;
+    if (typeof o.retryDelay === "string") delay = o.retryDelay;
+    for (const v of Object.values(o)) visit(v, depth + 1);
+  };
+  visit(body, 0);
+  const m = /^(\d+(?:\.\d+)?)s$/.exec(delay ?? "") ?? /\b(?:try again|retry) in (\d+(?:\.\d+)?)\s*(ms|s)\b/i.exec(text);
+  if (!m) return undefined;
+  return Math.ceil(Number(m[1]) * (m[2] === "ms" ? 1 : 1000));
+}
+
 function retryAfterMs(headers: unknown): number | undefined {
   const get = (name: string): string | null | undefined => {
     if (!headers) return undefined;
@@ -1797,14 +1962,24 @@ function outputExceedsWindow(text: string): { output: number; window: number } |
  * numeric code or status, and names such as `invalid_api_key`): give up
  * naming what to fix, compress harder, or wait and retry.
  */
-function classifyModelFailure(httpStatus: number | undefined, body: unknown, headers?: unknown): ModelError {
+function classifyModelFailure(
+  httpStatus: number | undefined,
+  body: unknown,
+  headers?: unknown,
+  /** An error object that arrived inside a stream the server had answered with HTTP 200. */
+  inStream = false,
+): ModelError {
   const f = errorFields(body);
   const status = httpStatus ?? f.status;
   const has = (names: string[]) => f.codes.some((c) => names.includes(c));
-  const where = status === undefined ? "" : ` (HTTP ${status})`;
+  const where = inStream ? " (inside the answer's stream)" : status === undefined ? "" : ` (HTTP ${status})`;
   const detail = redactSecrets(f.text.replace(/\s+/g, " ").trim()).slice(0, 300) || "no details";
   const fatal = (message: string) => new ModelError(message, "fatal");
-  if (status === 402 || has(QUOTA_CODES) || QUOTA_EXHAUSTED.test(f.text))
+  const hint = retryHintMs(headers, body, f.text);
+  // A rate limit says when to come back, or names itself; whatever its message says about billing (Groq's
+  // upgrade link, Gemini's "check your plan and billing"), waiting is the cure. A quota of zero never refills.
+  const rateLimited = (hint !== undefined || has(RATE_CODES)) && !/\blimit: 0\b/.test(f.text);
+  if (!rateLimited && (status === 402 || has(QUOTA_CODES) || QUOTA_EXHAUSTED.test(f.text)))
     return fatal(
       `the account behind this API key has no quota or credit left${where}: ${detail} — check the plan and billing of that account with the provider`,
     );
@@ -1833,15 +2008,17 @@ function classifyModelFailure(httpStatus: number | undefined, body: unknown, hea
     return fatal(
       `the request is bigger than the account's per-minute token limit${where}: ${detail} — lower --max-prompt-len or raise the account's rate limit`,
     );
-  if (status === 429 || has(RATE_CODES))
-    return new ModelError(`rate limited${where}: ${detail}`, "retry", retryAfterMs(headers));
+  if (status === 429 || rateLimited) return new ModelError(`rate limited${where}: ${detail}`, "retry", hint);
+  // A server that already answered 200 and then failed mid-stream (vLLM's parser tripping on a sampled token)
+  // mostly succeeds on the next attempt: it is retried like a 5xx, since key, quota and model were judged above.
+  if (inStream) return new ModelError(`the model's stream failed${where}: ${detail}`, "retry", hint);
   if (status !== undefined && status >= 400 && status < 500 && status !== 408 && status !== 409) {
     const hint = /header/i.test(f.text)
       ? "check --header (gateways such as Portkey route by header)"
       : "check --model, --api-base and --reasoning-effort";
     return fatal(`the endpoint rejected the request${where}: ${detail} — ${hint}`);
   }
-  return new ModelError(status === undefined ? detail : `HTTP ${status}: ${detail}`, "retry", retryAfterMs(headers));
+  return new ModelError(status === undefined ? detail : `HTTP ${status}: ${detail}`, "retry", hint);
 }
 
 /** Narrows whatever the SDK or fetch threw into a ModelError, in aic's words (never Bun's internals). */
@@ -1857,9 +2034,9 @@ function modelErrorFrom(error: unknown, url: string, midStream: boolean): ModelE
     name?: unknown;
   };
   const status = typeof e?.status === "number" ? e.status : undefined;
-  // An HTTP error, or an error object inside the stream: classified from its own fields.
+  // An HTTP error, or an error object inside the stream (the SDK throws it without a status: the response was a 200).
   if (status !== undefined || (e?.error !== undefined && e?.error !== null))
-    return classifyModelFailure(status, e.error ?? e.message, e.headers);
+    return classifyModelFailure(status, e.error ?? e.message, e.headers, status === undefined);
   const code = String(e?.cause?.code ?? e?.code ?? "");
   if (UNREACHABLE_CODES[code])
     return new ModelError(
@@ -1889,6 +2066,8 @@ interface AssistantTurn {
   content: string;
   reasoning: string;
   toolCalls: ToolCall[];
+  /** Why the model stopped (`stop`, `tool_calls`, `length` when the output limit cut it), when the server said. */
+  finishReason?: string;
   usage: { prompt_tokens: number; completion_tokens: number; cached_tokens: number } | undefined;
 }
 
@@ -2019,10 +2198,9 @@ class ModelClient {
       params.tool_choice = "auto";
     }
     if (this.config.reasoningEffort) params.reasoning_effort = this.config.reasoningEffort;
-    if (!isGptModel(this.config.model)) {
-      params.max_tokens = OUTPUT_RESERVATION_TOKENS;
-      params.chat_template_kwargs = { enable_thinking: true };
-    }
+    const profile = modelProfile(this.config);
+    if (profile.maxTokens !== undefined) params.max_tokens = profile.maxTokens;
+    if (profile.chatTemplateKwargs) params.chat_template_kwargs = { enable_thinking: true };
     return params;
   }
 
@@ -2033,6 +2211,7 @@ class ModelClient {
     let reasoning = "";
     let chunks = 0;
     let finished = false;
+    let finishReason: string | undefined;
     let usage: AssistantTurn["usage"];
     const calls = new ToolCallAssembler();
     this.sawDone = false;
@@ -2053,9 +2232,13 @@ class ModelClient {
           choices?: { delta?: Record<string, unknown>; finish_reason?: unknown }[];
           usage?: Record<string, unknown>;
         };
-        if (chunk.error) throw classifyModelFailure(undefined, chunk.error);
+        if (chunk.error) throw classifyModelFailure(undefined, chunk.error, undefined, true);
         if (chunk.usage) usage = readUsage(chunk.usage);
-        if (chunk.choices?.[0]?.finish_reason) finished = true;
+        const reason = chunk.choices?.[0]?.finish_reason;
+        if (reason) {
+          finished = true;
+          finishReason = String(reason);
+        }
         const delta = chunk.choices?.[0]?.delta;
         if (!delta) continue;
         const thought = [delta.reasoning_content, delta.reasoning, delta.thinking].find(
@@ -2086,7 +2269,7 @@ class ModelClient {
     if (!finished && !this.sawDone)
       throw new ModelError("the stream was cut off: it ended with neither a finish_reason nor data: [DONE]", "retry");
     this.answered = true;
-    return { content, reasoning, toolCalls: calls.finish(), usage };
+    return { content, reasoning, toolCalls: calls.finish(), usage, finishReason };
   }
 
   /**
@@ -3731,6 +3914,19 @@ interface SandboxPlan {
   rules: SandboxRule[];
 }
 
+/** The sandbox as the start event reports it. */
+function sandboxFacts(s: Sandbox): SandboxFacts {
+  return {
+    enabled: s.enabled,
+    status: s.status,
+    jail: s.enabled ? "landlock" : "off",
+    writable: [...s.writable],
+    unreadable: [...s.secrets],
+    network: "on",
+    rules: s.ruleCount,
+  };
+}
+
 function sandboxOff(reason: string): Sandbox {
   return {
     status: `off (${reason})`,
@@ -5084,6 +5280,8 @@ function groupsWaitForTerminalInput(pgids: readonly number[]): boolean {
 interface RunOptions {
   command: string;
   cwd: string;
+  /** Whether the command sees CI=true (off with --no-ci-env). */
+  ciEnv: boolean;
   timeoutSec: number;
   maxOutputBytes: number;
   /** False when nobody can type an answer: then a command stuck on input is stopped. */
@@ -5107,17 +5305,45 @@ interface JobsLeft {
   refused: Job[];
 }
 
-function commandWrapper(command: string): string {
+/** The shell commands run in: bash where there is one (the tool is execute_bash, and models write bash), else /bin/sh. */
+function commandShell(): string {
+  return fs.existsSync("/bin/bash") ? "/bin/bash" : "/bin/sh";
+}
+
+/**
+ * What aic puts before every command, on the command's own first line (so a
+ * shell's "line N" in an error is the line of the command as the model wrote
+ * it): job control, so each `&` job gets a process group of its own that
+ * outlives the shell and that the timeout, stops and the input watch (which
+ * act on the foreground) never reach; and curl and wget sending a browser's
+ * User-Agent.
+ */
+function commandPreamble(): string {
   const ua = BROWSER_USER_AGENT.replace(/'/g, "");
   return [
-    // Job control: each `&` job gets a process group of its own, so it outlives the shell and the
-    // timeout, stops and the input watch (which act on the foreground) never reach it.
     "set -m 2>/dev/null",
     `export HTTP_USER_AGENT='${ua}'`,
     `curl() { command curl -A "$HTTP_USER_AGENT" "$@"; }`,
     `wget() { command wget -U "$HTTP_USER_AGENT" "$@"; }`,
-    command,
-  ].join("\n");
+    "",
+  ].join("; ");
+}
+
+/** What starting one command takes: its argv, environment and terminal size. Pure, so it is tested alone. */
+interface CommandRequest {
+  argv: string[];
+  env: Record<string, string | undefined>;
+  cols: number;
+  rows: number;
+}
+
+function commandRequest(
+  command: string,
+  o: { marker: string; ciEnv: boolean; shell: string; environment: Record<string, string | undefined> },
+): CommandRequest {
+  const env = { ...o.environment, ...COMMAND_ENV, ...(o.ciEnv ? CI_ENV : {}) };
+  if (o.marker) env[JOB_MARKER_ENV] = o.marker;
+  return { argv: [o.shell, "-c", commandPreamble() + command], env, cols: COMMAND_COLUMNS, rows: COMMAND_ROWS };
 }
 
 async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: JobsLeft }> {
@@ -5132,17 +5358,22 @@ async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: Jo
   let stopping: Promise<void> | undefined;
 
   const marker = opts.jobs?.nextMarker() ?? "";
-  const env = { ...commandEnvironment(), ...COMMAND_ENV, ...(marker ? { [JOB_MARKER_ENV]: marker } : {}) };
+  const request = commandRequest(opts.command, {
+    marker,
+    ciEnv: opts.ciEnv,
+    shell: commandShell(),
+    environment: commandEnvironment(),
+  });
   // Output that arrives before the process is known waits here (the launcher may report both in one read).
   let early: Uint8Array[] | undefined = [];
   let deliver: (bytes: Uint8Array) => void = (bytes) => {
     early?.push(bytes);
   };
-  const child = await opts.sandbox.spawn(["/bin/sh", "-c", commandWrapper(opts.command)], {
+  const child = await opts.sandbox.spawn(request.argv, {
     cwd: opts.cwd,
-    env,
-    cols: COMMAND_COLUMNS,
-    rows: COMMAND_ROWS,
+    env: request.env,
+    cols: request.cols,
+    rows: request.rows,
     onData: (bytes) => deliver(bytes),
   });
   const shell = child.pid;
@@ -5481,7 +5712,7 @@ class JobTable {
         id: this.nextId++,
         pid: leader.pid,
         // A `( … ) &` job is a fork of the command's own shell, whose command line is aic's wrapper: name the command instead.
-        command: line.startsWith("/bin/sh -c set -m") ? `a subshell of: ${oneLine(left.command, 100)}` : line,
+        command: line.startsWith(`${commandShell()} -c set -m`) ? `a subshell of: ${oneLine(left.command, 100)}` : line,
         session: left.session,
         marker: left.marker,
         groups: new Set([pgid]),
@@ -5663,10 +5894,21 @@ function jobStateText(job: Job): string {
   }
 }
 
-/** `[job 1] running for 12 s: pid 4242, python3 -m http.server 8123; its terminal is logged to /tmp/…/job-….log` */
+/**
+ * `[job 1] running for 12 s: process group 4242 (python3 -m http.server 8123); stop it with: kill -- -4242; its
+ * terminal is logged to /tmp/…/job-….log`. A job is its process group (a dev server's children included), so the
+ * line names the one command that stops all of it; `kill %1` would mean nothing to the next command's fresh shell.
+ */
 function jobLine(job: Job): string {
-  const log = job.state === "running" ? `; its terminal is logged to ${job.terminal.path}` : "";
-  return `[job ${job.id}] ${jobStateText(job)}: pid ${job.pid}, ${job.command}${log}`;
+  const group = jobGroup(job);
+  const running =
+    job.state === "running" ? `; stop it with: kill -- -${group}; its terminal is logged to ${job.terminal.path}` : "";
+  return `[job ${job.id}] ${jobStateText(job)}: process group ${group} (${job.command})${running}`;
+}
+
+/** The process group that is the job (its leader's), as the model's commands see it. */
+function jobGroup(job: Job): number {
+  return job.groups.values().next().value ?? job.pid;
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -8050,6 +8292,10 @@ interface AgentOptions {
   rules: CommandRules;
   /** A snapshot of the files before each command, for undo (absent: none are taken). */
   checkpoints?: Checkpoints;
+  /** The session's id (or the run's own, without a session file), for the end event. */
+  sessionId(): string;
+  /** A person sits at the keyboard: a reply without a tool call hands the turn back instead of being nudged. */
+  attended: boolean;
 }
 
 /** What answering one tool call came to: a tool message, a rejection with the person's suggestion, or no one to ask. */
@@ -8058,6 +8304,8 @@ type ToolAnswer =
 
 interface ToolCallContext {
   options: AgentOptions;
+  /** The output limit cut the model's turn off (`finish_reason: "length"`): broken arguments are not a quoting mistake. */
+  cutOff: boolean;
   autoApprove: boolean;
   /** Where the command runs, asked right before it starts (the TUI's Shell tab may just have moved the agent). */
   cwd(): string;
@@ -8072,6 +8320,8 @@ interface ToolCallContext {
   beforeRun(call: string, command: string): Promise<void>;
   /** Right after it ran: the checkpoint after it, and what it changed (undefined when checkpoints are off). */
   afterRun(call: string): Promise<ChangedFiles | undefined>;
+  /** A command was refused because it needed a person and nobody could answer: counted for the end of the run. */
+  refusedForWantOfPerson(): void;
 }
 
 /** Reads the call's arguments, asks for approval, runs the command, and words the result for the model. */
@@ -8084,7 +8334,13 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
     try {
       args = JSON.parse(rawArgs);
     } catch (error) {
-      return { kind: "done", content: invalidArgumentsMessage(name, rawArgs, (error as Error).message) };
+      const limit = modelProfile(ctx.options.config).maxTokens;
+      return {
+        kind: "done",
+        content: ctx.cutOff
+          ? cutOffMessage(name, limit)
+          : invalidArgumentsMessage(name, rawArgs, (error as Error).message),
+      };
     }
   }
   if (name !== EXECUTE_BASH_TOOL.function.name) return { kind: "done", content: unknownFunctionMessage(name) };
@@ -8092,11 +8348,28 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
   if (typeof command !== "string" || !command.trim()) return { kind: "done", content: NO_ARGUMENTS_MESSAGE };
 
   emit({ type: "command", id: call.id, command });
+  const notRun = (status: NotRun) =>
+    emit({
+      type: "command_result",
+      id: call.id,
+      exit_code: null,
+      status,
+      duration_ms: 0,
+      output: "",
+      changed_files: null,
+    });
   const gate = await passApprovalGate(call.id, command, ctx);
-  if (!gate.run) return gate.answer;
-  if (signal.aborted) return { kind: "done", content: notExecuted(signal) };
+  if (!gate.run) {
+    notRun(gate.status);
+    return gate.answer;
+  }
+  if (signal.aborted) {
+    notRun("skipped");
+    return { kind: "done", content: notExecuted(signal) };
+  }
   o.beforeCommand?.();
   await ctx.beforeRun(call.id, command);
+  const startedAt = performance.now();
   const result = await runForAgent(command, o, ctx.cwd(), signal, {
     // Only a command a person approved by hand gets their keys when it waits for input; others are stopped.
     canAnswerInput: o.canAnswerInput() && gate.byHand,
@@ -8104,6 +8377,7 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
     onWaitingForInput: () => emit({ type: "command_waiting", id: call.id }),
     attachInput: o.attachInput,
   });
+  const durationMs = Math.round(performance.now() - startedAt);
   const changed = await ctx.afterRun(call.id);
   let content = describeCommandResult(result, o.config.timeoutSec, o.config.maxOutputBytes);
   if (changed && changedFilesNote(changed)) content += `\n${changedFilesNote(changed)}`;
@@ -8114,7 +8388,8 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
     id: call.id,
     exit_code: result.exitCode,
     status: result.status,
-    output: content,
+    duration_ms: durationMs,
+    output: result.output,
     saved_to: result.savedTo,
     changed_files: changed ?? null,
   });
@@ -8123,8 +8398,8 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
   return { kind: "done", content };
 }
 
-/** Whether the command may run (and whether a person approved it by hand), or the answer the model gets instead. */
-type GateOutcome = { run: true; byHand: boolean } | { run: false; answer: ToolAnswer };
+/** Whether the command may run (and whether a person approved it by hand), or the answer the model gets instead and why. */
+type GateOutcome = { run: true; byHand: boolean } | { run: false; answer: ToolAnswer; status: NotRun };
 
 /**
  * The approval gate: the rules first (deny never runs, even with
@@ -8134,11 +8409,15 @@ type GateOutcome = { run: true; byHand: boolean } | { run: false; answer: ToolAn
  */
 async function passApprovalGate(id: string, command: string, ctx: ToolCallContext): Promise<GateOutcome> {
   const { options: o, signal, emit } = ctx;
-  const refuse = (content: string): GateOutcome => ({ run: false, answer: { kind: "done", content } });
+  const refuse = (content: string, status: NotRun): GateOutcome => ({
+    run: false,
+    answer: { kind: "done", content },
+    status,
+  });
   const ruled = o.rules.judge(command);
   if (ruled.verdict === "deny") {
     emit({ type: "approval", id, decision: "denied", rule: ruled.rule?.text });
-    return refuse(deniedByRuleMessage(ruled, o.rules.path));
+    return refuse(deniedByRuleMessage(ruled, o.rules.path), "denied");
   }
   if (ruled.verdict === "allow" || ctx.autoApprove) {
     const allowed = ruled.verdict === "allow";
@@ -8155,19 +8434,24 @@ async function passApprovalGate(id: string, command: string, ctx: ToolCallContex
     o.approve({ id, command, index: ctx.index, total: ctx.total, alwaysAllow }),
     signal,
   );
-  if (!answer) return refuse(notExecuted(signal));
+  if (!answer) return refuse(notExecuted(signal), "skipped");
   switch (answer.kind) {
     case "no_input":
       emit({ type: "approval", id, decision: "no_input" });
+      ctx.refusedForWantOfPerson();
       return o.rules.present
-        ? refuse(needsPersonMessage(ruled, o.rules.path, o.rules.allowedPatterns()))
-        : { run: false, answer: { kind: "no_input" } };
+        ? refuse(needsPersonMessage(ruled, o.rules.path, o.rules.allowedPatterns()), "refused")
+        : { run: false, answer: { kind: "no_input" }, status: "refused" };
     case "reject":
       emit({ type: "approval", id, decision: "rejected" });
-      return refuse(SKIPPED_BY_USER);
+      return refuse(SKIPPED_BY_USER, "rejected");
     case "suggest":
       emit({ type: "approval", id, decision: "suggestion", suggestion: answer.text });
-      return { run: false, answer: { kind: "suggestion", content: SKIPPED_BY_USER, text: answer.text } };
+      return {
+        run: false,
+        answer: { kind: "suggestion", content: SKIPPED_BY_USER, text: answer.text },
+        status: "rejected",
+      };
     case "always":
       emit({ type: "approval", id, decision: "approved", added_rules: alwaysAllow && addRules(alwaysAllow, ctx) });
       return { run: true, byHand: true };
@@ -8213,6 +8497,7 @@ async function runForAgent(
       cwd,
       timeoutSec: o.config.timeoutSec,
       maxOutputBytes: o.config.maxOutputBytes,
+      ciEnv: !o.config.noCiEnv,
       signal,
       sandbox: o.sandbox,
       outputs: o.outputs,
@@ -8256,8 +8541,10 @@ async function checkCompletion(
 
 /** The abort reason of a run the person interrupted (rather than one stopped by a signal or /stop). */
 const USER_INTERRUPT = "interrupted by the user";
+/** The abort reason of a run whose --max-time is spent. */
+const TIME_BUDGET = "the time budget is spent";
 const stoppedStatus = (signal: AbortSignal): RunStatus =>
-  signal.reason === USER_INTERRUPT ? "interrupted" : "stopped";
+  signal.reason === USER_INTERRUPT ? "interrupted" : signal.reason === TIME_BUDGET ? "time_budget" : "stopped";
 const notExecuted = (signal: AbortSignal) =>
   signal.reason === USER_INTERRUPT ? NOT_EXECUTED_INTERRUPTED : NOT_EXECUTED_STOPPED;
 
@@ -8508,6 +8795,43 @@ class ModelCalls {
 // through the sink and `approve`, and is moved only through its methods.
 // ════════════════════════════════════════════════════════════════════════════
 
+/** Tool-less replies in a row after which an unattended run is stalled (each got the nudge). */
+const STALL_TOOLLESS_REPLIES = 3;
+/** The same command with the same result this many times in a row: the model is not learning from it. */
+const STALL_REPEATS = 5;
+
+/**
+ * Notices a model going round in circles, which would otherwise burn tokens
+ * until the step limit: replies without a tool call in a row, and the same
+ * command with the same result in a row.
+ */
+class StallWatch {
+  private toollessInRow = 0;
+  private lastPair = "";
+  private repeats = 0;
+  reason = "";
+
+  /** One more reply without a tool call; true when that makes a stall. */
+  toolless(): boolean {
+    this.repeats = 0;
+    this.lastPair = "";
+    if (++this.toollessInRow < STALL_TOOLLESS_REPLIES) return false;
+    this.reason = `${this.toollessInRow} replies in a row without a tool call`;
+    return true;
+  }
+
+  /** One command and its result; true when the same pair has come STALL_REPEATS times in a row. */
+  repeated(command: string, result: string): boolean {
+    this.toollessInRow = 0;
+    const pair = JSON.stringify([command, result]);
+    this.repeats = pair === this.lastPair ? this.repeats + 1 : 1;
+    this.lastPair = pair;
+    if (this.repeats < STALL_REPEATS) return false;
+    this.reason = `the same command with the same result ${this.repeats} times in a row`;
+    return true;
+  }
+}
+
 /**
  * The ralph loop: one run per request, step after step until the model
  * marks the task complete, the step limit, a stop or a failure. It owns the
@@ -8530,6 +8854,10 @@ class Agent {
   /** Claims of completion --done-when refused during this run, and whether the last one was confirmed. */
   private refusedClaims = 0;
   private verified = false;
+  /** Commands of this run refused because they needed a person and nobody could answer. */
+  private refused = 0;
+  /** Whether the model is going round in circles (tool-less replies, the same command and result again). */
+  private stall = new StallWatch();
 
   constructor(private readonly o: AgentOptions) {
     this.autoApprove = o.config.autoApprove;
@@ -8704,6 +9032,7 @@ class Agent {
 
   async run(request: string): Promise<RunOutcome> {
     const abort = (this.abort = new AbortController());
+    const startedAt = Date.now();
     this.isRunning = true;
     if (this.messages.length === 0)
       this.messages.push({ role: "system", content: systemContent(this.basePrompt, this.summary) });
@@ -8712,54 +9041,31 @@ class Agent {
     this.messages.push(requestMessage);
     this.model.newRun();
     this.refusedClaims = 0;
+    this.refused = 0;
+    this.stall = new StallWatch();
     // A new request moves the conversation on: what was undone before it stays undone.
     if (this.o.checkpoints) this.o.checkpoints.redo = [];
     this.verified = false;
     this.checkpoint("user_request");
+    const maxTime = this.o.config.maxTime;
+    const clock = maxTime === undefined ? undefined : setTimeout(() => abort.abort(TIME_BUDGET), maxTime * 1000);
     let status: RunStatus = "step_limit";
     let steps = 0;
     try {
-      for (;;) {
-        if (abort.signal.aborted) {
-          status = stoppedStatus(abort.signal);
-          break;
-        }
-        if (steps >= this.o.config.maxSteps) {
-          status = "step_limit";
-          break;
-        }
+      for (; !abort.signal.aborted && steps < this.o.config.maxSteps;) {
         steps++;
         this.stepCount++;
-        this.emit({ type: "step", step: steps, max_steps: this.o.config.maxSteps });
-        for (const text of this.suggestions.splice(0))
-          this.messages.push({ role: "user", content: steeringMessage(text) });
-        await this.compressIfNeeded(abort.signal, this.o.config.compressTarget);
-        const outgoing = validateOutgoing(this.messages);
-        if (outgoing.terminal) {
-          status = "terminal";
-          break;
-        }
-        const turn = await this.callModel(abort.signal);
-        const outcome = await this.handleTurn(turn, abort.signal);
+        const outcome = await this.step(steps, abort.signal);
         if (outcome) {
           status = outcome;
           break;
         }
       }
+      if (abort.signal.aborted) status = stoppedStatus(abort.signal);
     } catch (error) {
-      if (error instanceof StoppedError || abort.signal.aborted) status = stoppedStatus(abort.signal);
-      else if (error instanceof TokenBudgetError) {
-        status = "token_budget";
-        this.emit({ type: "warning", text: error.message });
-      } else {
-        status = "failed";
-        this.emit({
-          type: "error",
-          message:
-            error instanceof ModelError ? error.message : `unexpected failure: ${(error as Error)?.stack ?? error}`,
-        });
-      }
+      status = this.failure(error, abort.signal);
     } finally {
+      clearTimeout(clock);
       answerOpenCalls(this.messages, notExecuted(abort.signal));
       if (status === "failed" && withdrawUnanswered(this.messages, requestMessage))
         this.emit({
@@ -8770,12 +9076,44 @@ class Agent {
       this.abort = undefined;
       this.checkpoint(status === "stopped" || status === "interrupted" ? "interrupted" : "loop_terminated");
     }
-    if (status === "step_limit")
-      this.emit({
-        type: "warning",
-        text: `stopped after ${this.o.config.maxSteps} steps (--max-steps) without the task being marked complete`,
-      });
-    const exitCode = status === "stopped" ? this.stopExitCode : EXIT_FOR_STATUS[status];
+    return this.finishRun(status, steps, Date.now() - startedAt);
+  }
+
+  /** One step: steering, compression, one model turn, its tool calls. A final status, or undefined to go on. */
+  private async step(step: number, signal: AbortSignal): Promise<RunStatus | undefined> {
+    this.emit({ type: "step", step, max_steps: this.o.config.maxSteps });
+    for (const text of this.suggestions.splice(0)) this.messages.push({ role: "user", content: steeringMessage(text) });
+    await this.compressIfNeeded(signal, this.o.config.compressTarget);
+    if (validateOutgoing(this.messages).terminal) return "terminal";
+    const turn = await this.callModel(signal);
+    return this.handleTurn(turn, signal);
+  }
+
+  /** What an exception out of a step means for the run; the person is told. */
+  private failure(error: unknown, signal: AbortSignal): RunStatus {
+    if (error instanceof StoppedError || signal.aborted) return stoppedStatus(signal);
+    if (error instanceof TokenBudgetError) {
+      this.emit({ type: "warning", text: error.message });
+      return "token_budget";
+    }
+    this.emit({
+      type: "error",
+      message: error instanceof ModelError ? error.message : `unexpected failure: ${(error as Error)?.stack ?? error}`,
+    });
+    return "failed";
+  }
+
+  /** The run's last words: a warning for a limit, and the `end` event with its exit code. */
+  private finishRun(status: RunStatus, steps: number, durationMs: number): RunOutcome {
+    const limits: Partial<Record<RunStatus, string>> = {
+      step_limit: `stopped after ${this.o.config.maxSteps} steps (--max-steps) without the task being marked complete`,
+      time_budget: `the time budget is spent (--max-time ${this.o.config.maxTime} s): the run was stopped and the session saved`,
+      stalled: `the model is going round in circles (${this.stall.reason}): the run was stopped and the session saved`,
+    };
+    if (limits[status]) this.emit({ type: "warning", text: limits[status] });
+    let exitCode = status === "stopped" ? this.stopExitCode : EXIT_FOR_STATUS[status];
+    if (exitCode === EXIT.ok && this.refused > 0 && this.o.config.failOnRefusal) exitCode = EXIT.needsApproval;
+    const last = [...this.messages].reverse().find((m) => m.role === "assistant");
     this.emit({
       type: "end",
       status,
@@ -8783,6 +9121,10 @@ class Agent {
       steps,
       usage: { ...this.usage },
       verified: status === "completed" && this.verified,
+      duration_ms: durationMs,
+      session_id: this.o.sessionId(),
+      refused: this.refused,
+      result: contentText(last?.content).split(MARKER).join("").trim(),
     });
     return { status, exitCode };
   }
@@ -8826,9 +9168,17 @@ class Agent {
     if (!turn.toolCalls.length) {
       // A suggestion typed during the last step is heard before the task counts as done.
       if (turn.content.includes(MARKER)) return this.suggestions.length ? undefined : this.judgeClaim(signal);
+      // A person at the keyboard answers a question themselves; nobody there: the model is nudged, a few times.
+      if (this.o.attended) return this.suggestions.length ? undefined : "answered";
+      if (this.stall.toolless()) return "stalled";
       this.messages.push({ role: "user", content: CONTINUE_MESSAGE });
       return undefined;
     }
+    return this.runToolCalls(turn, signal);
+  }
+
+  /** Each tool call of a turn in order, each answered once; a suggestion skips the rest. */
+  private async runToolCalls(turn: AssistantTurn, signal: AbortSignal): Promise<RunStatus | undefined> {
     let suggestion: string | undefined;
     for (const [index, call] of turn.toolCalls.entries()) {
       if (signal.aborted) break;
@@ -8836,31 +9186,38 @@ class Agent {
         this.answer(call.id, SKIPPED_AFTER_SUGGESTION);
         continue;
       }
-      const result = await answerToolCall(call, {
-        options: this.o,
-        autoApprove: this.autoApprove,
-        cwd: () => this.cwd,
-        index: index + 1,
-        total: turn.toolCalls.length,
-        signal,
-        emit: (event) => this.emit(event),
-        rulesChanged: () => this.rulesChanged(),
-        beforeRun: async (id, command) => {
-          if (!this.o.checkpoints) return;
-          await this.o.checkpoints.beforeCommand(id, command);
-          this.checkpoint("before_command"); // so that undo works even after a kill -9 during the command
-        },
-        afterRun: async (id) => this.o.checkpoints?.afterCommand(id),
-      });
+      const result = await answerToolCall(call, this.toolCallContext(turn, index, signal));
       if (result.kind === "no_input") {
         answerOpenCalls(this.messages, NOT_EXECUTED_STOPPED);
         return "needs_approval";
       }
       this.answer(call.id, result.content);
       if (result.kind === "suggestion") suggestion = result.text;
+      if (this.stall.repeated(call.function.arguments, result.content)) return "stalled";
     }
     if (suggestion !== undefined) this.messages.push({ role: "user", content: suggestionInsteadMessage(suggestion) });
     return signal.aborted ? stoppedStatus(signal) : undefined;
+  }
+
+  private toolCallContext(turn: AssistantTurn, index: number, signal: AbortSignal): ToolCallContext {
+    return {
+      options: this.o,
+      cutOff: turn.finishReason === "length",
+      autoApprove: this.autoApprove,
+      cwd: () => this.cwd,
+      index: index + 1,
+      total: turn.toolCalls.length,
+      signal,
+      emit: (event) => this.emit(event),
+      rulesChanged: () => this.rulesChanged(),
+      beforeRun: async (id, command) => {
+        if (!this.o.checkpoints) return;
+        await this.o.checkpoints.beforeCommand(id, command);
+        this.checkpoint("before_command"); // so that undo works even after a kill -9 during the command
+      },
+      afterRun: async (id) => this.o.checkpoints?.afterCommand(id),
+      refusedForWantOfPerson: () => this.refused++,
+    };
   }
 
   /**
@@ -8984,9 +9341,9 @@ async function checkPromptRoom(config: Config, systemPrompt: string): Promise<vo
   if (budget >= Buffer.byteLength(systemPrompt) + PER_MESSAGE_OVERHEAD + MIN_CONVERSATION_TOKENS) return;
   const prompt = (await loadEncoder()).count(systemPrompt) + PER_MESSAGE_OVERHEAD;
   if (budget >= prompt + MIN_CONVERSATION_TOKENS) return;
-  const reserved = isGptModel(config.model) ? 0 : OUTPUT_RESERVATION_TOKENS;
+  const reserved = modelProfile(config).maxTokens ?? 0;
   const reserve = reserved
-    ? ` after the ${reserved} tokens reserved for the answer of models whose name lacks "gpt"`
+    ? ` after the ${reserved} tokens reserved for the model's answer (model profile ${modelProfile(config).name})`
     : "";
   const least = reserved + prompt + MIN_CONVERSATION_TOKENS;
   throw new UsageError(
@@ -9041,6 +9398,9 @@ function prepareParts(config: Config): PreparedRun {
     selfCommand: selfCommand(),
     projectInstructions,
     doneWhen: config.doneWhen,
+    shell: commandShell(),
+    cwd: process.cwd(),
+    ciEnv: !config.noCiEnv,
   });
   return { sandbox, systemPrompt, rules };
 }
@@ -9066,12 +9426,17 @@ const EXIT_FOR_STATUS: Record<RunStatus, number> = {
   stopped: EXIT.sigint,
   interrupted: EXIT.sigint,
   token_budget: EXIT.tokenBudget,
+  time_budget: EXIT.budget,
   unverified: EXIT.unverified,
+  stalled: EXIT.stalled,
+  answered: EXIT.ok,
 };
 
 /** What a front end gives a run: where its events go, how approvals are answered, and who can type into a command. */
 interface FrontEnd {
   sink: EventSink;
+  /** A person sits at the keyboard (the TUI): a reply without a tool call hands the turn back to them. */
+  attended: boolean;
   approve: ApproveFn;
   /** Whether a person can type into a running command (decides the stuck-on-input rule). */
   canAnswerInput(): boolean;
@@ -9104,19 +9469,25 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   const session = sessionPath
     ? SessionStore.claim(sessionPath, { model: config.model, apiBase: config.apiBase }, front.sink)
     : undefined;
+  const loaded = session?.load(fullSystemPrompt(prepared));
+  // A run without a session file still has an id: the JSON events and the end line name it.
+  const runId = newSessionId();
+  const sessionId = () => session?.sessionId ?? runId;
   front.sink.emit({
     type: "start",
+    aic_version: VERSION,
+    schema: JSON_SCHEMA,
+    session_id: sessionId(),
     model: config.model,
+    model_profile: modelProfile(config).name,
     api_base: config.apiBase,
     cwd: process.cwd(),
-    sandbox: prepared.sandbox.status,
-    sandbox_rules: prepared.sandbox.ruleCount,
+    sandbox: sandboxFacts(prepared.sandbox),
     rules: prepared.rules.present ? prepared.rules.path : null,
     session: session?.path ?? null,
     request,
   });
   for (const report of prepared.rules.reports) front.sink.emit({ type: "warning", text: report });
-  const loaded = session?.load(fullSystemPrompt(prepared));
   // What reading a long session left (the last of its texts; for a file read whole, its bytes and their
   // decoded text) is garbage once it is parsed: collected now, before the first checkpoint allocates
   // again, so the peak is not their sum.
@@ -9153,6 +9524,8 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     attachInput: front.attachInput,
     beforeCommand: front.beforeCommand,
     jobs,
+    sessionId,
+    attended: front.attended,
   });
   if (loaded) {
     for (const line of loaded.reports) front.sink.emit({ type: "info", text: `[SESSION] ${line}` });
@@ -9299,10 +9672,15 @@ class StdinReader {
   }
 }
 
-/** The --nogui approval prompt: y/yes/empty approves, n/no rejects, anything else is a suggestion. */
-function plainApproval(stdin: StdinReader): ApproveFn {
+/**
+ * The --nogui approval prompt: y/yes/empty approves, n/no rejects, anything
+ * else is a suggestion. With --json and no terminal on stdin the prompt is
+ * not written: a CI job's stderr holds diagnostics only (the `command` event
+ * already names what waits).
+ */
+function plainApproval(stdin: StdinReader, prompt: boolean): ApproveFn {
   return async ({ command }) => {
-    writeOut(2, `Approve command? (y/n/suggestion): ${visibleControls(command)}\n> `);
+    if (prompt) writeOut(2, `Approve command? (y/n/suggestion): ${visibleControls(command)}\n> `);
     const line = await stdin.readLine();
     if (line === null) return { kind: "no_input" };
     const answer = line.trim();
@@ -9332,7 +9710,8 @@ async function runHeadless(config: Config, prepared: PreparedRun): Promise<numbe
     prepared,
     {
       sink,
-      approve: plainApproval(stdin),
+      approve: plainApproval(stdin, !config.json || Boolean(process.stdin.isTTY)),
+      attended: false,
       canAnswerInput: () => stdinIsTerminal,
       attachInput: stdinIsTerminal ? (write) => stdin.attach(write) : undefined,
     },
@@ -11279,6 +11658,7 @@ class Tui implements EventSink {
       {
         sink: this,
         approve: (request) => this.requestApproval(request),
+        attended: true,
         // A person sits at the TUI: with auto-approve off, a command waiting for input gets their keys instead of being stopped.
         canAnswerInput: () => true,
         attachInput: (write) => {
@@ -12002,7 +12382,7 @@ async function main(argv: string[]): Promise<number> {
         return await runDiff(parsed.count, parsed.session);
       case "run": {
         const config = parsed.config;
-        secretsToRedact = [config.apiKey ?? "", ...Object.values(config.headers)];
+        secretsToRedact = credentialsOf(config);
         protectSecrets();
         const prepared = await prepareRun(config);
         return config.nogui ? await runHeadless(config, prepared) : await runTui(config, prepared);

@@ -80,11 +80,15 @@ const isCondensed = (m: Message) => m.role === "tool" && m.content === CONDENSED
 
 describe("budget and flags", () => {
   // Non-gpt models reserve 8000 tokens of the window for their answer; gpt models do not.
-  test("the budget reserves 8000 tokens only for models whose name lacks gpt", () => {
+  test("the budget reserves 8000 tokens for the answer of open-weight models, none for OpenAI's", () => {
     expect(promptBudget({ maxPromptLen: 20000, model: "qwen-test" })).toBe(12000);
     expect(promptBudget({ maxPromptLen: 80000, model: "llama-3.3-70b" })).toBe(72000);
     expect(promptBudget({ maxPromptLen: 20000, model: "gpt-4o-mini" })).toBe(20000);
     expect(promptBudget({ maxPromptLen: 80000, model: "openai/gpt-4.1" })).toBe(80000);
+    // gpt-oss is an open-weight model (served by vLLM and the like) whatever its name holds.
+    expect(promptBudget({ maxPromptLen: 80000, model: "openai/gpt-oss-120b" })).toBe(72000);
+    // OpenAI's own endpoint, whatever the model is called.
+    expect(promptBudget({ maxPromptLen: 80000, model: "ft:custom", apiBase: "https://api.openai.com/v1" })).toBe(80000);
   });
 
   const run = (...flags: string[]) => {
@@ -122,7 +126,15 @@ describe("budget and flags", () => {
   // --fast also picks the short system prompt, which still carries the rules the loop relies on.
   test("--fast's system prompt is shorter and keeps TASKCOMPLETE, the truncation sentinel, the timeout and the search recipe", () => {
     const sandbox = sandboxOff("test");
-    const facts = { timeoutSec: 77, maxOutputBytes: 4321, sandbox, selfCommand: "/opt/aic/bin/aic" };
+    const facts = {
+      timeoutSec: 77,
+      maxOutputBytes: 4321,
+      sandbox,
+      selfCommand: "/opt/aic/bin/aic",
+      shell: "/bin/bash",
+      cwd: "/work/proj",
+      ciEnv: true,
+    };
     const full = buildSystemPrompt({ ...facts, fast: false });
     const fast = buildSystemPrompt({ ...facts, fast: true });
     expect(fast.length).toBeLessThan(full.length);
@@ -131,6 +143,9 @@ describe("budget and flags", () => {
       expect(prompt).toContain("output too long: truncated");
       expect(prompt).toContain("77 seconds");
       expect(prompt).toContain('/opt/aic/bin/aic search "');
+      // Which shell, that each command starts afresh in the project, and CI=true.
+      expect(prompt).toContain("runs in bash (/bin/bash -c), in a fresh shell that starts in /work/proj");
+      expect(prompt).toContain("CI=true");
     }
   });
 

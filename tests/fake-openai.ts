@@ -53,6 +53,8 @@ export type Turn =
   | { type: "truncated_stream"; partialContent: string }
   /** 200 stream: role + partial content, then the connection is reset mid-answer. */
   | { type: "drop_stream"; partialContent: string }
+  /** 200 SSE stream of exactly these frames, sent verbatim in order (each ends with its blank line). */
+  | { type: "sse"; frames: string[] }
   | { type: "hang" };
 
 export interface RecordedRequest {
@@ -381,6 +383,8 @@ export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
         });
         return new Response(body, { status: 200, headers: SSE_HEADERS });
       }
+      case "sse":
+        return streamFrames(turn.frames, 0, req.signal);
       case "hang":
         return new Promise<Response>((resolve) => {
           const release = () => {

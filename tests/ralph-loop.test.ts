@@ -8,7 +8,7 @@
  * requests the model received, the JSON events and the session file.
  */
 import { describe, expect, test } from "bun:test";
-import { existsSync, readFileSync, readdirSync } from "node:fs";
+import { existsSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import type { Turn } from "./fake-openai.ts";
 import {
@@ -83,9 +83,14 @@ describe("background jobs", () => {
     ] as const) {
       const answer = toolAnswer(request, id);
       expect(answer).toContain("hello-from-job");
-      expect(answer).toMatch(new RegExp(`\\[job 1\\] running for \\d+ (ms|s): pid ${web}, .*Bun\\.serve`));
+      expect(answer).toMatch(
+        new RegExp(
+          `\\[job 1\\] running for \\d+ (ms|s): process group ${web} \\(.*Bun\\.serve.*\\); stop it with: kill -- -${web};`,
+        ),
+      );
       expect(answer).toContain(`[job 2] running for`);
-      expect(answer).toContain(`pid ${daemon}, sleep 302`);
+      expect(answer).toContain(`(sleep 302); stop it with: kill -- -`);
+      expect(daemon).toBeGreaterThan(1);
     }
     const ended = events.filter((e) => e.type === "job_ended");
     expect(ended.map((e) => [e.id, e.how])).toEqual([
@@ -100,10 +105,16 @@ describe("background jobs", () => {
   // A job that writes to its terminal without redirecting: what it prints after its command returned is in
   // the job's log, not lost.
   test("what a job prints to its terminal goes to its log", async () => {
-    const srv = fixtures.serve([bash("(sleep 0.3; echo late-line-from-job; sleep 300) & echo started"), hang]);
-    const aic = startAic([...headless(srv.url), "--auto-approve", "--json", "print later"]);
+    // The job prints once the test, having seen it become a job, opens its gate.
+    const cwd = scratch();
+    const srv = fixtures.serve([
+      bash("(until [ -e print-now ]; do sleep 0.01; done; echo late-line-from-job; sleep 300) & echo started"),
+      hang,
+    ]);
+    const aic = startAic([...headless(srv.url), "--auto-approve", "--json", "print later"], { cwd });
     const started = await aic.waitForEvent("the job", (e) => e.type === "job_started");
     expect(started.log).toMatch(/^\/tmp\/aic-out-.*\/job-.*\.log$/);
+    writeFileSync(join(cwd, "print-now"), "");
     await waitFor("the job's line in its log", () => readFileSync(started.log, "utf8").includes("late-line-from-job"));
     aic.proc.kill("SIGTERM");
     expect((await aic.done).code).toBe(143);
@@ -119,11 +130,12 @@ describe("background jobs", () => {
     test(`${signal} to aic stops its jobs and a daemon too`, async () => {
       const srv = fixtures.serve([bash("sleep 300 & (setsid sleep 301 &); echo started"), hang]);
       const aic = startAic([...headless(srv.url), "--auto-approve", "--json", "start jobs"]);
-      await waitFor("the request after the command", () => srv.requests.length >= 2);
-      const pids = aic
-        .events()
-        .filter((e) => e.type === "job_started")
-        .map((e) => e.pid as number);
+      const jobsStarted = () => aic.events().filter((e) => e.type === "job_started");
+      await waitFor(
+        "the request after the command and both job_started events",
+        () => srv.requests.length >= 2 && jobsStarted().length >= 2,
+      );
+      const pids = jobsStarted().map((e) => e.pid as number);
       expect(pids).toHaveLength(2);
       expect(processesOf(aic.proc.pid).sort()).toEqual([...pids].sort());
       aic.proc.kill(signal);
@@ -142,7 +154,7 @@ describe("background jobs", () => {
     expect(result.code).toBe(0);
     const events = jsonLines(result.stdout);
     expect(events.find((e) => e.type === "command_result" && e.id === "slow")?.status).toBe("timed_out");
-    expect(toolAnswer(srv.requests[2], "next")).toMatch(/\[job 1\] running for .*: pid \d+, sleep 300/);
+    expect(toolAnswer(srv.requests[2], "next")).toMatch(/\[job 1\] running for .*: process group \d+ \(sleep 300\)/);
     expect(events.find((e) => e.type === "job_ended")?.how).toBe("stopped_at_exit");
   });
 
@@ -160,14 +172,17 @@ describe("background jobs", () => {
     expect(result.code).toBe(0);
     const events = jsonLines(result.stdout);
     expect(events.find((e) => e.type === "command_result" && e.id === "ask")?.status).toBe("waiting_for_input");
-    expect(toolAnswer(srv.requests[2], "next")).toMatch(/\[job 1\] running for .*: pid \d+, sleep 300/);
+    expect(toolAnswer(srv.requests[2], "next")).toMatch(/\[job 1\] running for .*: process group \d+ \(sleep 300\)/);
   });
 
   // At most 8 jobs: a command that starts nine gets eight, the ninth is stopped and the model is told why.
   test("a ninth job is refused with a message", async () => {
     const srv = fixtures.serve([bash("for i in 1 2 3 4 5 6 7 8 9; do sleep 300 & done; echo started", "many"), hang]);
     const aic = startAic([...headless(srv.url), "--auto-approve", "--json", "many jobs"]);
-    await waitFor("the next request", () => srv.requests.length >= 2);
+    await waitFor(
+      "the next request and the 8 job_started events",
+      () => srv.requests.length >= 2 && aic.events().filter((e) => e.type === "job_started").length >= 8,
+    );
     const answer = toolAnswer(srv.requests[1], "many");
     expect(answer).toContain("at most 8 background jobs run at once, so aic stopped them: sleep 300");
     expect(answer.match(/\[job \d\] running/g)).toHaveLength(8);
@@ -180,15 +195,22 @@ describe("background jobs", () => {
 
   // A job that ends by itself is reported once, with its exit code, on the next result.
   test("a job that ends is reported once with its exit code", async () => {
+    // The job waits for a gate the next command opens; that command then waits until the job has exited
+    // (gone, or a zombie aic has yet to reap), so the result after it is the first to report the end.
     const srv = fixtures.serve([
-      bash("(sleep 0.2; exit 7) & echo started", "start"),
-      bash("sleep 1.5", "wait"),
+      bash("(until [ -e end-now ]; do sleep 0.01; done; exit 7) & echo $! > job.pid; echo started", "start"),
+      bash(
+        "touch end-now; p=$(cat job.pid); while [ -e /proc/$p ] && ! grep -q ') Z ' /proc/$p/stat 2>/dev/null; do sleep 0.01; done",
+        "wait",
+      ),
       bash("echo again", "again"),
       done,
     ]);
     const result = await runAic([...headless(srv.url), "--auto-approve", "--json", "go"]);
     expect(result.code).toBe(0);
-    expect(toolAnswer(srv.requests[2], "wait")).toMatch(/\[job 1\] ended after \d+ m?s, exit code 7: pid \d+/);
+    expect(toolAnswer(srv.requests[2], "wait")).toMatch(
+      /\[job 1\] ended after \d+ m?s, exit code 7: process group \d+/,
+    );
     expect(toolAnswer(srv.requests[3], "again")).not.toContain("[job 1]");
     const ended = jsonLines(result.stdout).filter((e) => e.type === "job_ended");
     expect(ended).toEqual([expect.objectContaining({ id: 1, exit_code: 7, how: "ended" })]);

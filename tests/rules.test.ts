@@ -115,7 +115,10 @@ describe("rules in a run", () => {
       decision: "denied",
       rule: "deny git push *  # pushing needs a person",
     });
-    expect(events.some((e) => e.type === "command_result")).toBe(false);
+    // Refused commands get a result too, saying so: nothing ran.
+    expect(events.filter((e) => e.type === "command_result")).toEqual([
+      expect.objectContaining({ id: "push", status: "denied", exit_code: null, output: "", duration_ms: 0 }),
+    ]);
   });
 
   // allow skips the gate: with stdin closed and no --auto-approve, an allowed command runs without asking.

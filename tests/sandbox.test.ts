@@ -206,7 +206,8 @@ describe.skipIf(ABI < 1)(`sandbox on (kernel Landlock ABI ${ABI})`, () => {
     expect(run.code).toBe(0);
     const start = jsonLines(run.stdout).find((e) => e.type === "start");
     expect(start).toBeDefined();
-    expect(start.sandbox).toStartWith("on");
+    expect(start.sandbox.enabled).toBe(true);
+    expect(start.sandbox.status).toStartWith("on");
   });
 });
 
@@ -230,6 +231,7 @@ describe.skipIf(ABI >= 1)("sandbox off (kernel offers no Landlock)", () => {
 
     expect(run.code).toBe(0);
     const start = jsonLines(run.stdout).find((e) => e.type === "start");
-    expect(start?.sandbox).toMatch(/^off \(.+\)$/);
+    expect(start?.sandbox.enabled).toBe(false);
+    expect(start?.sandbox.status).toMatch(/^off \(.+\)$/);
   });
 });

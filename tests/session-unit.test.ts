@@ -23,7 +23,9 @@ import {
   type Sandbox,
 } from "../aic.ts";
 import { startFakeServer, type FakeServer } from "./fake-openai.ts";
-import { headless, loadedHistoryProblems, runAic, scratch, toolCall } from "./helpers.ts";
+import { headless, loadedHistoryProblems, reapAfterAll, runAic, scratch, toolCall } from "./helpers.ts";
+
+reapAfterAll();
 
 const SYSTEM = "You are a test system prompt.";
 const META = { model: "unit-model", apiBase: "http://127.0.0.1:9/v1" };
@@ -266,6 +268,8 @@ describe("Agent.clear() (/clear)", () => {
       config: parsed.config,
       sink,
       approve: async () => ({ kind: "approve" }),
+      sessionId: () => store.sessionId,
+      attended: false,
       sandbox,
       systemPrompt: SYSTEM,
       session: store,

@@ -13,7 +13,9 @@ import { existsSync, readFileSync, realpathSync, statSync, writeFileSync } from 
 import { join } from "node:path";
 import { LogPane, PromptHistory, TokenRate, Tui, keyToBytes, loadXterm, parseArgs } from "../aic.ts";
 import { startFakeServer, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
-import { ROOT, bash, footer, messagesOf, scratch, waitFor } from "./helpers.ts";
+import { ROOT, bash, footer, messagesOf, reapAfterAll, scratch, waitFor } from "./helpers.ts";
+
+reapAfterAll();
 
 const Terminal = await loadXterm();
 
@@ -81,6 +83,21 @@ interface Harness {
 }
 
 let open: Harness | undefined;
+
+/** The `reason` of the session file on disk now, or undefined while there is none. */
+function savedReason(h: Harness): string | undefined {
+  try {
+    return JSON.parse(readFileSync(h.sessionFile, "utf8")).reason;
+  } catch {
+    return undefined;
+  }
+}
+
+/** A frame predicate: every one of `texts` is on it. A wait must hold everything the assertions after it check. */
+const showsAll =
+  (...texts: string[]) =>
+  (frame: string) =>
+    texts.every((text) => frame.includes(text));
 
 /**
  * Starts a Tui with its own history file and, unless `defaultSession`, an explicit --session, both
@@ -185,9 +202,14 @@ describe("layout", () => {
   ] as const) {
     test(`panes, tabs, prompt and footer at ${width}x${height}`, async () => {
       const h = await openTui({ width, height });
-      const frame = await h.until((f) => f.includes("step 0/500"));
-      for (const text of ["Agent Output", "Console Output", "Shell", "Type a task, or /help", "Sandbox:", "step 0/500"])
-        expect(frame).toContain(text);
+      const texts = ["Agent Output", "Console Output", "Shell", "Type a task, or /help", "Sandbox:", "step 0/500"];
+      const frame = await h.until(
+        (f) =>
+          showsAll(...texts, "run for real")(f) &&
+          footer(f).includes("Sandbox: off") &&
+          footer(f).includes("step 0/500"),
+      );
+      for (const text of texts) expect(frame).toContain(text);
       expect(footer(frame)).toContain("Sandbox: off");
       expect(footer(frame)).toContain("step 0/500");
       expect(frame).toContain("run for real"); // the warning banner, since auto-approve is off
@@ -197,7 +219,7 @@ describe("layout", () => {
   // With auto-approve on from the command line there is no warning banner, and the footer says so.
   test("--auto-approve: no warning banner, footer shows auto-approve ON", async () => {
     const h = await openTui({ args: ["--auto-approve"] });
-    const frame = await h.until((f) => f.includes("step 0/500"));
+    const frame = await h.until((f) => f.includes("step 0/500") && footer(f).includes("auto-approve ON"));
     expect(footer(frame)).toContain("auto-approve ON");
     expect(frame).not.toContain("run for real");
   });
@@ -207,10 +229,10 @@ describe("layout", () => {
     const h = await openTui();
     await h.until((f) => f.includes("Agent Output"));
     h.s.resize(40, 10);
-    let frame = await h.until((f) => f.includes("too small"));
+    let frame = await h.until((f) => f.includes("too small") && !f.includes("Agent Output"));
     expect(frame).not.toContain("Agent Output");
     h.s.resize(120, 40);
-    frame = await h.until((f) => f.includes("Agent Output"));
+    frame = await h.until((f) => f.includes("Agent Output") && !f.includes("too small"));
     expect(frame).not.toContain("too small");
   });
 
@@ -227,7 +249,11 @@ describe("approval gate in the TUI", () => {
   // the console pane and the model; a second command rejected with Escape is reported as skipped.
   test("Y approves and runs the command; Escape rejects it", async () => {
     const h = await openTui({ request: "run: echo hi-$((6*7))" });
-    let frame = await h.until((f) => f.includes("Approve command?"));
+    let frame = await h.until(
+      (f) =>
+        showsAll("Approve command?", "echo hi-$((6*7))", "Approval needed: echo hi-$((6*7))")(f) &&
+        footer(f).includes("⚠ approval pending"),
+    );
     expect(frame).toContain("echo hi-$((6*7))");
     expect(footer(frame)).toContain("⚠ approval pending");
     expect(frame).toContain("Approval needed: echo hi-$((6*7))"); // the banner names the waiting command
@@ -366,7 +392,7 @@ describe("prompt history", () => {
 
     h.s.mockInput.pressKey("r", { ctrl: true });
     await h.s.mockInput.typeText("git");
-    let frame = await h.until((f) => f.includes("reverse-i-search"));
+    let frame = await h.until(showsAll("reverse-i-search", "`git': git commit -m x"));
     expect(frame).toContain("`git': git commit -m x");
     h.s.mockInput.pressKey("r", { ctrl: true });
     frame = await h.until((f) => f.includes("`git': git status"));
@@ -392,7 +418,7 @@ describe("prompt history", () => {
     // Ctrl+G cancels too; the search is case-insensitive.
     h.s.mockInput.pressKey("r", { ctrl: true });
     await h.s.mockInput.typeText("GIT");
-    frame = await h.until((f) => f.includes("`GIT':"));
+    frame = await h.until(showsAll("`GIT': git commit -m x"));
     expect(frame).toContain("`GIT': git commit -m x");
     h.s.mockInput.pressKey("g", { ctrl: true });
     await h.until((f) => !f.includes("reverse-i-search"));
@@ -449,13 +475,13 @@ describe("shell tab", () => {
       let frame = await h.until((f) => f.includes("console-16"));
 
       h.s.mockInput.pressTab();
-      frame = await h.until((f) => f.includes("tui-sh> "));
+      frame = await h.until((f) => f.includes("tui-sh> ") && !f.includes("console-16"));
       expect(frame).not.toContain("console-16");
       await h.type("echo sh-$((2+3))");
       frame = await h.until((f) => f.includes("sh-5"));
 
       h.s.mockInput.pressTab();
-      frame = await h.until((f) => f.includes("console-16"));
+      frame = await h.until((f) => f.includes("console-16") && !f.includes("sh-5") && !f.includes("tui-sh> "));
       expect(frame).not.toContain("sh-5");
       expect(frame).not.toContain("tui-sh> ");
 
@@ -483,7 +509,9 @@ describe("status footer and steering", () => {
   test("footer shows step, ctx, tokens and the session", async () => {
     const h = await openTui({ request: "usage", width: 200 });
     await h.idle(1);
-    const frame = await h.until((f) => footer(f).includes(`${BILLABLE} tok│`));
+    const frame = await h.until((f) =>
+      showsAll(`${BILLABLE} tok│`, "step 1/500", `.aicsession#${h.tui.session!.sessionId}`)(footer(f)),
+    );
     const line = footer(frame);
     expect(line).toContain("step 1/500");
     const ctx = /ctx (\d+)\/([\d.]+k?)│/.exec(line);
@@ -497,8 +525,7 @@ describe("status footer and steering", () => {
   test("at 120 columns the footer shows every field, including the session file and id", async () => {
     const h = await openTui({ request: "usage", width: 120 });
     await h.idle(1);
-    const line = footer(await h.until((f) => footer(f).includes("step 1/500")));
-    for (const field of [
+    const fields = [
       "Sandbox: off",
       "step 1/500",
       "ctx ",
@@ -507,8 +534,10 @@ describe("status footer and steering", () => {
       "idle",
       "auto-approve off",
       "test-model",
-    ])
-      expect(line).toContain(field);
+      `.aicsession#${h.tui.session!.sessionId}`,
+    ];
+    const line = footer(await h.until((f) => showsAll(...fields)(footer(f))));
+    for (const field of fields) expect(line).toContain(field);
     expect(line).toContain(`.aicsession#${h.tui.session!.sessionId}`);
   });
 
@@ -572,7 +601,7 @@ describe("session and quitting", () => {
     await waitFor("the agent to run", () => h.tui.agent.running);
     h.s.mockInput.pressCtrlC();
     await waitFor("the agent to stop", () => !h.tui.agent.running);
-    const frame = await h.until((f) => footer(f).includes("Ctrl+C again to quit"));
+    const frame = await h.until((f) => footer(f).includes("Ctrl+C again to quit") && f.includes("[interrupted]"));
     expect(frame).toContain("[interrupted]");
     expect(h.exitCode).toBeUndefined();
     h.s.mockInput.pressCtrlC();
@@ -606,7 +635,7 @@ describe("slash commands", () => {
   test("/session prints the file and the id", async () => {
     const h = await openTui({ width: 200 });
     await h.type("/session");
-    const frame = await h.until((f) => f.includes("[SESSION] file"));
+    const frame = await h.until(showsAll(`[SESSION] file ${h.sessionFile}`, `id ${h.tui.session!.sessionId}`));
     expect(frame).toContain(`[SESSION] file ${h.sessionFile}`);
     expect(frame).toContain(`id ${h.tui.session!.sessionId}`);
     expect(h.tui.session!.sessionId).toMatch(/^\d{8}_\d{6}$/);
@@ -618,7 +647,7 @@ describe("slash commands", () => {
     await h.idle(1);
     expect(JSON.parse(readFileSync(h.sessionFile, "utf8")).messages.length).toBeGreaterThan(1);
     await h.type("/clear");
-    await h.until((f) => f.includes("cleared"));
+    await h.until((f) => f.includes("cleared") && savedReason(h) === "cleared");
     const doc = JSON.parse(readFileSync(h.sessionFile, "utf8"));
     expect(doc.reason).toBe("cleared");
     expect(doc.messages).toEqual([]);
@@ -651,8 +680,7 @@ describe("slash commands", () => {
   test("an unknown command lists every command", async () => {
     const h = await openTui({ width: 200, height: 50 });
     await h.type("/foo");
-    const frame = await h.until((f) => f.includes("Commands:"));
-    for (const name of [
+    const names = [
       "/autoapprove",
       "/aa",
       "/approve",
@@ -665,8 +693,9 @@ describe("slash commands", () => {
       "/stop",
       "/quit",
       "/exit",
-    ])
-      expect(frame).toContain(name);
+    ];
+    const frame = await h.until(showsAll("Commands:", ...names));
+    for (const name of names) expect(frame).toContain(name);
     // A prompt that is saved joins the in-memory history before its file write starts, and a run
     // starts before Enter's handler returns: neither happened for /foo.
     expect(h.tui.history.entries).not.toContain("/foo");
@@ -683,7 +712,9 @@ describe("slash commands", () => {
     expect(h.tui.agent.running).toBe(true);
     await h.type("/stop");
     await waitFor("the agent to stop", () => !h.tui.agent.running);
-    const frame = await h.until((f) => f.includes("[interrupted]"));
+    const frame = await h.until(
+      (f) => f.includes("[interrupted]") && footer(f).includes("idle") && savedReason(h) === "interrupted",
+    );
     expect(footer(frame)).toContain("idle");
     expect(h.exitCode).toBeUndefined();
     expect(JSON.parse(readFileSync(h.sessionFile, "utf8")).reason).toBe("interrupted");
@@ -938,15 +969,12 @@ describe("a TUI a person can trust (round 2)", () => {
     const body = Array.from({ length: 41 }, (_, i) => `echo line-${String(i + 1).padStart(2, "0")}`).join("\n");
     const command = `cat <<'EOF' > /dev/null\n${body}\nEOF`;
     const h = await openTui({ request: `run: ${command}`, width: 120, height: 40 });
-    let frame = await h.until((f) => f.includes("43 lines"));
-    expect(frame).toContain("EOF");
-    expect(frame).toContain("line-41");
-    expect(frame).toContain("[Y] Approve");
-    expect(frame).toContain("[N] Reject");
-    expect(frame).toContain("Y or Enter approves");
+    const end = ["43 lines", "EOF", "line-41", "[Y] Approve", "[N] Reject", "Y or Enter approves"];
+    let frame = await h.until(showsAll(...end));
+    for (const text of end) expect(frame).toContain(text);
     expect(dialogRows(frame).join("\n")).not.toContain("cat <<'EOF'");
     for (let i = 0; i < 4; i++) h.s.mockInput.pressKey("\x1b[5~");
-    frame = await h.until((f) => dialogRows(f).join("\n").includes("cat <<'EOF'"));
+    frame = await h.until((f) => dialogRows(f).join("\n").includes("cat <<'EOF'") && f.includes("[Y] Approve"));
     expect(frame).toContain("[Y] Approve");
   });
 
@@ -973,7 +1001,7 @@ describe("a TUI a person can trust (round 2)", () => {
       h.s.mockInput.pressTab();
       await h.until((f) => f.includes("Your own shell"));
       h.tui.submit("run: echo from-the-dialog");
-      await h.until((f) => f.includes("Approve command?"));
+      await h.until((f) => f.includes("Approve command?") && !f.includes("Your own shell"));
       expect(await h.frame()).not.toContain("Your own shell");
       h.s.mockInput.pressKey("y");
       await h.idle(2);
@@ -1026,7 +1054,7 @@ describe("a TUI a person can trust (round 2)", () => {
       history.push({ role: "user", content: `task number ${i}` }, { role: "assistant", content: `answer number ${i}` });
     writeFileSync(join(dir, ".aicsession"), JSON.stringify({ aic_session_version: 1, messages: history }));
     const h = await openTui({ dir, height: 60, width: 140 });
-    const frame = await h.until((f) => f.includes("restored conversation above") && f.includes("answer number 30"));
+    const frame = await h.until(showsAll("restored conversation above", "answer number 30", "> task number 30"));
     expect(frame).toContain("> task number 30");
     expect(frame).not.toContain("task number 1\n");
     const text = agentColumn(await h.frame()).join("\n");
@@ -1036,15 +1064,20 @@ describe("a TUI a person can trust (round 2)", () => {
   // 8. The footer keeps what matters at every width; the start-up warning fits.
   test("at 80 columns the footer keeps auto-approve, step and context whole, and the warning fits", async () => {
     const h = await openTui({ width: 80, height: 24 });
-    const frame = await h.until((f) => footer(f).includes("auto-approve off"));
+    const banner = (f: string) => f.split("\n").find((row) => row.includes("⚠")) ?? "";
+    const frame = await h.until(
+      (f) =>
+        showsAll("auto-approve off", "step 0/500", "ctx ")(footer(f)) && banner(f).trimEnd().endsWith("auto-approve"),
+    );
     for (const field of ["step 0/500", "ctx "]) expect(footer(frame)).toContain(field);
-    const banner = frame.split("\n").find((row) => row.includes("⚠"))!;
-    expect(banner.trimEnd().endsWith("auto-approve")).toBe(true);
+    expect(banner(frame).trimEnd().endsWith("auto-approve")).toBe(true);
   });
 
   test("at 120 columns with an approval pending, the footer shows it and the session id whole", async () => {
     const h = await openTui({ request: "run: true", width: 120 });
-    const frame = await h.until((f) => footer(f).includes("⚠ approval pending"));
+    const frame = await h.until((f) =>
+      showsAll("⚠ approval pending", `#${h.tui.session!.sessionId}`, "auto-approve off")(footer(f)),
+    );
     expect(footer(frame)).toContain(`#${h.tui.session!.sessionId}`);
     expect(footer(frame)).toContain("auto-approve off");
   });
@@ -1053,9 +1086,11 @@ describe("a TUI a person can trust (round 2)", () => {
   test("the model's Markdown is rendered: no heading marks or asterisks, code without fences", async () => {
     const h = await openTui();
     await h.type("say: ## Result\\n\\nAll **twelve** tests pass.\\n\\n```ts\\nconst answer = 42;\\n```");
-    const frame = await h.until((f) => f.includes("All twelve tests pass.") && f.includes("const answer = 42;"));
     // The person's own prompt is echoed raw ("> say: ## Result…"); the answer's rows are rendered.
-    const rows = agentColumn(frame).map((r) => r.replace(/^│|│$/g, "").trim());
+    const rowsOf = (f: string) => agentColumn(f).map((r) => r.replace(/^│|│$/g, "").trim());
+    const rendered = ["Result", "All twelve tests pass.", "const answer = 42;"];
+    const frame = await h.until((f) => rendered.every((row) => rowsOf(f).includes(row)));
+    const rows = rowsOf(frame);
     expect(rows).toContain("Result");
     expect(rows).toContain("All twelve tests pass.");
     expect(rows).toContain("const answer = 42;");
@@ -1067,7 +1102,8 @@ describe("a TUI a person can trust (round 2)", () => {
     const text =
       "the project lives in /tmp/aic-wrap-check/a-rather-long/directory-name/of-ours and nowhere else at all";
     await h.type(`say: ${text}`);
-    const frame = await h.until((f) => f.includes("[completed]"));
+    // A reply without a tool call hands the turn back to the person.
+    const frame = await h.until((f) => f.includes("[answered]"));
     const rows = agentColumn(frame).map((r) => r.replace(/^│|│$/g, "").trimEnd());
     // The answer's rows are pieces of the text, in order; every break between two of them falls at a space or
     // right after a "/" or "-", never inside a word.
@@ -1084,8 +1120,8 @@ describe("a TUI a person can trust (round 2)", () => {
     const h = await openTui({ args: ["--auto-approve"] });
     await h.type("run: printf '\\033[31mred-word\\033[0m plain-word\\n'");
     await h.idle(2);
-    await h.until((f) => f.includes("red-word"));
-    // The output's own row (the command line above it is drawn in the command colour).
+    // The output's own row, not the command line above it (drawn in the command colour, with the escapes as text).
+    await h.until((f) => f.split("\n").some((row) => row.includes("red-word plain-word") && !row.includes("printf")));
     const row = h.s.captureSpans().lines.find((l: any) => {
       const text = l.spans.map((s: any) => s.text).join("");
       return text.includes("red-word plain-word") && !text.includes("printf");
@@ -1102,14 +1138,14 @@ describe("a TUI a person can trust (round 2)", () => {
   test("/help lists the keys, /foo is unknown, and the Shell tab changes the prompt's hint", async () => {
     const h = await openTui({ width: 160, height: 60 });
     await h.type("/help");
-    let frame = await h.until((f) => f.includes("Keys:"));
-    for (const key of ["Tab", "Shift+Tab", "PgUp/PgDn", "Ctrl+R", "Esc", "Ctrl+C", "Alt+Enter"])
-      expect(frame).toContain(key);
+    const keys = ["Tab", "Shift+Tab", "PgUp/PgDn", "Ctrl+R", "Esc", "Ctrl+C", "Alt+Enter"];
+    let frame = await h.until(showsAll("Keys:", ...keys));
+    for (const key of keys) expect(frame).toContain(key);
     await h.type("/foo");
     frame = await h.until((f) => f.includes("Unknown command /foo."));
     process.env.SHELL = "/bin/sh";
     h.s.mockInput.pressTab();
-    frame = await h.until((f) => f.includes("The Shell tab has your keys"));
+    frame = await h.until((f) => f.includes("The Shell tab has your keys") && !f.includes("Type a task"));
     expect(frame).not.toContain("Type a task");
   });
 
@@ -1125,14 +1161,16 @@ describe("a TUI a person can trust (round 2)", () => {
   test("/suggest with nothing pending keeps its text; /clear while the agent runs says it stops it", async () => {
     const h = await openTui();
     await h.type("/suggest try the other flag");
-    await h.until((f) => f.includes("your text is back in the prompt"));
+    await h.until(
+      (f) => f.includes("your text is back in the prompt") && h.tui.prompt.value === "/suggest try the other flag",
+    );
     expect(h.tui.prompt.value).toBe("/suggest try the other flag");
     h.tui.prompt.value = "";
     await h.type("hang");
     await waitFor("the agent to run", () => h.tui.agent.running);
     await h.type("/clear");
-    await h.until((f) => f.includes("cleared"));
-    expect(agentColumn(await h.frame()).join("\n")).toContain("cleared");
+    const frame = await h.until((f) => agentColumn(f).join("\n").includes("cleared"));
+    expect(agentColumn(frame).join("\n")).toContain("cleared");
   });
 
   // Background jobs in the TUI: announced in the console, counted in the footer, listed by /jobs and
@@ -1145,7 +1183,11 @@ describe("a TUI a person can trust (round 2)", () => {
     await h.idle(2);
     frame = await h.until((f) => footer(f).includes("1 job"));
     await h.type("/jobs");
-    await h.until((f) => new RegExp(`\\[job 1\\] running for \\d+ m?s: pid ${pid}, sleep 300`).test(f));
+    await h.until(
+      (f) =>
+        new RegExp(`\\[job 1\\] running for \\d+ m?s: process group ${pid} \\(sleep 300\\)`).test(f) &&
+        f.includes(`stop it with: kill -- -${pid}`),
+    );
     await h.type("/jobs kill 1");
     frame = await h.until((f) => f.includes("Stopped job 1 (sleep 300)."));
     await waitFor("the job's process to be gone", () => {
@@ -1164,7 +1206,7 @@ describe("a TUI a person can trust (round 2)", () => {
     const rulesFile = join(dir, "rules");
     writeFileSync(rulesFile, "allow printf *\ndeny git push *  # pushing needs a person\n");
     const h = await openTui({ request: "run: printf 'allowed-%s\\n' $((6*7))", args: ["--rules", rulesFile], dir });
-    let frame = await h.until((f) => f.includes("allowed-42"));
+    let frame = await h.until(showsAll("allowed-42", "(runs without asking: allow printf *)"));
     expect(frame).not.toContain("Approve command");
     expect(frame).toContain("(runs without asking: allow printf *)");
     await h.idle(2);
@@ -1174,15 +1216,14 @@ describe("a TUI a person can trust (round 2)", () => {
     const rows = frame.split("\n");
     const row = rows.findIndex((r) => r.includes("Always allow: allow echo *"));
     await h.s.mockMouse.click(rows[row]!.indexOf("Always allow") + 2, row);
-    await h.until((f) => f.includes("clicked-6"));
-    expect(readFileSync(rulesFile, "utf8")).toBe(
-      "allow printf *\ndeny git push *  # pushing needs a person\nallow echo *\n",
-    );
+    const withEcho = "allow printf *\ndeny git push *  # pushing needs a person\nallow echo *\n";
+    await h.until((f) => f.includes("clicked-6") && readFileSync(rulesFile, "utf8") === withEcho);
+    expect(readFileSync(rulesFile, "utf8")).toBe(withEcho);
     await h.idle(4);
 
     // Now allowed: no dialog.
     await h.type("run: echo no-dialog-$((3*3))");
-    frame = await h.until((f) => f.includes("no-dialog-9"));
+    frame = await h.until(showsAll("no-dialog-9", "(runs without asking: allow echo *)"));
     expect(frame).toContain("(runs without asking: allow echo *)");
     await h.idle(6);
 
@@ -1193,9 +1234,9 @@ describe("a TUI a person can trust (round 2)", () => {
     await h.until((f) => /\d{4}-always/.test(f));
     await h.idle(8);
     await h.type("/rules");
-    frame = await h.until((f) => f.includes(`Rules from ${rulesFile}`));
-    for (const line of ["line 1: allow printf *", "line 3: allow echo *", "line 4: allow date *"])
-      expect(frame).toContain(line);
+    const inForce = ["line 1: allow printf *", "line 3: allow echo *", "line 4: allow date *"];
+    frame = await h.until(showsAll(`Rules from ${rulesFile}`, ...inForce));
+    for (const line of inForce) expect(frame).toContain(line);
     // The model is told the new rules in the system prompt of its next request.
     await h.type("usage");
     await h.idle(9);
@@ -1223,13 +1264,19 @@ describe("a TUI a person can trust (round 2)", () => {
       await h.idle(2);
       expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("changed\n");
       await h.type("/undo");
-      let frame = await h.until((f) => f.includes("Undid `echo changed > a.txt"));
+      const read = (name: string) => (existsSync(join(dir, name)) ? readFileSync(join(dir, name), "utf8") : undefined);
+      let frame = await h.until(
+        (f) =>
+          showsAll("Undid `echo changed > a.txt", "restored (1): a.txt", "removed (1): c.txt")(f) &&
+          read("a.txt") === "original\n" &&
+          read("c.txt") === undefined,
+      );
       expect(frame).toContain("restored (1): a.txt");
       expect(frame).toContain("removed (1): c.txt");
       expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("original\n");
       expect(existsSync(join(dir, "c.txt"))).toBe(false);
       await h.type("/redo");
-      frame = await h.until((f) => f.includes("Redid 1 command(s)"));
+      frame = await h.until((f) => f.includes("Redid 1 command(s)") && read("a.txt") === "changed\n");
       expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("changed\n");
       await h.type("/undo");
       await h.until((f) => f.split("Undid `echo changed").length === 3);
