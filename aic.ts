@@ -183,6 +183,8 @@ interface Config {
   noCheckpoints: boolean;
   /** Commands do not get CI=true. */
   noCiEnv: boolean;
+  /** Even commands the rules prove read-only wait for approval. */
+  askEveryCommand: boolean;
   request: string | undefined;
   /** Warnings found while parsing that are not errors (an unknown algorithm name). */
   warnings: string[];
@@ -315,6 +317,12 @@ const FLAGS: readonly FlagSpec[] = [
     kind: "bool",
     key: "noCheckpoints",
     help: "Take no snapshot of the files before each command (no /undo, no aic undo).",
+  },
+  {
+    name: "--ask-every-command",
+    kind: "bool",
+    key: "askEveryCommand",
+    help: "Ask before every command, even those aic proves read-only (ls, cat, grep, git status…).",
   },
   {
     name: "--no-ci-env",
@@ -875,6 +883,12 @@ function deniedByRuleMessage(v: RuleVerdict, file: string): string {
   return `Command refused: \`${v.part}\` is forbidden by the rule "${v.rule?.written}" in ${file}${why}. Nothing ran. Do not try to get around this rule; if the task cannot be done without it, say so.`;
 }
 
+/** The tool answer for a command the rules cannot see through while deny rules hold and nobody approves by hand. */
+function unseenCommandMessage(unsure: string, rules: { path: string; rules: readonly CommandRule[] }): string {
+  const denies = rules.rules.filter((r) => r.action === "deny").map((r) => `"${r.written}"`);
+  return `Command refused: ${unsure}, so aic cannot tell whether it runs something the deny rules of ${rules.path} forbid (${denies.join(", ")}), and with auto-approve such a command is never run. Nothing ran. Name every program literally (no variables as command names, no code handed to an interpreter in a string), or do without it.`;
+}
+
 /** The tool answer for a command that needed a person when nobody can answer (--nogui, no terminal, rules present). */
 function needsPersonMessage(v: RuleVerdict, file: string, allowed: string[]): string {
   const why = v.unreadable
@@ -1072,7 +1086,7 @@ type AgentEvent =
       type: "approval";
       id: string;
       /** allowed / denied: by a rule of the rules file, named in `rule`. */
-      decision: "approved" | "auto" | "allowed" | "denied" | "rejected" | "suggestion" | "no_input";
+      decision: "approved" | "auto" | "allowed" | "read_only" | "denied" | "rejected" | "suggestion" | "no_input";
       suggestion?: string;
       rule?: string;
       /** Lines an "always allow" answer added to the rules file. */
@@ -1261,8 +1275,13 @@ function describeEvent(e: AgentEvent): EventLine[] {
     case "approval":
       if (e.decision === "rejected") return console("bad", "(command rejected)");
       if (e.decision === "suggestion") return console("bad", `(command rejected with a suggestion: ${e.suggestion})`);
-      if (e.decision === "denied") return console("bad", `(refused by the rule: ${e.rule})`);
+      if (e.decision === "denied")
+        return console(
+          "bad",
+          e.rule ? `(refused by the rule: ${e.rule})` : "(refused: aic cannot see what it would run)",
+        );
       if (e.decision === "allowed") return console("dim", `(runs without asking: ${e.rule})`);
+      if (e.decision === "read_only") return console("dim", "(read-only: runs without asking)");
       return [];
     case "command_result": {
       const note =
@@ -3861,6 +3880,8 @@ interface Sandbox {
   readonly secrets: readonly string[];
   /** How many Landlock rules each command's ruleset holds. */
   readonly ruleCount: number;
+  /** Programs deny rules forbid that commands cannot execute (or read) at all: the kernel refuses them. */
+  readonly deniedPrograms: readonly string[];
   /** Starts `argv` on a PTY of its own: confined, through the launcher, when on. */
   spawn(argv: string[], opts: PtyOptions): Promise<CommandProcess>;
 }
@@ -3908,9 +3929,11 @@ interface SandboxRule {
   ino: number;
 }
 
-/** What the launcher confines each command to: reads are confined only when some are denied. */
+/** What the launcher confines each command to: reads (and execution) are confined only when some are denied. */
 interface SandboxPlan {
   confineReads: boolean;
+  /** Some programs may not be executed: a rule's read grant then grants execution too, the rest has none. */
+  confineExec: boolean;
   rules: SandboxRule[];
 }
 
@@ -3935,6 +3958,7 @@ function sandboxOff(reason: string): Sandbox {
     caches: [],
     secrets: [],
     ruleCount: 0,
+    deniedPrograms: [],
     spawn: async (argv, opts) => unconfinedCommand(argv, opts),
   };
 }
@@ -3996,7 +4020,37 @@ function readableEntries(dir: string, denied: readonly string[], out: string[]):
   }
 }
 
-function planSandbox(writable: readonly string[], secrets: readonly string[]): SandboxPlan {
+/** Where a program named in a deny rule lives: every match on PATH and in the usual directories, resolved. */
+function programFiles(name: string): string[] {
+  const dirs = name.includes("/")
+    ? [""]
+    : [
+        ...(process.env.PATH ?? "").split(":"),
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/usr/sbin",
+        "/usr/bin",
+        "/sbin",
+        "/bin",
+      ];
+  const found = new Set<string>();
+  for (const dir of dirs) {
+    if (!name.includes("/") && !path.isAbsolute(dir)) continue;
+    try {
+      const real = fs.realpathSync(name.includes("/") ? path.resolve(name) : path.join(dir, name));
+      if (fs.statSync(real).isFile()) found.add(real);
+    } catch {
+      /* not there */
+    }
+  }
+  return [...found];
+}
+
+function planSandbox(
+  writable: readonly string[],
+  secrets: readonly string[],
+  binaries: readonly string[] = [],
+): SandboxPlan {
   const identify = (p: string, access: SandboxRule["access"]): SandboxRule | undefined => {
     try {
       const st = fs.lstatSync(p);
@@ -4005,8 +4059,9 @@ function planSandbox(writable: readonly string[], secrets: readonly string[]): S
       return undefined;
     }
   };
-  const denied = secrets.filter((s) => fs.lstatSync(path.dirname(s), { throwIfNoEntry: false }));
+  const denied = [...secrets, ...binaries].filter((s) => fs.lstatSync(path.dirname(s), { throwIfNoEntry: false }));
   const confineReads = denied.length > 0;
+  const confineExec = binaries.length > 0;
   const rules = writable.map((w) => identify(w, "rw"));
   if (confineReads) {
     const readable: string[] = [];
@@ -4014,7 +4069,7 @@ function planSandbox(writable: readonly string[], secrets: readonly string[]): S
     const full = new Set(writable);
     for (const entry of readable) if (!full.has(entry)) rules.push(identify(entry, "r"));
   }
-  return { confineReads, rules: rules.filter((r): r is SandboxRule => r !== undefined) };
+  return { confineReads, confineExec, rules: rules.filter((r): r is SandboxRule => r !== undefined) };
 }
 
 /** `~/x` for paths in the home directory: the status line stays readable. */
@@ -4041,6 +4096,8 @@ const LANDLOCK_FS = {
 
 /** Reading a file's contents; listing directories (READ_DIR) is left alone, so names stay visible everywhere. */
 const LANDLOCK_READ_FILE = 1n << 2n;
+/** Executing a file: handled only when a deny rule names a program outright. */
+const LANDLOCK_EXECUTE = 1n << 0n;
 
 const SYS_LANDLOCK_CREATE_RULESET = 444;
 const SYS_LANDLOCK_ADD_RULE = 445;
@@ -4084,7 +4141,7 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number {
   const abi = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0));
   if (abi < 1) return fail("Landlock is not available");
   const write = writeRights(abi);
-  const read = plan.confineReads ? LANDLOCK_READ_FILE : 0n;
+  const read = (plan.confineReads ? LANDLOCK_READ_FILE : 0n) | (plan.confineExec ? LANDLOCK_EXECUTE : 0n);
   const handled = write | read;
   const rulesetAttr = new BigUint64Array([handled]);
   const rulesetFd = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, ptr(rulesetAttr), 8, 0, 0));
@@ -4139,7 +4196,7 @@ function selfCommand(): string {
   return selfArgv().map(quote).join(" ");
 }
 
-function setUpSandbox(config: Config): Sandbox {
+function setUpSandbox(config: Config, deniedPrograms: readonly string[] = []): Sandbox {
   if (config.disableSandbox) return sandboxOff("--disable-sandbox");
   const abi = landlockAbi();
   if (typeof abi === "string") return sandboxOff(abi);
@@ -4153,7 +4210,9 @@ function setUpSandbox(config: Config): Sandbox {
   // anyway, and files they create there later must be readable. It is said at start instead of half-protected.
   const exposed = stores.filter((s) => writable.some((w) => s === w || isBeneath(s, w)));
   const secrets = stores.filter((s) => !exposed.includes(s));
-  const plan = planSandbox(writable, secrets);
+  // A program a deny rule forbids outright cannot be executed, nor read (so it cannot be copied and run).
+  const binaries = deniedPrograms.flatMap(programFiles).filter((f) => !writable.some((w) => isBeneath(f, w)));
+  const plan = planSandbox(writable, secrets, binaries);
   // The launcher must be something a confined command cannot swap out. /proc/self/exe, resolved by
   // the freshly forked child, is this very executable's inode even if its path has been replaced.
   const launcher = selfArgv();
@@ -4168,15 +4227,17 @@ function setUpSandbox(config: Config): Sandbox {
   const commands = new SandboxLauncher([...prefix, "/proc/self/exe", ...launcher.slice(1), SANDBOX_LAUNCHER]);
   void commands.start();
   const shown = (list: readonly string[]) => list.map((p) => tildePath(p, home)).join(", ");
+  const enforced = deniedPrograms.filter((name) => programFiles(name).some((f) => binaries.includes(f)));
   const secretsNote =
-    (plan.confineReads
+    (secrets.length
       ? `; the secret stores ${shown(secrets)} are unreadable`
       : config.allowReadSecrets
         ? "; secret stores readable (--allow-read-secrets)"
         : "") +
     (exposed.length
       ? `; ${shown(exposed)} stay readable and writable, since aic started in a directory that holds them`
-      : "");
+      : "") +
+    (enforced.length ? `; denied programs cannot be executed: ${enforced.join(", ")}` : "");
   return {
     status: `on (Landlock ABI ${abi}; writes only under ${shown(writable)}${secretsNote})`,
     enabled: true,
@@ -4184,6 +4245,7 @@ function setUpSandbox(config: Config): Sandbox {
     caches,
     secrets: plan.confineReads ? secrets : [],
     ruleCount: plan.rules.length,
+    deniedPrograms: enforced,
     spawn: (argv, opts) => commands.spawn(argv, opts),
   };
 }
@@ -7368,6 +7430,22 @@ interface ParsedCommand {
   /** Leading NAME=value assignments (and bare ones). */
   assignments: { name: string; text: string; subscript?: string }[];
   stdin: StdinScript[];
+  /** The files its redirections write or truncate (`>`, `>>`, `&>`, `>|`, `2>` to a file, `<>`). */
+  writes: ShellWord[];
+}
+
+/** Redirection operators that open their target for writing. */
+const WRITING_REDIRECTS = new Set([">", ">>", ">|", "&>", "&>>", "<>", ">&"]);
+
+/** Targets a redirection writes without changing a file: the null device, the standard streams, a descriptor. */
+const HARMLESS_TARGET = /^(\/dev\/(null|stdout|stderr|tty|fd\/\d+)|-|\d+)$/;
+
+/** The file a redirection writes, or undefined (a read, a duplicated descriptor, /dev/null). */
+function writtenBy(r: import("unbash").Redirection): ShellWord | undefined {
+  if (r.type !== "Redirect" || !r.target) return undefined;
+  const target = shellWord(r.target); // refuses $'…' in a file name, read or written
+  if (!WRITING_REDIRECTS.has(r.operator) || (target.known && HARMLESS_TARGET.test(target.value))) return undefined;
+  return target;
 }
 
 /** A command line the rules refuse to read: it is then always asked about. */
@@ -7489,6 +7567,12 @@ function readCommandLine(source: string): { commands: ParsedCommand[]; hidden: s
       case "Command":
         commands.push(parsedCommand(node, inSubstitution));
         break;
+      case "Redirected": {
+        // `{ …; } > f`, `while …; done >> log`: the group's redirections write too.
+        const writes = node.redirects.map(writtenBy).filter((w): w is ShellWord => w !== undefined);
+        if (writes.length) commands.push({ words: [], assignments: [], stdin: [], writes });
+        break;
+      }
       case "AnsiCQuoted":
       case "LocaleString":
         partIsDynamic(node);
@@ -7527,6 +7611,7 @@ function parsedCommand(node: import("unbash").Command, inSubstitution: boolean):
   const words: ShellWord[] = node.name ? [shellWord(node.name)] : [];
   const assignments: ParsedCommand["assignments"] = [];
   const stdin: StdinScript[] = [];
+  const writes: ShellWord[] = [];
   for (const p of node.prefix)
     if (p.type === "Assignment") {
       shellWord(p); // refuses $'…' in the value
@@ -7559,9 +7644,12 @@ function parsedCommand(node: import("unbash").Command, inSubstitution: boolean):
           dynamic: !w.known,
           text: w.text,
         });
-    } else if (r.target) shellWord(r.target); // refuses $'…' in a file name
+    } else {
+      const written = writtenBy(r);
+      if (written) writes.push(written);
+    }
   }
-  return { words, assignments, stdin };
+  return { words, assignments, stdin, writes };
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -7597,8 +7685,18 @@ const valueOf = (w: ShellWord | undefined) => (w?.known ? w.value : undefined);
 /** A part that is only known when it runs: the whole text of what could not be looked through. */
 const opaque = (words: ShellWord[]): CommandPart[] => [[dynamic(words.map((w) => w.text).join(" "))]];
 
-/** Every simple command `source` can run, wrappers and nested scripts looked through. Throws UnreadableCommand. */
-function commandParts(source: string, depth = 0): CommandPart[] {
+/** What judging a command line needs beyond its text: where it runs, so the scripts it names can be read. */
+interface JudgeContext {
+  cwd?: string;
+}
+
+/** Stands for a file a command line writes: such a part is `[WRITE_WORD, path]`. */
+const WRITE_WORD: ShellWord = { known: true, value: "\u0000write", text: "" };
+const writePart = (target: ShellWord): CommandPart => [WRITE_WORD, target];
+const isWritePart = (p: CommandPart) => p[0]?.known === true && p[0].value === WRITE_WORD.value;
+
+/** Every simple command `source` can run, wrappers and nested scripts looked through, and every file it writes. Throws UnreadableCommand. */
+function commandParts(source: string, depth = 0, ctx: JudgeContext = {}): CommandPart[] {
   if (depth > MAX_SCRIPT_DEPTH) throw new UnreadableCommand("scripts nested too deep");
   const { commands, hidden } = readCommandLine(source);
   const parts: CommandPart[] = [];
@@ -7606,7 +7704,8 @@ function commandParts(source: string, depth = 0): CommandPart[] {
     for (const a of c.assignments)
       if (RISKY_VARIABLE.test(a.name) || (a.subscript !== undefined && !NUMERIC_SUBSCRIPT.test(a.subscript)))
         parts.push([dynamic(a.text)]);
-    parts.push(...partsOf(c.words, c, depth));
+    parts.push(...partsOf(c.words, c, depth, ctx));
+    for (const w of c.writes) parts.push(writePart(w));
   }
   for (const h of hidden) parts.push([dynamic(h)]);
   return parts;
@@ -7687,38 +7786,6 @@ function skipOptions(
   return i;
 }
 
-/** Wrappers that run their operands as a command, after options of this syntax (and, for timeout, a duration). */
-const SIMPLE_WRAPPERS: Record<string, OptionSyntax & { skip?: number }> = {
-  timeout: {
-    flags: "fpv",
-    withArgument: "sk",
-    long: {
-      signal: "argument",
-      "kill-after": "argument",
-      foreground: "flag",
-      "preserve-status": "flag",
-      verbose: "flag",
-    },
-    skip: 1,
-  },
-  nice: { flags: "", withArgument: "n", long: { adjustment: "argument" }, numeric: true },
-  nohup: { flags: "", withArgument: "" },
-  builtin: { flags: "", withArgument: "" },
-  exec: { flags: "cl", withArgument: "a" },
-  time: {
-    flags: "pvqa",
-    withArgument: "fo",
-    long: {
-      portability: "flag",
-      verbose: "flag",
-      quiet: "flag",
-      append: "flag",
-      format: "argument",
-      output: "argument",
-    },
-  },
-};
-
 const XARGS_SYNTAX: OptionSyntax = {
   flags: "0rtpxo",
   withArgument: "adELnPsI",
@@ -7765,69 +7832,223 @@ const SUDO_SYNTAX: OptionSyntax = {
   ]),
 };
 
+/** Wrappers that run their operands as a command, after options of this syntax (and `skip` operands: timeout's duration). */
+const SIMPLE_WRAPPERS: Record<string, OptionSyntax & { skip?: number; noCommandWith?: string }> = {
+  timeout: {
+    flags: "fpv",
+    withArgument: "sk",
+    long: {
+      signal: "argument",
+      "kill-after": "argument",
+      foreground: "flag",
+      "preserve-status": "flag",
+      verbose: "flag",
+    },
+    skip: 1,
+  },
+  nice: { flags: "", withArgument: "n", long: { adjustment: "argument" }, numeric: true },
+  nohup: { flags: "", withArgument: "" },
+  builtin: { flags: "", withArgument: "" },
+  exec: { flags: "cl", withArgument: "a" },
+  time: {
+    flags: "pvqa",
+    withArgument: "fo",
+    long: {
+      portability: "flag",
+      verbose: "flag",
+      quiet: "flag",
+      append: "flag",
+      format: "argument",
+      output: "argument",
+    },
+  },
+  setsid: { flags: "cfw", withArgument: "", long: { ctty: "flag", fork: "flag", wait: "flag" } },
+  stdbuf: { flags: "", withArgument: "ioe", long: { input: "argument", output: "argument", error: "argument" } },
+  ionice: {
+    flags: "t",
+    withArgument: "cnpPu",
+    long: {
+      class: "argument",
+      classdata: "argument",
+      ignore: "flag",
+      pid: "argument",
+      pgid: "argument",
+      uid: "argument",
+    },
+    noCommandWith: "pPu",
+  },
+  // taskset [-a] [-c] MASK CMD…; with -p it changes a running process instead.
+  taskset: {
+    flags: "acp",
+    withArgument: "",
+    long: { "all-tasks": "flag", "cpu-list": "flag", pid: "flag" },
+    skip: 1,
+    noCommandWith: "p",
+  },
+  chroot: {
+    flags: "",
+    withArgument: "",
+    long: { userspec: "argument", groups: "argument", "skip-chdir": "flag" },
+    skip: 1,
+  },
+  doas: { flags: "ns", withArgument: "uC" },
+  unbuffer: { flags: "p", withArgument: "" },
+};
+
+/** Interpreters and the options that hand them code on the command line (which no rule can read). */
+const INLINE_CODE: Record<string, string[]> = {
+  python: ["-c"],
+  perl: ["-e", "-E"],
+  ruby: ["-e"],
+  node: ["-e", "-p", "--eval", "--print"],
+  nodejs: ["-e", "-p", "--eval", "--print"],
+  bun: ["-e", "-p", "--eval", "--print"],
+  deno: ["eval"],
+  php: ["-r"],
+  lua: ["-e"],
+  luajit: ["-e"],
+  Rscript: ["-e"],
+  julia: ["-e", "-E"],
+  osascript: ["-e"],
+  pwsh: ["-c", "-Command", "-command"],
+  tclsh: [],
+  jshell: [],
+};
+
+/** The interpreter family of a program name: python3.11 is python. */
+const interpreterOf = (name: string) => (/^python\d*(\.\d+)?$/.test(name) ? "python" : name);
+
 /** The script a word holds, read as a command line of its own (a dynamic word stays one opaque part). */
-function scriptParts(w: ShellWord, depth: number): CommandPart[] {
-  return w.known ? commandParts(w.value, depth + 1) : [[w]];
+function scriptParts(w: ShellWord, depth: number, ctx: JudgeContext): CommandPart[] {
+  return w.known ? commandParts(w.value, depth + 1, ctx) : [[w]];
 }
 
 /** What the words of one simple command run: the command itself, or what its wrapper runs. */
-function partsOf(words: ShellWord[], c: ParsedCommand, depth: number): CommandPart[] {
+function partsOf(words: ShellWord[], c: ParsedCommand, depth: number, ctx: JudgeContext): CommandPart[] {
   const first = words[0];
   if (!first) return [];
   if (!first.known) return [words];
   const name = baseName(first.value);
-  const rest = (i: number) => partsOf(words.slice(i), c, depth);
+  const rest = (i: number) => partsOf(words.slice(i), c, depth, ctx);
   const simple = SIMPLE_WRAPPERS[name];
   if (simple) {
-    const i = skipOptions(words, 1, simple);
+    const seen = new Map<string, string | true>();
+    const i = skipOptions(words, 1, simple, seen);
     if (i < 0) return opaque(words);
+    if ([...(simple.noCommandWith ?? "")].some((letter) => seen.has(letter))) return [words];
     const at = i + (simple.skip ?? 0);
+    // chroot without a command runs the new root's shell: what that runs is not on the line.
+    if (name === "chroot" && at >= words.length) return [words, ...opaque(words)];
     return at >= words.length ? [words] : rest(at);
   }
-  switch (name) {
-    case "env":
-      return envParts(words, c, depth);
-    case "command": {
-      const seen = new Map<string, string | true>();
-      const i = skipOptions(words, 1, { flags: "pvV", withArgument: "" }, seen);
-      if (i < 0) return opaque(words);
-      return seen.has("v") || seen.has("V") || i >= words.length ? [words] : rest(i);
-    }
-    case "xargs":
-      return xargsParts(words, c, depth);
-    case "sudo": {
-      // sudo needs a rule of its own, and what it runs must still meet every deny rule.
-      const seen = new Map<string, string | true>();
-      const i = skipOptions(words, 1, SUDO_SYNTAX, seen);
-      if (i < 0) return [words, ...opaque(words)];
-      return seen.has("e") || i >= words.length ? [words] : [words, ...rest(i)];
-    }
-    case "eval": {
-      const args = words.slice(1);
-      const unknown = args.find((w) => !w.known);
-      if (unknown) return [[unknown]];
-      return args.length ? commandParts(args.map((w) => valueOf(w)).join(" "), depth + 1) : [];
-    }
-    case "trap": {
-      const ops = words.slice(valueOf(words[1]) === "--" ? 2 : 1);
-      const action = ops[0];
-      if (ops.length < 2 || !action || (action.known && (action.value.startsWith("-") || action.value === "")))
-        return [words];
-      return [words, ...scriptParts(action, depth)];
-    }
-  }
-  if (SHELL_PROGRAMS.has(name)) return shellParts(words, c, depth);
+  const special = PROGRAMS_THAT_RUN_PROGRAMS[name];
+  if (special) return special(words, c, depth, ctx);
+  if (SHELL_PROGRAMS.has(name)) return shellParts(words, c, depth, ctx);
+  const inline = INLINE_CODE[interpreterOf(name)];
+  if (inline && words.slice(1).some((w) => !w.known || inline.includes(w.value) || /^-[ce]./.test(w.value)))
+    return [words, [dynamic(`${words.map((w) => w.text).join(" ")} (code on the command line)`)]];
+  // A script named by its path (./build.sh) is read and judged as what it runs.
+  if (first.value.includes("/")) return [words, ...scriptFileParts(first, depth, ctx)];
   return [words, ...hiddenInBuiltin(name, words)];
 }
 
+type PartsReader = (words: ShellWord[], c: ParsedCommand, depth: number, ctx: JudgeContext) => CommandPart[];
+
+/**
+ * Programs that run other programs from their arguments, or write files they
+ * are given: each says what a rule must see (the program it runs, the file it
+ * writes) besides itself.
+ */
+const PROGRAMS_THAT_RUN_PROGRAMS: Record<string, PartsReader> = {
+  env: (w, c, d, x) => envParts(w, c, d, x),
+  command: (words, c, depth, ctx) => {
+    const seen = new Map<string, string | true>();
+    const i = skipOptions(words, 1, { flags: "pvV", withArgument: "" }, seen);
+    if (i < 0) return opaque(words);
+    return seen.has("v") || seen.has("V") || i >= words.length ? [words] : partsOf(words.slice(i), c, depth, ctx);
+  },
+  xargs: (w, c, d, x) => xargsParts(w, c, d, x),
+  sudo: (words, c, depth, ctx) => {
+    // sudo needs a rule of its own, and what it runs must still meet every deny rule.
+    const seen = new Map<string, string | true>();
+    const i = skipOptions(words, 1, SUDO_SYNTAX, seen);
+    if (i < 0) return [words, ...opaque(words)];
+    return seen.has("e") || i >= words.length ? [words] : [words, ...partsOf(words.slice(i), c, depth, ctx)];
+  },
+  eval: (words, _c, depth, ctx) => {
+    const args = words.slice(1);
+    const unknown = args.find((w) => !w.known);
+    if (unknown) return [[unknown]];
+    return args.length ? commandParts(args.map((w) => valueOf(w)).join(" "), depth + 1, ctx) : [];
+  },
+  trap: (words, _c, depth, ctx) => {
+    const ops = words.slice(valueOf(words[1]) === "--" ? 2 : 1);
+    const action = ops[0];
+    if (ops.length < 2 || !action || (action.known && (action.value.startsWith("-") || action.value === "")))
+      return [words];
+    return [words, ...scriptParts(action, depth, ctx)];
+  },
+  alias: (words, _c, depth, ctx) => [
+    words,
+    ...words.slice(1).flatMap((w) => {
+      const eq = w.known ? w.value.indexOf("=") : -1;
+      if (!w.known) return [[w]];
+      return eq > 0 ? commandParts(w.value.slice(eq + 1), depth + 1, ctx) : [];
+    }),
+  ],
+  source: (words, _c, depth, ctx) => [words, ...(words[1] ? scriptFileParts(words[1], depth, ctx) : [])],
+  ".": (words, _c, depth, ctx) => [words, ...(words[1] ? scriptFileParts(words[1], depth, ctx) : [])],
+  busybox: (words, c, depth, ctx) => (words.length > 1 ? [words, ...partsOf(words.slice(1), c, depth, ctx)] : [words]),
+  toybox: (words, c, depth, ctx) => (words.length > 1 ? [words, ...partsOf(words.slice(1), c, depth, ctx)] : [words]),
+  git: (w) => gitParts(w),
+  find: (w, c, d, x) => findParts(w, c, d, x),
+  awk: (w, _c, d, x) => awkParts(w, d, x),
+  gawk: (w, _c, d, x) => awkParts(w, d, x),
+  mawk: (w, _c, d, x) => awkParts(w, d, x),
+  nawk: (w, _c, d, x) => awkParts(w, d, x),
+  sed: (w) => sedParts(w),
+  sort: (w, c, d, x) => sortParts(w, c, d, x),
+  tee: (words) => [
+    words,
+    ...words
+      .slice(1)
+      .filter((w) => !w.known || !w.value.startsWith("-"))
+      .map(writePart),
+  ],
+  uniq: (words) => {
+    const operands = words.slice(1).filter((w) => !w.known || !w.value.startsWith("-"));
+    return operands[1] ? [words, writePart(operands[1])] : [words];
+  },
+  watch: (w, _c, d, x) => watchParts(w, d, x),
+  script: (w, _c, d, x) => scriptProgramParts(w, d, x),
+  flock: (w, c, d, x) => flockParts(w, c, d, x),
+};
+
 /** `env [options] [NAME=value…] command…`: the command, and a part for each risky variable it sets. */
-function envParts(words: ShellWord[], c: ParsedCommand, depth: number): CommandPart[] {
-  let i = skipOptions(words, 1, {
-    flags: "i0v",
-    withArgument: "uC",
-    long: { "ignore-environment": "flag", null: "flag", debug: "flag", unset: "argument", chdir: "argument" },
-  });
+function envParts(words: ShellWord[], c: ParsedCommand, depth: number, ctx: JudgeContext): CommandPart[] {
+  const seen = new Map<string, string | true>();
+  let i = skipOptions(
+    words,
+    1,
+    {
+      flags: "i0v",
+      withArgument: "uCS",
+      long: {
+        "ignore-environment": "flag",
+        null: "flag",
+        debug: "flag",
+        unset: "argument",
+        chdir: "argument",
+        "split-string": "argument",
+      },
+    },
+    seen,
+  );
   if (i < 0) return opaque(words);
+  // env -S 'cmd args': the string is split into the command's words (quotes honoured), as a command line.
+  const split = seen.get("S") ?? seen.get("split-string");
+  if (typeof split === "string")
+    return [words, ...commandParts([split, ...words.slice(i).map((w) => w.text)].join(" "), depth + 1, ctx)];
   if (valueOf(words[i]) === "-") i++;
   const parts: CommandPart[] = [];
   for (; i < words.length; i++) {
@@ -7836,11 +8057,11 @@ function envParts(words: ShellWord[], c: ParsedCommand, depth: number): CommandP
     if (!assignment) break;
     if (RISKY_VARIABLE.test(assignment[1]!)) parts.push([dynamic(w.text)]);
   }
-  return i >= words.length ? [...parts, words] : [...parts, ...partsOf(words.slice(i), c, depth)];
+  return i >= words.length ? [...parts, words] : [...parts, ...partsOf(words.slice(i), c, depth, ctx)];
 }
 
 /** `xargs [options] command…`: the command with its input's words added (or, with -I R, every word holding R unknown). */
-function xargsParts(words: ShellWord[], c: ParsedCommand, depth: number): CommandPart[] {
+function xargsParts(words: ShellWord[], c: ParsedCommand, depth: number, ctx: JudgeContext): CommandPart[] {
   const seen = new Map<string, string | true>();
   const i = skipOptions(words, 1, XARGS_SYNTAX, seen);
   if (i < 0) return opaque(words);
@@ -7853,11 +8074,11 @@ function xargsParts(words: ShellWord[], c: ParsedCommand, depth: number): Comman
     replace === undefined
       ? [...inner, XARGS_INPUT]
       : inner.map((w) => (w.known && w.value.includes(replace) ? dynamic(w.text) : w));
-  return partsOf(inner, c, depth);
+  return partsOf(inner, c, depth, ctx);
 }
 
 /** A shell: the script of -c, or the here-document or here-string it reads as its script; `bash file.sh` is itself. */
-function shellParts(words: ShellWord[], c: ParsedCommand, depth: number): CommandPart[] {
+function shellParts(words: ShellWord[], c: ParsedCommand, depth: number, ctx: JudgeContext): CommandPart[] {
   let i = 1;
   let script = false;
   let fromStdin = false;
@@ -7882,18 +8103,20 @@ function shellParts(words: ShellWord[], c: ParsedCommand, depth: number): Comman
     }
   }
   const operands = words.slice(i);
-  if (script) return operands[0] ? scriptParts(operands[0], depth) : opaque(words);
-  if (operands.length > 0 && !fromStdin) return [words];
+  if (script) return operands[0] ? scriptParts(operands[0], depth, ctx) : opaque(words);
+  // `bash file.sh`: the script file is read and judged as what it runs.
+  if (operands.length > 0 && !fromStdin) return [words, ...scriptFileParts(operands[0]!, depth, ctx)];
   // No script at all, or one from a pipe or a file: what runs is only known when it runs.
   const input = c.stdin.at(-1);
   if (!input) return [[dynamic(words[0]!.text)]];
-  if (input.kind === "heredoc" && input.quoted) return commandParts(input.body, depth + 1);
+  if (input.kind === "heredoc" && input.quoted) return commandParts(input.body, depth + 1, ctx);
   if (input.dynamic) return [[dynamic(input.text)]];
-  if (input.kind === "herestring") return commandParts(input.body, depth + 1);
+  if (input.kind === "herestring") return commandParts(input.body, depth + 1, ctx);
   // An unquoted here-document's backslashes escape $, ` and \ and join lines, as the shell that reads it sees it.
   return commandParts(
     input.body.replace(/\\([$`\\\n])/g, (_m, ch: string) => (ch === "\n" ? "" : ch)),
     depth + 1,
+    ctx,
   );
 }
 
@@ -7945,6 +8168,417 @@ function hiddenInBuiltin(name: string, words: ShellWord[]): CommandPart[] {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// Command rules: programs that run programs, and scripts a line runs
+// Owns: seeing through the programs that run other programs from their
+// arguments (git's global options and its `-c` settings that run code, find's
+// actions and -delete, awk's system() and pipes, sed's e, sort's compressor,
+// watch, script, flock), the files they write (tee, sort -o, sed -i and w,
+// find -fprint, uniq's output), and the shell scripts a line runs by name
+// (`./s.sh`, `sh s.sh`, `. s.sh`), read from disk as they are now.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** Scripts are read for judging up to this size; a bigger one (a generated configure) cannot be seen through. */
+const MAX_JUDGED_SCRIPT_BYTES = 256 * 1024;
+
+/** The shells a script's first line may name for it to be read as shell code. */
+const SHELL_SHEBANG = /^#!\s*(\S*\/)?(env\s+(-\S+\s+)*)?(sh|bash|dash|zsh|ksh|mksh|ash)\b/;
+
+/**
+ * The commands of a shell script a line runs (`./s.sh`, `sh s.sh`, `. s.sh`),
+ * read from where the line runs, as it is now: another program (an ELF binary,
+ * a `#!/usr/bin/env python3` script) adds nothing (it is judged by its name);
+ * what cannot be read is one opaque part.
+ */
+function scriptFileParts(w: ShellWord, depth: number, ctx: JudgeContext): CommandPart[] {
+  const cannot = (why: string): CommandPart[] => [[dynamic(`${w.text} (${why})`)]];
+  if (!w.known) return cannot("a script named at run time");
+  if (ctx.cwd === undefined) return cannot("a script aic did not read");
+  let text: string;
+  try {
+    const file = path.resolve(ctx.cwd, w.value);
+    // Non-blocking and type-checked: a FIFO planted under a script's name must not hang the judgement.
+    const fd = fs.openSync(file, O.O_RDONLY | O.O_NONBLOCK);
+    try {
+      const st = fs.fstatSync(fd);
+      if (!st.isFile()) return cannot("not a regular file");
+      if (st.size > MAX_JUDGED_SCRIPT_BYTES) return cannot(`a script over ${MAX_JUDGED_SCRIPT_BYTES / 1024} KB`);
+      const bytes = readOwnFd(fd, MAX_JUDGED_SCRIPT_BYTES);
+      if (bytes.subarray(0, 4).equals(Buffer.from("\x7fELF"))) return [];
+      text = bytes.toString("utf8");
+    } finally {
+      fs.closeSync(fd);
+    }
+  } catch {
+    return cannot("a script that does not exist yet or cannot be read");
+  }
+  if (text.startsWith("#!") && !SHELL_SHEBANG.test(text)) return [];
+  try {
+    return commandParts(text, depth + 1, ctx);
+  } catch (error) {
+    if (error instanceof UnreadableCommand) return cannot(`a script aic cannot read: ${error.message}`);
+    throw error;
+  }
+}
+
+/** git's options before the subcommand: those that take a value, and those whose value makes git run a program. */
+const GIT_GLOBAL_VALUE = new Set([
+  "-C",
+  "-c",
+  "--git-dir",
+  "--work-tree",
+  "--namespace",
+  "--super-prefix",
+  "--config-env",
+  "--exec-path",
+  "--list-cmds",
+]);
+const GIT_GLOBAL_FLAG =
+  /^(-p|-P|--paginate|--no-pager|--bare|--no-replace-objects|--literal-pathspecs|--glob-pathspecs|--noglob-pathspecs|--icase-pathspecs|--no-optional-locks|--no-advice|--no-lazy-fetch)$/;
+/** `git -c` settings that make git run a program or read more settings. */
+const GIT_CODE_SETTING =
+  /^(alias\.|core\.(fsmonitor|pager|editor|sshcommand|hookspath|askpass|gitproxy|attributesfile|excludesfile)$|diff\.|difftool\.|merge\.|mergetool\.|filter\.|credential\.|sequence\.editor|gpg\.|uploadpack\.|receivepack\.|include\.|includeif\.|remote\..*\.(uploadpack|receivepack|proxy)$|http\..*proxy|protocol\.|pager\.|web\.browser|browser\.|instaweb\.|ssh\.|hook\.|init\.templatedir|safe\.)/i;
+
+/**
+ * `git [global options] SUBCOMMAND …` as the rules see it: `git -C . --no-pager push` is `git push`. A `-c`
+ * setting that runs code (an alias starting with !, core.fsmonitor, a pager, a filter…), --exec-path or
+ * --config-env is a part of its own that no rule can allow.
+ */
+function gitParts(words: ShellWord[]): CommandPart[] {
+  const parts: CommandPart[] = [];
+  let i = 1;
+  for (; i < words.length; i++) {
+    const w = words[i]!;
+    if (!w.known) break; // a word known only as it runs: the part keeps it, and may match a rule
+    const eq = w.value.indexOf("=");
+    const option = w.value.startsWith("--") && eq > 0 ? w.value.slice(0, eq) : w.value;
+    if (GIT_GLOBAL_FLAG.test(option)) continue;
+    if (!GIT_GLOBAL_VALUE.has(option)) break;
+    const value = eq > 0 && option !== w.value ? known(w.value.slice(eq + 1)) : words[++i];
+    if (!value?.known) return [words, ...opaque(words)];
+    const setting = option === "-c" ? value.value.split("=")[0]! : "";
+    if (option === "--exec-path" || option === "--config-env" || GIT_CODE_SETTING.test(setting))
+      parts.push([dynamic(`git ${option} ${value.value} (makes git run a program)`)]);
+  }
+  // log, diff, show and archive write the file of --output (-o for archive) instead of printing.
+  for (let k = i + 1; k < words.length; k++) {
+    const v = valueOf(words[k]);
+    if (v?.startsWith("--output=")) parts.push(writePart(known(v.slice("--output=".length))));
+    else if ((v === "--output" || (v === "-o" && valueOf(words[i]) === "archive")) && words[k + 1])
+      parts.push(writePart(words[++k]!));
+  }
+  return [[words[0]!, ...words.slice(i)], ...parts];
+}
+
+/** find's actions that run a command (up to `;` or `+`), and those that write a file they name. */
+const FIND_RUNS = new Set(["-exec", "-execdir", "-ok", "-okdir"]);
+const FIND_WRITES: Record<string, number> = { "-fprint": 1, "-fprint0": 1, "-fls": 1, "-fprintf": 1 };
+
+/** `find … -exec CMD {} ;`: CMD (with `{}` a word only known as it runs); `-delete` is rm; `-fprint FILE` writes FILE. */
+function findParts(words: ShellWord[], c: ParsedCommand, depth: number, ctx: JudgeContext): CommandPart[] {
+  const parts: CommandPart[] = [words];
+  for (let i = 1; i < words.length; i++) {
+    const w = words[i]!;
+    if (!w.known) continue;
+    if (w.value === "-delete") parts.push([known("rm"), dynamic("{} (find -delete)")]);
+    else if (FIND_WRITES[w.value] !== undefined && words[i + 1]) parts.push(writePart(words[++i]!));
+    else if (FIND_RUNS.has(w.value)) {
+      let end = i + 1;
+      while (end < words.length && !(words[end]!.known && [";", "+"].includes(valueOf(words[end])!))) end++;
+      const inner = words.slice(i + 1, end).map((x) => (x.known && x.value.includes("{}") ? dynamic(x.text) : x));
+      if (inner.length) parts.push(...partsOf(inner, c, depth, ctx));
+      i = end;
+    }
+  }
+  return parts;
+}
+
+/** `sort --compress-program=PROG` runs PROG; `sort -o FILE` writes FILE. */
+function sortParts(words: ShellWord[], c: ParsedCommand, depth: number, ctx: JudgeContext): CommandPart[] {
+  const parts: CommandPart[] = [words];
+  for (let i = 1; i < words.length; i++) {
+    const w = words[i]!;
+    if (!w.known) continue;
+    const [option, attached] = w.value.startsWith("--") ? w.value.split(/=(.*)/s) : [w.value, undefined];
+    if (option === "--compress-program") {
+      const prog = attached !== undefined ? known(attached) : words[++i];
+      if (prog) parts.push(...partsOf([prog], c, depth, ctx));
+    } else if (option === "--output") {
+      const file = attached !== undefined ? known(attached) : words[++i];
+      if (file) parts.push(writePart(file));
+    } else if (/^-[A-Za-z]*o/.test(w.value) && !w.value.startsWith("--")) {
+      const after = w.value.slice(w.value.indexOf("o") + 1);
+      const file = after ? known(after) : words[++i];
+      if (file) parts.push(writePart(file));
+    }
+  }
+  return parts;
+}
+
+/** `watch [options] CMD…` runs its words joined, through `sh -c` (or directly with -x). */
+function watchParts(words: ShellWord[], depth: number, ctx: JudgeContext): CommandPart[] {
+  const i = skipOptions(words, 1, {
+    flags: "bcdeghtpx",
+    withArgument: "nq",
+    long: Object.fromEntries(
+      [
+        ["interval", "argument"],
+        ["differences", "optional"],
+        ["no-title", "flag"],
+        ["beep", "flag"],
+        ["errexit", "flag"],
+        ["chgexit", "flag"],
+        ["exec", "flag"],
+        ["color", "flag"],
+        ["no-color", "flag"],
+        ["precise", "flag"],
+        ["no-wrap", "flag"],
+        ["equexit", "argument"],
+        ["no-linewrap", "flag"],
+      ].map(([k, v]) => [k!, v as "flag" | "argument" | "optional"]),
+    ),
+  });
+  if (i < 0 || words.slice(i).some((w) => !w.known)) return [words, ...opaque(words)];
+  return i >= words.length
+    ? [words]
+    : [
+        words,
+        ...commandParts(
+          words
+            .slice(i)
+            .map((w) => w.text)
+            .join(" "),
+          depth + 1,
+          ctx,
+        ),
+      ];
+}
+
+/** `script [-c CMD] [FILE]`: the command it runs (a shell, without -c), and the typescript file it writes. */
+function scriptProgramParts(words: ShellWord[], depth: number, ctx: JudgeContext): CommandPart[] {
+  const seen = new Map<string, string | true>();
+  const i = skipOptions(
+    words,
+    1,
+    {
+      flags: "aeEfqkT",
+      withArgument: "cIOBtmE",
+      long: {
+        command: "argument",
+        append: "flag",
+        quiet: "flag",
+        flush: "flag",
+        return: "flag",
+        timing: "optional",
+        "log-io": "argument",
+        "log-in": "argument",
+        "log-out": "argument",
+        echo: "argument",
+      },
+    },
+    seen,
+  );
+  if (i < 0) return [words, ...opaque(words)];
+  const command = seen.get("c") ?? seen.get("command");
+  const parts: CommandPart[] = [words];
+  if (typeof command === "string") parts.push(...commandParts(command, depth + 1, ctx));
+  else parts.push([dynamic(`${words.map((w) => w.text).join(" ")} (an interactive shell)`)]);
+  if (words[i]) parts.push(writePart(words[i]!));
+  return parts;
+}
+
+/** `flock [options] LOCKFILE CMD…` or `flock … LOCKFILE -c CMDSTRING` (a number instead of a file: no command). */
+function flockParts(words: ShellWord[], c: ParsedCommand, depth: number, ctx: JudgeContext): CommandPart[] {
+  const seen = new Map<string, string | true>();
+  const syntax: OptionSyntax = {
+    flags: "sxunoFeh",
+    withArgument: "wEc",
+    long: {
+      shared: "flag",
+      exclusive: "flag",
+      unlock: "flag",
+      nonblock: "flag",
+      close: "flag",
+      "no-fork": "flag",
+      verbose: "flag",
+      timeout: "argument",
+      "conflict-exit-code": "argument",
+      command: "argument",
+    },
+  };
+  const i = skipOptions(words, 1, syntax, seen);
+  if (i < 0) return [words, ...opaque(words)];
+  const j = skipOptions(words, i + 1, syntax, seen);
+  if (j < 0) return [words, ...opaque(words)];
+  const command = seen.get("c") ?? seen.get("command");
+  if (typeof command === "string") return [words, ...commandParts(command, depth + 1, ctx)];
+  return j >= words.length ? [words] : [words, ...partsOf(words.slice(j), c, depth, ctx)];
+}
+
+/** The text of each double-quoted string literal of awk code, and where it ends. */
+const AWK_STRING = /"((?:[^"\\]|\\.)*)"/g;
+
+/**
+ * An awk program: `system("CMD")`, `"CMD" | getline` and `print | "CMD"` run
+ * CMD through a shell; `print > "FILE"` writes FILE. A literal CMD or FILE is
+ * judged like any other; one built at run time cannot be seen through.
+ */
+function awkParts(words: ShellWord[], depth: number, ctx: JudgeContext): CommandPart[] {
+  const seen = new Map<string, string | true>();
+  const i = skipOptions(
+    words,
+    1,
+    { flags: "", withArgument: "fFv", long: { file: "argument", "field-separator": "argument", assign: "argument" } },
+    seen,
+  );
+  if (i < 0) return [words, ...opaque(words)];
+  if (seen.has("f") || seen.has("file"))
+    return [words, [dynamic(`${words[0]!.text} -f (an awk program aic did not read)`)]];
+  const program = words[i];
+  if (!program) return [words];
+  if (!program.known) return [words, [program]];
+  const parts: CommandPart[] = [words];
+  const code = program.value;
+  const literal = (at: number) => {
+    AWK_STRING.lastIndex = at;
+    const m = AWK_STRING.exec(code);
+    return m && m.index === at ? m : undefined;
+  };
+  const unseen = (what: string) => parts.push([dynamic(`${what} in ${words[0]!.text} code`)]);
+  for (const m of code.matchAll(/\bsystem\s*\(\s*/g)) {
+    const s = literal(m.index + m[0].length);
+    if (s && /^\s*\)/.test(code.slice(s.index + s[0].length)))
+      parts.push(...commandParts(awkUnescape(s[1]!), depth + 1, ctx));
+    else unseen("system() of a command built at run time");
+  }
+  for (const m of code.matchAll(/(\|&?|>>?)\s*/g)) {
+    if (m[0].startsWith("|") && (code[m.index - 1] === "|" || code[m.index + 1] === "|")) continue; // ||
+    const s = literal(m.index + m[0].length);
+    const before = /"((?:[^"\\]|\\.)*)"\s*$/.exec(code.slice(0, m.index));
+    if (m[0].startsWith(">")) {
+      if (s) parts.push(writePart(known(awkUnescape(s[1]!))));
+      continue; // `a > b` outside a print is a comparison
+    }
+    const cmd = s?.[1] ?? (/^\s*getline/.test(code.slice(m.index + m[0].length)) ? before?.[1] : undefined);
+    if (cmd !== undefined) parts.push(...commandParts(awkUnescape(cmd), depth + 1, ctx));
+    else unseen("a pipe to or from a command built at run time");
+  }
+  return parts;
+}
+
+const awkUnescape = (s: string) =>
+  s.replace(/\\(.)/g, (_m, ch: string) => ({ n: "\n", t: "\t", '"': '"', "\\": "\\" })[ch] ?? ch);
+
+/** sed's options: -e SCRIPT, -f FILE, -i[SUFFIX] (edit files in place), -l N. */
+const SED_SYNTAX: OptionSyntax = {
+  flags: "nrEsuz",
+  withArgument: "efl",
+  optionalArgument: "i",
+  long: Object.fromEntries(
+    [
+      ["expression", "argument"],
+      ["file", "argument"],
+      ["in-place", "optional"],
+      ["line-length", "argument"],
+      ["quiet", "flag"],
+      ["silent", "flag"],
+      ["regexp-extended", "flag"],
+      ["separate", "flag"],
+      ["unbuffered", "flag"],
+      ["null-data", "flag"],
+      ["zero-terminated", "flag"],
+      ["debug", "flag"],
+      ["posix", "flag"],
+      ["sandbox", "flag"],
+      ["follow-symlinks", "flag"],
+    ].map(([k, v]) => [k!, v as "flag" | "argument" | "optional"]),
+  ),
+};
+
+/** `sed`: its script's `e` command and `s///e` run commands; `w FILE` and `-i` write files. */
+function sedParts(words: ShellWord[]): CommandPart[] {
+  const seen = new Map<string, string | true>();
+  const i = skipOptions(words, 1, SED_SYNTAX, seen);
+  if (i < 0) return [words, ...opaque(words)];
+  // Every script given with -e (skipOptions keeps only the last): -e S, --expression=S, -neS.
+  const given: ShellWord[] = [];
+  for (let k = 1; k < i; k++) {
+    const v = valueOf(words[k]);
+    if (v === "-e" || v === "--expression") given.push(words[++k]!);
+    else if (v?.startsWith("--expression=")) given.push(known(v.slice("--expression=".length)));
+    else if (v && /^-[nrEsuz]*e./.test(v)) given.push(known(v.slice(v.indexOf("e") + 1)));
+  }
+  const operands = words.slice(i);
+  const script = given.length ? given : operands.slice(0, 1);
+  const files = given.length ? operands : operands.slice(1);
+  const parts: CommandPart[] = [words];
+  if (seen.has("f") || seen.has("file")) parts.push([dynamic(`${words[0]!.text} -f (a sed script aic did not read)`)]);
+  if (seen.has("i") || seen.has("in-place")) parts.push(...files.map(writePart));
+  if (seen.has("sandbox")) return parts; // sed refuses e, w and r itself
+  for (const w of script) parts.push(...(w.known ? sedEffects(w.value) : [[w]]));
+  return parts;
+}
+
+/** What one sed script does beyond printing: `e` runs commands (unseen), `w FILE` writes FILE. Unparseable: unseen. */
+function sedEffects(script: string): CommandPart[] {
+  const out: CommandPart[] = [];
+  const runs = () => out.push([dynamic(`sed e (runs a command from the text)`)]);
+  let i = 0;
+  const at = () => script[i] ?? "";
+  const toLineEnd = () => {
+    const end = script.indexOf("\n", i);
+    const text = script.slice(i, end < 0 ? script.length : end);
+    i = end < 0 ? script.length : end;
+    return text.trim();
+  };
+  const regex = () => {
+    const delim = at() === "\\" ? script[++i] : "/";
+    i++;
+    while (i < script.length && at() !== delim) i += at() === "\\" ? 2 : 1;
+    i++;
+  };
+  while (i < script.length) {
+    while (/[\s;]/.test(at())) i++;
+    if (i >= script.length) break;
+    // Addresses: numbers, $, /regex/, \cregexc, with , ~ + and !.
+    for (let n = 0; n < 2; n++) {
+      if (/[0-9$]/.test(at())) while (/[0-9$~+]/.test(at())) i++;
+      else if (at() === "/" || at() === "\\") regex();
+      if (at() === ",") i++;
+      else break;
+    }
+    while (/[\s!]/.test(at())) i++;
+    const cmd = at();
+    i++;
+    if (cmd === "e") {
+      runs();
+      toLineEnd();
+    } else if (cmd === "w" || cmd === "W") out.push(writePart(known(toLineEnd())));
+    else if ("aicrR:btTvqQlL".includes(cmd)) toLineEnd();
+    else if (cmd === "s" || cmd === "y") {
+      const delim = at();
+      if (!delim || delim === "\n" || delim === "\\") return [[dynamic(`sed script ${JSON.stringify(script)}`)]];
+      for (let k = 0; k < 2; k++) {
+        i++;
+        while (i < script.length && at() !== delim) i += at() === "\\" ? 2 : 1;
+      }
+      i++;
+      if (cmd === "s")
+        while (i < script.length && !/[\s;}]/.test(at())) {
+          const flag = at();
+          i++;
+          if (flag === "e") runs();
+          if (flag === "w") {
+            out.push(writePart(known(toLineEnd())));
+            break;
+          }
+        }
+    } else if (!"{}=dDgGhHnNpPxzF#".includes(cmd)) return [[dynamic(`sed script ${JSON.stringify(script)}`)]];
+    else if (cmd === "#") toLineEnd();
+  }
+  return out;
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // Command rules: the rules file and the verdict
 // Owns: `.aicrules` (or --rules FILE): reading it as hostile ground (it sits
 // where commands write), its lines and what is wrong with them, the verdict
@@ -7958,10 +8592,12 @@ type RuleAction = "allow" | "ask" | "deny";
 /** One line of the rules file. */
 interface CommandRule {
   action: RuleAction;
-  /** The pattern's words, without a trailing `*`. */
+  /** The pattern's words, without a trailing `*`. For a write rule (`allow write build/*`): the path pattern alone. */
   words: string[];
   /** The pattern ends in `*`: any further words match. deny and ask patterns always match this way. */
   anyRest: boolean;
+  /** A write rule: it judges the files a line writes, by path (`*` matches any characters, `/` included). */
+  write?: RegExp;
   /** The line as written, for messages: which rule decided. */
   text: string;
   /** The rule without its comment: `deny git push *`. */
@@ -7982,6 +8618,14 @@ interface RuleVerdict {
   unreadable?: string;
   /** Every part, for an "always allow" answer. */
   parts?: CommandPart[];
+  /** Provably read-only: no write, no delete, no command run from data, no network (see READ_ONLY). */
+  readOnly?: boolean;
+  /**
+   * What the judgement cannot see through: a program named only as it runs, code on the command line, a
+   * script that cannot be read, a deny rule a word known only at run time could match. Undefined when
+   * every part is known.
+   */
+  unsure?: string;
 }
 
 const RULES_FILE_NAME = ".aicrules";
@@ -7990,14 +8634,23 @@ const MAX_RULES_BYTES = 256 * 1024;
 /** How many patterns of each kind the system prompt names. */
 const PROMPT_RULES_LISTED = 30;
 
+/** A write rule's path pattern as a regular expression: `*` is any characters (a whole subtree), `?` one. */
+function writePattern(glob: string): RegExp {
+  const body = glob
+    .replace(/[.+^${}()|[\]\\]/g, "\\$&")
+    .replace(/\*/g, ".*")
+    .replace(/\?/g, ".");
+  return new RegExp(`^${body}$`);
+}
+
 /** Rule lines and, for each line that is not a rule, what is wrong with it (reported, then ignored). */
-function parseRuleLines(text: string): { rules: CommandRule[]; problems: string[] } {
+function parseRuleLines(text: string, firstLine = 1): { rules: CommandRule[]; problems: string[] } {
   const rules: CommandRule[] = [];
   const problems: string[] = [];
   text.split("\n").forEach((raw, index) => {
     const line = raw.trim();
     if (!line || line.startsWith("#")) return;
-    const lineNumber = index + 1;
+    const lineNumber = index + firstLine;
     const problem = (why: string) => problems.push(`line ${lineNumber}: ${why}: ${visibleControls(line)}`);
     const hash = line.search(/\s#/);
     const body = (hash < 0 ? line : line.slice(0, hash)).trim();
@@ -8008,18 +8661,15 @@ function parseRuleLines(text: string): { rules: CommandRule[]; problems: string[
     if (words.length === 0) return problem(`${action} needs a pattern (shell words, or * for any command)`);
     if (words.some((w) => /['"\\`$]/.test(w)))
       return problem("a pattern is plain words as the command's words read after quoting (no quotes, \\, $ or `)");
+    const base = { action, text: line, written: body, lineNumber, reason } as const;
+    if (words[0] === "write") {
+      if (words.length !== 2) return problem("a write rule names one path pattern: allow write build/*");
+      return void rules.push({ ...base, words: [words[1]!], anyRest: false, write: writePattern(words[1]!) });
+    }
     const anyRest = words.at(-1) === "*";
     if (anyRest) words.pop();
     if (words.includes("*")) return problem("* may only be a pattern's last word");
-    rules.push({
-      action,
-      words,
-      anyRest: anyRest || action !== "allow",
-      text: line,
-      written: body,
-      lineNumber,
-      reason,
-    });
+    rules.push({ ...base, words, anyRest: anyRest || action !== "allow" });
   });
   return { rules, problems };
 }
@@ -8028,9 +8678,16 @@ function parseRuleLines(text: string): { rules: CommandRule[]; problems: string[
  * Whether `rule` matches `part`: "yes"; "maybe" when a word only known as it
  * runs could make it match; "no". deny and ask patterns also match a command
  * word by its base name (`/usr/bin/git push` is `git push`); allow patterns
- * need it exactly (`./git status` is not git).
+ * need it exactly (`./git status` is not git). Write rules match only the
+ * files a line writes, by path from the start directory.
  */
-function ruleFits(rule: CommandRule, part: CommandPart): "yes" | "maybe" | "no" {
+function ruleFits(rule: CommandRule, part: CommandPart, ctx: VerdictContext = {}): "yes" | "maybe" | "no" {
+  if (isWritePart(part) || rule.write) {
+    if (!isWritePart(part) || !rule.write) return "no";
+    const target = part[1]!;
+    if (!target.known) return "maybe";
+    return writtenPaths(target.value, ctx).some((p) => rule.write!.test(p)) ? "yes" : "no";
+  }
   const pattern = rule.words;
   for (let k = 0; k < part.length; k++) {
     const w = part[k]!;
@@ -8045,56 +8702,321 @@ function ruleFits(rule: CommandRule, part: CommandPart): "yes" | "maybe" | "no" 
   return part.length === pattern.length ? "yes" : "no";
 }
 
+/** Where a line is judged: the agent's directory (relative writes), and the start directory (write rules' paths). */
+interface VerdictContext extends JudgeContext {
+  root?: string;
+}
+
+/** The ways a write rule may name a written file: relative to the start directory (when inside it), and absolute. */
+function writtenPaths(target: string, ctx: VerdictContext): string[] {
+  const absolute = path.resolve(ctx.cwd ?? ctx.root ?? "/", target);
+  const relative = ctx.root ? path.relative(ctx.root, absolute) : target;
+  return relative && !relative.startsWith("..") && !path.isAbsolute(relative) ? [relative, absolute] : [absolute];
+}
+
 /** The verdict for one part: a matching deny; a deny it may match (asked); an ask rule; an allow rule; else asked. */
-function partVerdict(rules: readonly CommandRule[], part: CommandPart): { verdict: RuleAction; rule?: CommandRule } {
+function partVerdict(
+  rules: readonly CommandRule[],
+  part: CommandPart,
+  ctx: VerdictContext = {},
+): { verdict: RuleAction; rule?: CommandRule } {
   if (part.length === 0 || !part[0]!.known) return { verdict: "ask" };
   const of = (action: RuleAction) => rules.filter((r) => r.action === action);
+  const fits = (r: CommandRule) => ruleFits(r, part, ctx);
   const deny = of("deny");
   const found =
-    deny.find((r) => ruleFits(r, part) === "yes") ??
-    deny.find((r) => ruleFits(r, part) === "maybe") ??
-    of("ask").find((r) => ruleFits(r, part) !== "no");
-  if (found)
-    return { verdict: found.action === "deny" && ruleFits(found, part) === "yes" ? "deny" : "ask", rule: found };
-  const allowed = of("allow").find((r) => ruleFits(r, part) === "yes");
+    deny.find((r) => fits(r) === "yes") ??
+    deny.find((r) => fits(r) === "maybe") ??
+    of("ask").find((r) => fits(r) !== "no");
+  if (found) return { verdict: found.action === "deny" && fits(found) === "yes" ? "deny" : "ask", rule: found };
+  const allowed = of("allow").find((r) => fits(r) === "yes");
   return allowed ? { verdict: "allow", rule: allowed } : { verdict: "ask" };
 }
 
-const partText = (part: CommandPart) => part.map((w) => (w.known ? w.value : w.text)).join(" ");
+const partText = (part: CommandPart) =>
+  isWritePart(part)
+    ? `writing ${part[1]!.known ? part[1]!.value : part[1]!.text}`
+    : part.map((w) => (w.known ? w.value : w.text)).join(" ");
+
+/** Writes into a repository's config or hooks change what git runs later: never seen through. */
+const GIT_CODE_PATH = /(^|\/)\.git\/(config|hooks(\/|$)|info\/attributes|modules\/)/;
 
 /** The verdict for a whole line: deny if any part is denied, else ask if any part is asked, else allow. */
-function judgeCommand(rules: readonly CommandRule[], command: string): RuleVerdict {
+function judgeCommand(rules: readonly CommandRule[], command: string, ctx: VerdictContext = {}): RuleVerdict {
   let parts: CommandPart[];
   try {
-    parts = commandParts(command);
+    parts = commandParts(command, 0, ctx);
   } catch (error) {
     if (!(error instanceof UnreadableCommand)) throw error;
-    return { verdict: "ask", unreadable: error.message };
+    return { verdict: "ask", unreadable: error.message, unsure: `aic cannot read the command line (${error.message})` };
   }
-  const judged = parts.map((part) => ({ part, ...partVerdict(rules, part) }));
+  const judged = parts.map((part) => ({ part, ...partVerdict(rules, part, ctx) }));
   const decide = (v: (typeof judged)[number] | undefined): RuleVerdict =>
     v ? { verdict: v.verdict, rule: v.rule, part: partText(v.part), parts } : { verdict: "allow", parts };
   const denied = judged.find((v) => v.verdict === "deny");
   if (denied) return decide(denied);
+  const unsure = unsureAbout(judged);
   const asked = judged.filter((v) => v.verdict === "ask");
-  if (asked.length) return decide(asked.find((v) => v.rule) ?? asked[0]);
-  return decide(judged[0]);
+  const verdict = asked.length ? decide(asked.find((v) => v.rule) ?? asked[0]) : decide(judged[0]);
+  return { ...verdict, unsure, readOnly: parts.length > 0 && parts.every(isReadOnlyPart) };
 }
 
+/** The first thing about a line's parts that the judgement cannot see through, worded for the model. */
+function unsureAbout(judged: { part: CommandPart; verdict: RuleAction; rule?: CommandRule }[]): string | undefined {
+  for (const { part, verdict, rule } of judged) {
+    const first = part[0];
+    if (!first?.known) return `\`${oneLine(first?.text ?? "", 80)}\` is only known when it runs`;
+    if (isWritePart(part) && (!part[1]!.known || GIT_CODE_PATH.test(part[1]!.value)))
+      return part[1]!.known
+        ? `it writes ${part[1]!.value}, which changes what git runs later`
+        : `it writes a file named only as it runs (${part[1]!.text})`;
+    if (verdict === "ask" && rule?.action === "deny")
+      return `\`${oneLine(partText(part), 80)}\` could turn out to be what the rule "${rule.written}" forbids once its words are known`;
+  }
+  return undefined;
+}
+
+/** A read-only program's check of its words (after the program): true when this use of it only reads. */
+type ReadOnlyCheck = (args: ShellWord[]) => boolean;
+
+const anyArgs: ReadOnlyCheck = () => true;
+const knownArgs: ReadOnlyCheck = (args) => args.every((w) => w.known);
+/** No word is one of these options (a dynamic word might be one). */
+const without =
+  (...options: string[]): ReadOnlyCheck =>
+  (args) =>
+    args.every(
+      (w) => w.known && !options.some((o) => w.value === o || (o.startsWith("--") && w.value.startsWith(`${o}=`))),
+    );
+/** At most `n` operands (uniq IN OUT, xxd IN OUT write the second). */
+const operandsAtMost =
+  (n: number): ReadOnlyCheck =>
+  (args) =>
+    knownArgs(args) && args.filter((w) => w.known && !w.value.startsWith("-")).length <= n;
+
+/** git subcommands that only read, with the options that would make them write or run a program refused. */
+const GIT_READ_ONLY: Record<string, ReadOnlyCheck> = {
+  status: without("--output", "-o"),
+  log: without("--output", "--ext-diff", "--textconv"),
+  diff: without("--output", "--ext-diff", "--textconv", "--no-index"),
+  show: without("--output", "--ext-diff", "--textconv"),
+  // Listing only: any name would create a branch, and these options change one.
+  branch: (args) =>
+    knownArgs(args) &&
+    (args.some((w) => w.known && ["-l", "--list"].includes(w.value)) ||
+      args.every((w) => w.known && w.value.startsWith("-"))) &&
+    !args.some(
+      (w) =>
+        w.known &&
+        /^(-[dDmMcCfu]|--(delete|move|copy|force|set-upstream-to|unset-upstream|edit-description|track|no-track|create-reflog)\b)/.test(
+          w.value,
+        ),
+    ),
+};
+
+/**
+ * Programs that only read, and how each must be used for that to hold: no
+ * write, no delete, no command run from data, no network. What the rules
+ * prove read-only runs without asking (unless --ask-every-command).
+ */
+const READ_ONLY: Record<string, ReadOnlyCheck> = {
+  ...Object.fromEntries(
+    [
+      "ls",
+      "cat",
+      "head",
+      "tail",
+      "wc",
+      "grep",
+      "egrep",
+      "fgrep",
+      "stat",
+      "file",
+      "du",
+      "df",
+      "pwd",
+      "echo",
+      "printf",
+      "true",
+      "false",
+      "test",
+      "[",
+      "basename",
+      "dirname",
+      "realpath",
+      "readlink",
+      "which",
+      "type",
+      "whoami",
+      "id",
+      "uname",
+      "nproc",
+      "arch",
+      "groups",
+      "locale",
+      "uptime",
+      "free",
+      "cut",
+      "tr",
+      "nl",
+      "od",
+      "hexdump",
+      "column",
+      "fold",
+      "rev",
+      "tac",
+      "comm",
+      "cmp",
+      "diff",
+      "expand",
+      "unexpand",
+      "paste",
+      "join",
+      "seq",
+      "strings",
+      "sleep",
+      "md5sum",
+      "sha1sum",
+      "sha224sum",
+      "sha256sum",
+      "sha384sum",
+      "sha512sum",
+      "b2sum",
+      "cksum",
+      "jq",
+      "cd",
+      ":",
+      "printenv",
+      "lsblk",
+      "ps",
+    ].map((name) => [name, anyArgs]),
+  ),
+  env: (args) => args.length === 0,
+  command: (args) => args.some((w) => w.known && ["-v", "-V"].includes(w.value)),
+  hostname: (args) => args.length === 0,
+  date: without("-s", "--set"),
+  find: (args) =>
+    knownArgs(args) &&
+    !args.some((w) => w.known && /^-(exec|execdir|ok|okdir|delete|fprint0?|fprintf|fls)$/.test(w.value)),
+  sort: without("-o", "--output", "--compress-program"),
+  rg: without("--pre", "--pre-glob"),
+  tree: without("-o"),
+  uniq: operandsAtMost(1),
+  xxd: (args) => operandsAtMost(1)(args) && !args.some((w) => w.known && w.value === "-r"),
+  sed: (args) => knownArgs(args) && !args.some((w) => w.known && /^(-[A-Za-z]*[if]|--(in-place|file)\b)/.test(w.value)),
+  awk: (args) =>
+    knownArgs(args) &&
+    !args.some((w) => w.known && (/^-f|^--file/.test(w.value) || /[>|]|system|getline/.test(w.value))),
+  git: (args) => {
+    const sub = args[0];
+    return Boolean(sub?.known && GIT_READ_ONLY[sub.value]?.(args.slice(1)));
+  },
+};
+
+/** Whether one part only reads: a read-only program used read-only. Writes and parts known only as they run never are. */
+function isReadOnlyPart(part: CommandPart): boolean {
+  const program = part[0];
+  if (!program?.known || isWritePart(part)) return false;
+  // A path (./ls, /tmp/cat) may be anything: only programs found on PATH by name.
+  if (program.value.includes("/") && !/^\/(usr\/)?bin\/[^/]+$/.test(program.value)) return false;
+  const check = READ_ONLY[baseName(program.value)];
+  return Boolean(check?.(part.slice(1)));
+}
+
+/** Programs whose second word names what they do (`git log`, `npm test`); "always allow" keeps it. */
+const SUBCOMMAND_PROGRAMS = new Set([
+  "git",
+  "npm",
+  "pnpm",
+  "yarn",
+  "bun",
+  "npx",
+  "cargo",
+  "go",
+  "docker",
+  "podman",
+  "kubectl",
+  "helm",
+  "pip",
+  "pip3",
+  "poetry",
+  "uv",
+  "gh",
+  "apt",
+  "apt-get",
+  "dnf",
+  "yum",
+  "brew",
+  "systemctl",
+  "dotnet",
+  "mvn",
+  "gradle",
+  "make",
+  "terraform",
+  "conda",
+  "rustup",
+  "deno",
+  "composer",
+  "bundle",
+  "rails",
+  "mix",
+  "stack",
+  "cabal",
+  "swift",
+]);
+
+/** Programs that "always allow" never proposes a rule for: what they run is in their arguments or input, not their name. */
+const NEVER_ALWAYS_ALLOWED = new Set([
+  ...SHELL_PROGRAMS,
+  ...Object.keys(INLINE_CODE),
+  ...Object.keys(SIMPLE_WRAPPERS),
+  ...Object.keys(PROGRAMS_THAT_RUN_PROGRAMS).filter(
+    (name) => !["git", "tee", "uniq", "sort", "sed", "find"].includes(name),
+  ),
+  "python",
+  "python2",
+  "python3",
+  "sudo",
+  "su",
+  "ssh",
+  "parallel",
+]);
+
 /** The rule lines that would let every asked part of `verdict` run from now on, or undefined when no such line can be written. */
-function alwaysAllowLines(rules: readonly CommandRule[], verdict: RuleVerdict): string[] | undefined {
-  if (verdict.verdict !== "ask" || !verdict.parts) return undefined;
+function alwaysAllowLines(
+  rules: readonly CommandRule[],
+  verdict: RuleVerdict,
+  ctx: VerdictContext = {},
+): string[] | undefined {
+  if (verdict.verdict !== "ask" || !verdict.parts || verdict.unsure) return undefined;
   const lines = new Set<string>();
   for (const part of verdict.parts) {
-    const v = partVerdict(rules, part);
+    const v = partVerdict(rules, part, ctx);
     if (v.verdict === "allow") continue;
-    // A part asked by a rule (or one a deny may match) stays asked whatever allow line is added.
-    const [program, sub] = part;
-    if (v.rule || !program?.known || /\s/.test(program.value)) return undefined;
-    const second = sub?.known && !sub.value.startsWith("-") && /^[\w.:@/+=-]+$/.test(sub.value) ? ` ${sub.value}` : "";
-    lines.add(`allow ${program.value}${second} *`);
+    // A part asked by a rule (or one a deny may match) stays asked whatever allow line is added; a write is asked
+    // each time (the person allows writes by path in the file themselves).
+    if (v.rule || isWritePart(part)) return undefined;
+    const line = allowLineFor(part);
+    if (!line) return undefined;
+    lines.add(line);
   }
   return lines.size ? [...lines] : undefined;
+}
+
+/**
+ * `allow PROGRAM [SUBCOMMAND] *` for one part: the program by name and, for
+ * programs whose second word says what they do, that word (`allow git log *`,
+ * `allow npm run test *`); never its literal arguments, and never for a shell,
+ * an interpreter or a wrapper, whose arguments are what runs.
+ */
+function allowLineFor(part: CommandPart): string | undefined {
+  const [program, sub, third] = part;
+  if (!program?.known || !/^[\w.+-]+$/.test(program.value) || NEVER_ALWAYS_ALLOWED.has(interpreterOf(program.value)))
+    return undefined;
+  const word = (w: ShellWord | undefined) => (w?.known && /^[a-z][\w:.-]*$/i.test(w.value) ? w.value : undefined);
+  if (!SUBCOMMAND_PROGRAMS.has(program.value) || !word(sub)) return `allow ${program.value} *`;
+  const script = sub!.known && sub!.value === "run" ? word(third) : undefined;
+  return `allow ${program.value} ${word(sub)}${script ? ` ${script}` : ""} *`;
 }
 
 /** What identifies the rules file's content on disk, to notice a change ("absent" when there is none). */
@@ -8124,11 +9046,15 @@ class CommandRules {
   private identity = "absent";
   private noticed = "absent";
 
-  private constructor(readonly path: string) {}
+  private constructor(
+    readonly path: string,
+    /** The start directory: write rules name paths from there. */
+    readonly root: string,
+  ) {}
 
   /** `--rules FILE` must exist; the default `.aicrules` may not. */
   static load(config: Pick<Config, "rules">): CommandRules {
-    const rules = new CommandRules(path.resolve(config.rules ?? RULES_FILE_NAME));
+    const rules = new CommandRules(path.resolve(config.rules ?? RULES_FILE_NAME), process.cwd());
     rules.read();
     if (config.rules !== undefined && !rules.present)
       throw new UsageError(`--rules ${config.rules}: ${rules.reports[0] ?? "no such file"}`);
@@ -8156,15 +9082,29 @@ class CommandRules {
     return this.reports;
   }
 
-  /** The verdict for a command; without a rules file every command is asked, as it always was (and nothing is parsed). */
-  judge(command: string): RuleVerdict {
-    return this.present ? judgeCommand(this.rules, command) : { verdict: "ask" };
+  /** The verdict for a command run in `cwd` (without a rules file, every command that is not read-only is asked). */
+  judge(command: string, cwd: string = this.root): RuleVerdict {
+    return judgeCommand(this.present ? this.rules : [], command, { cwd, root: this.root });
   }
 
   /** The lines an "always allow" answer would add for `command`, if such lines can be written. */
-  alwaysAllowFor(command: string, verdict: RuleVerdict): string[] | undefined {
+  alwaysAllowFor(command: string, verdict: RuleVerdict, cwd: string = this.root): string[] | undefined {
     if (verdict.verdict !== "ask" || verdict.unreadable) return undefined;
-    return alwaysAllowLines(this.rules, verdict.parts ? verdict : judgeCommand(this.rules, command));
+    const ctx = { cwd, root: this.root };
+    return alwaysAllowLines(this.rules, verdict.parts ? verdict : judgeCommand(this.rules, command, ctx), ctx);
+  }
+
+  /** Programs a deny rule forbids whatever their arguments (`deny rm *`): these the jail can refuse to execute. */
+  deniedPrograms(): string[] {
+    const programs = this.rules.filter((r) => r.action === "deny" && !r.write && r.words.length === 1);
+    return [...new Set(programs.map((r) => r.words[0]!))];
+  }
+
+  /** Whether some deny rule in force is not enforced by the kernel (it names a subcommand, arguments or writes). */
+  hasDenyBeyond(enforced: readonly string[]): boolean {
+    return this.rules.some(
+      (r) => r.action === "deny" && (r.write !== undefined || r.words.length !== 1 || !enforced.includes(r.words[0]!)),
+    );
   }
 
   /** Only what a person said (never a command) may widen the rules: which commands run without asking. */
@@ -8183,8 +9123,13 @@ class CommandRules {
     return `${this.path} changed on disk while aic runs (a command may have written it): the rules in force stay the ones read at ${this.loadedAt}; the change takes effect only when you reload it (/rules reload in the TUI) or start aic again`;
   }
 
-  /** Appends lines (the person's "always allow") and reads the file again. Never follows a link; creates the file if needed. */
+  /**
+   * Appends lines (the person's "always allow") to the file and to the rules
+   * in force, as loaded: the file is never read again for it, since a command
+   * may have rewritten it meanwhile. Never follows a link; creates the file if needed.
+   */
   append(lines: string[]): void {
+    const unchanged = fileIdentity(this.path) === this.identity;
     const fd = openRegular(this.path, O.O_WRONLY | O.O_APPEND | O.O_CREAT);
     try {
       const size = fs.fstatSync(fd).size;
@@ -8203,7 +9148,12 @@ class CommandRules {
     } finally {
       fs.closeSync(fd);
     }
-    this.read();
+    const next = Math.max(0, ...this.rules.map((r) => r.lineNumber)) + 1;
+    const added = parseRuleLines(lines.join("\n"), next);
+    this.rules.push(...added.rules);
+    this.present = true;
+    // Our own write is no change to tell about; a change a command made before it still is.
+    if (unchanged) this.identity = this.noticed = fileIdentity(this.path);
   }
 
   /** One paragraph for the system prompt, so the model does not spend steps on refused commands. */
@@ -8225,7 +9175,10 @@ class CommandRules {
     ]
       .filter(([, l]) => l)
       .map(([what, l]) => `these ${what}: ${l}`);
-    return `\n\nCommand rules (${this.path}) apply to every simple command of a command line, also inside sh -c, $( ) and pipelines: ${parts.join("; ")}. Any other command needs a person's approval unless auto-approve is on. Never try to get around a refused command.`;
+    const denies = this.rules.some((r) => r.action === "deny")
+      ? " Name every program literally: while deny rules hold, a command aic cannot see through (a program named by a variable, code handed to an interpreter in a string, a script that cannot be read) is refused when nobody approves it by hand."
+      : "";
+    return `\n\nCommand rules (${this.path}) apply to every simple command of a command line, also inside sh -c, $( ), pipelines, find -exec and the scripts it runs, and to every file it writes (redirections, tee): ${parts.join("; ")}. Any other command, and any other write, needs a person's approval unless auto-approve is on.${denies} Never try to get around a refused command.`;
   }
 
   /** `/rules`: where they come from and each rule in force. */
@@ -8414,22 +9367,25 @@ async function passApprovalGate(id: string, command: string, ctx: ToolCallContex
     answer: { kind: "done", content },
     status,
   });
-  const ruled = o.rules.judge(command);
+  const ruled = o.rules.judge(command, ctx.cwd());
   if (ruled.verdict === "deny") {
     emit({ type: "approval", id, decision: "denied", rule: ruled.rule?.text });
     return refuse(deniedByRuleMessage(ruled, o.rules.path), "denied");
   }
-  if (ruled.verdict === "allow" || ctx.autoApprove) {
-    const allowed = ruled.verdict === "allow";
-    emit({
-      type: "approval",
-      id,
-      decision: allowed ? "allowed" : "auto",
-      rule: allowed ? ruled.rule?.text : undefined,
-    });
+  // Without a person, what the judgement cannot see through never runs while a deny rule it could hide holds
+  // (one the kernel cannot enforce by refusing to execute a program).
+  const unseen = ruled.unsure !== undefined && o.rules.hasDenyBeyond(o.sandbox.deniedPrograms);
+  if (ruled.verdict === "allow" || (ruled.readOnly && !o.config.askEveryCommand) || (ctx.autoApprove && !unseen)) {
+    const decision =
+      ruled.verdict === "allow" ? "allowed" : ruled.readOnly && !o.config.askEveryCommand ? "read_only" : "auto";
+    emit({ type: "approval", id, decision, rule: decision === "allowed" ? ruled.rule?.text : undefined });
     return { run: true, byHand: false };
   }
-  const alwaysAllow = o.rules.alwaysAllowFor(command, ruled);
+  if (ctx.autoApprove) {
+    emit({ type: "approval", id, decision: "denied", rule: undefined });
+    return refuse(unseenCommandMessage(ruled.unsure!, o.rules), "denied");
+  }
+  const alwaysAllow = o.rules.alwaysAllowFor(command, ruled, ctx.cwd());
   const answer = await untilAborted(
     o.approve({ id, command, index: ctx.index, total: ctx.total, alwaysAllow }),
     signal,
@@ -9387,8 +10343,8 @@ function readProjectInstructions(cwd: string): PromptFacts["projectInstructions"
 
 /** The sandbox and the system prompt that describes it. */
 function prepareParts(config: Config): PreparedRun {
-  const sandbox = setUpSandbox(config);
   const rules = CommandRules.load(config);
+  const sandbox = setUpSandbox(config, rules.deniedPrograms());
   const projectInstructions = readProjectInstructions(process.cwd());
   const systemPrompt = buildSystemPrompt({
     fast: config.fast,
@@ -12415,6 +13371,7 @@ export {
   JobTable,
   commandParts,
   judgeCommand,
+  alwaysAllowLines,
   parseRuleLines,
   UnreadableCommand,
   sandboxOff,

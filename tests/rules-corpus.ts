@@ -110,8 +110,10 @@
  * re-parses such a substitution and drops a `;` after the here-document:
  * `echo "$(cat <<EOF⏎x⏎EOF⏎git;push)"` runs `git push`.
  *
- * Redirections never change a verdict here (`echo x > f` is `echo x`). That
- * follows the brief; see the report for why file writes may deserve ask.
+ * Writes. A redirection that writes a file (`>`, `>>`, `&>`, `>|`, `2>`,
+ * `<>`; not /dev/null or the standard streams) is a write of that path, judged
+ * by write rules (`allow write build/*`); no such rule here, so it is asked.
+ * The parts below leave writes out; the verdicts count them.
  */
 
 /** A word whose value is only known when it runs; `raw` is its source text. */
@@ -273,15 +275,17 @@ export const RULES_CASES: RulesCase[] = [
   },
   {
     command: "git -C sub push",
-    verdict: "ask",
-    why: "options before the subcommand defeat the prefix: not denied, but not allowed",
-    parts: [["git", "-C", "sub", "push"]],
+    verdict: "deny",
+    rule: R.denyPush,
+    why: "git's global options are looked through: this is git push",
+    parts: [["git", "push"]],
   },
   {
     command: "git --no-pager log",
-    verdict: "ask",
-    why: "same in the other direction: `allow git log *` does not see past --no-pager",
-    parts: [["git", "--no-pager", "log"]],
+    verdict: "allow",
+    rule: R.gitLog,
+    why: "the same in the other direction: `allow git log *` sees past --no-pager",
+    parts: [["git", "log"]],
   },
   {
     command: "/usr/bin/git push",
@@ -685,10 +689,9 @@ export const RULES_CASES: RulesCase[] = [
   },
   {
     command: "sort --compress-program=sh x.txt",
-    verdict: "allow",
-    rule: R.sort,
-    why: "allowed as written: `allow sort *` also allows sort's option that runs a program",
-    parts: [["sort", "--compress-program=sh", "x.txt"]],
+    verdict: "ask",
+    why: "sort runs its compressor: a shell reading a script nobody can see",
+    parts: [["sort", "--compress-program=sh", "x.txt"], [dyn("sh")]],
   },
   {
     command: 'echo ${HOME}/x "$USER"',
@@ -791,8 +794,8 @@ export const RULES_CASES: RulesCase[] = [
   {
     command: "bash script.sh",
     verdict: "ask",
-    why: "a script file is a normal command",
-    parts: [["bash", "script.sh"]],
+    why: "a script file is read where the line runs; judged without a directory it cannot be seen through",
+    parts: [["bash", "script.sh"], [dyn("script.sh")]],
   },
   {
     command: "echo 'git push' | bash",
@@ -910,9 +913,10 @@ export const RULES_CASES: RulesCase[] = [
   { command: "env", verdict: "ask", why: "env alone prints the environment: a normal command", parts: [["env"]] },
   {
     command: "env -S 'git push'",
-    verdict: "ask",
-    why: "-S splits a string by its own rules",
-    parts: [[dyn("env -S 'git push'")]],
+    verdict: "deny",
+    rule: R.denyPush,
+    why: "-S splits its string into the command's words",
+    parts: [["env", "-S", "git push"], GP],
   },
   {
     command: "env FOO=$(git push) ls",
@@ -948,9 +952,8 @@ export const RULES_CASES: RulesCase[] = [
   { command: "nohup git push &", verdict: "deny", rule: R.denyPush, why: "nohup unwrapped", parts: [GP] },
   {
     command: "nohup git status > log 2>&1 &",
-    verdict: "allow",
-    rule: R.gitStatus,
-    why: "nohup with redirections",
+    verdict: "ask",
+    why: "nohup with redirections: writing log is asked (no rule allows it)",
     parts: [["git", "status"]],
   },
   {
@@ -1033,9 +1036,10 @@ export const RULES_CASES: RulesCase[] = [
   },
   {
     command: "find . -name '*.ts' -exec git push \\;",
-    verdict: "ask",
-    why: "find -exec is not unwrapped; nothing allows find",
-    parts: [["find", ".", "-name", "*.ts", "-exec", "git", "push", ";"]],
+    verdict: "deny",
+    rule: R.denyPush,
+    why: "find -exec runs its command",
+    parts: [["find", ".", "-name", "*.ts", "-exec", "git", "push", ";"], GP],
   },
 
   // ── redirections
@@ -1056,9 +1060,8 @@ export const RULES_CASES: RulesCase[] = [
   { command: "git push 2>/dev/null", verdict: "deny", rule: R.denyPush, why: "redirection after", parts: [GP] },
   {
     command: "echo data > notes.txt",
-    verdict: "allow",
-    rule: R.echo,
-    why: "redirections are ignored (see report: file writes)",
+    verdict: "ask",
+    why: "a redirection is a write of its file: `allow echo *` does not allow it",
     parts: [["echo", "data"]],
   },
 

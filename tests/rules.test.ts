@@ -19,7 +19,10 @@ const fixtures = perTestFixtures();
 /** A part as the corpus writes it: known words as themselves, a dynamic word as NUL + its source. */
 function corpusParts(command: string): string[][] | "unparseable" {
   try {
-    return commandParts(command).map((part) => part.map((w) => (w.known ? w.value : `\u0000${w.text}`)));
+    // Writes are judged too, but the corpus lists what a line runs.
+    return commandParts(command)
+      .filter((part) => !(part[0]?.known && part[0].value === "\u0000write"))
+      .map((part) => part.map((w) => (w.known ? w.value : `\u0000${w.text}`)));
   } catch (error) {
     if (error instanceof UnreadableCommand) return "unparseable";
     throw error;
@@ -152,15 +155,19 @@ describe("rules in a run", () => {
   // Without a rules file nothing changes: an ask with nobody to answer stops the run with exit 4, as before.
   test("without a rules file an unanswerable command still ends the run with exit 4", async () => {
     const dir = scratch();
-    const srv = fixtures.serve([bash("echo hi")]);
+    // (A read-only command such as `echo hi` would run without asking; touch writes.)
+    const srv = fixtures.serve([bash("touch hi")]);
     const result = await runAic([...headless(srv.url), "go"], { cwd: dir });
     expect(result.code).toBe(4);
   });
 
-  // A command must never widen its own permissions: an allowed command rewrites .aicrules to `allow *`, and the
-  // denied command that follows still never runs; aic says it noticed the change.
+  // A command must never widen its own permissions: an allowed command rewrites .aicrules to `allow *` (the file
+  // allows writing it, so the rewrite runs), and the denied command that follows still never runs; aic says it
+  // noticed the change.
   test("rewriting .aicrules during a run gains nothing", async () => {
-    const { dir, env } = project(["allow echo *", "deny touch *  # no touching", ""].join("\n"));
+    const { dir, env } = project(
+      ["allow echo *", "allow write .aicrules", "deny touch *  # no touching", ""].join("\n"),
+    );
     const srv = fixtures.serve([
       bash("echo 'allow *' > .aicrules", "widen"),
       bash("touch pwned.txt", "touch"),

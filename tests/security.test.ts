@@ -372,7 +372,8 @@ describe("what aic must not lose or hide", () => {
   test("the approval prompt shows a command's control characters instead of obeying them", async () => {
     const cwd = scratch();
     const srv = fixtures.serve([bash("echo harmless\rrm -rf ~ \u202e")]);
-    const run = await runAic([...headless(srv.url), "go"], { cwd, stdin: "n\n" });
+    // (echo is read-only: --ask-every-command makes it wait for the answer, so its prompt shows.)
+    const run = await runAic([...headless(srv.url), "--ask-every-command", "go"], { cwd, stdin: "n\n" });
     expect(run.stderr).toContain("Approve command? (y/n/suggestion): echo harmlessrm -rf ~ <U+202E>");
     expect(run.stderr).not.toContain("\r");
   });

@@ -92,7 +92,7 @@ describe("aic leaves the pipes it shares with its parent as it found them", () =
       [],
       2,
     ],
-    ["exit 4", (url) => [...headless(url), "task"], [bash("echo needs approval")], 4],
+    ["exit 4", (url) => [...headless(url), "task"], [bash("touch needs-approval")], 4],
   ];
   // The parent that checks the pipe's flags is a python3 script; these tests are skipped without python3.
   for (const [label, args, turns, code] of cases) {

@@ -74,7 +74,9 @@ test.skipIf(!has.tmux)(
     await tmux.waitFor("the outer shell's prompt", (s) => s.includes("outer$"));
 
     // A person types the command in their shell; the wrapper prints aic's exit code afterwards.
-    tmux.type(`${AIC} --api-base ${srv.url} --model test-model 'say hi in the terminal'; echo EXIT=$?`);
+    tmux.type(
+      `${AIC} --api-base ${srv.url} --model test-model --ask-every-command 'say hi in the terminal'; echo EXIT=$?`,
+    );
     tmux.keys("Enter");
 
     // The first command waits for approval in a dialog that shows it.
@@ -219,7 +221,7 @@ async function startTui(url: string, extra = "", size = { width: WIDTH, height: 
   const tmux = new Tmux(env, cwd, ["bash", "--norc", "--noprofile"], size);
   sessions.push(tmux);
   await tmux.waitFor("the outer shell's prompt", (s) => s.includes("outer$"));
-  tmux.type(`${AIC} --api-base ${url} --model test-model ${extra} 'do the task'; echo EXIT=$?`);
+  tmux.type(`${AIC} --api-base ${url} --model test-model --ask-every-command ${extra} 'do the task'; echo EXIT=$?`);
   tmux.keys("Enter");
   return { tmux, home, cwd };
 }

@@ -132,6 +132,8 @@ async function openTui(
     ...session,
     "--disable-sandbox",
     ...checkpoints,
+    // The dialog is what most tests here exercise: even read-only commands (echo, ls) are asked about.
+    "--ask-every-command",
     ...(opts.args ?? []),
   ];
   if (opts.request !== undefined) argv.push(opts.request);

@@ -10,9 +10,11 @@
 import { bigSession } from "./big-session.ts";
 import { checkpoints } from "./checkpoints.ts";
 import { coldStart } from "./cold-start.ts";
+import { inputWait } from "./input-wait.ts";
 import type { Benchmark } from "./lib.ts";
 import { memory } from "./memory.ts";
 import { perStep } from "./per-step.ts";
+import { rules } from "./rules.ts";
 import { sessionCheckpoint } from "./session.ts";
 import { tokens } from "./tokens.ts";
 import { tui } from "./tui.ts";
@@ -26,4 +28,6 @@ export const BENCHMARKS: readonly Benchmark[] = [
   bigSession,
   checkpoints,
   tui,
+  inputWait,
+  rules,
 ];
