@@ -185,6 +185,10 @@ interface Config {
   noCiEnv: boolean;
   /** Even commands the rules prove read-only wait for approval. */
   askEveryCommand: boolean;
+  /** `off`: commands get a network namespace with loopback only. */
+  network: "on" | "off";
+  /** Commands may use the person's ssh-agent (git push over ssh). */
+  allowSshAgent: boolean;
   request: string | undefined;
   /** Warnings found while parsing that are not errors (an unknown algorithm name). */
   warnings: string[];
@@ -319,6 +323,19 @@ const FLAGS: readonly FlagSpec[] = [
     help: "Take no snapshot of the files before each command (no /undo, no aic undo).",
   },
   {
+    name: "--network",
+    kind: "string",
+    key: "network",
+    default: "on",
+    help: "off: commands get a network of their own with only loopback (needs the jail).",
+  },
+  {
+    name: "--allow-ssh-agent",
+    kind: "bool",
+    key: "allowSshAgent",
+    help: "Let commands use your ssh-agent (git push over ssh); it is out of their reach otherwise.",
+  },
+  {
     name: "--ask-every-command",
     kind: "bool",
     key: "askEveryCommand",
@@ -390,8 +407,8 @@ function helpText(): string {
   );
   lines.push(
     "",
-    "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 5 token budget spent,",
-    "  6 completion refused 5 times by --done-when, 129/130/143 signals.",
+    "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 5 token or time",
+    "  budget spent, 6 completion refused 5 times by --done-when, 7 stalled, 129/130/143 signals.",
   );
   return lines.join("\n");
 }
@@ -550,6 +567,7 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
   }
   if (c.fast) c.compressAlg = "truncate";
   if (c.doneWhen !== undefined && !c.doneWhen.trim()) throw new UsageError("--done-when needs a command");
+  if (c.network !== "on" && c.network !== "off") throw new UsageError(`--network takes on or off, got '${c.network}'`);
   c.request = words.length ? words.join(" ") : undefined;
   if (c.nogui && !c.request) throw new UsageError("--nogui needs a request (the task), or - to read it from stdin");
   return { kind: "run", config: c };
@@ -812,9 +830,13 @@ function buildSystemPrompt(f: PromptFacts): string {
     ? ` Files in the usual secret stores (${s.secrets.join(", ")}) cannot be read at all.`
     : "";
   const sandboxLine = s.enabled
-    ? `Commands run inside a Landlock sandbox: they may read and execute almost anything, but may write only under ${s.writable.join(", ")}${caches}.${secrets} A "Permission denied" there comes from the sandbox; do not try to get around it. Installing works inside the project (npm install, a virtualenv: python3 -m venv .venv, then .venv/bin/pip install) and through the package caches; system-wide installs and pip install --user (~/.local) do not.`
+    ? `Commands run inside a Landlock sandbox: they may read and execute almost anything, but may write only under ${s.writable.join(", ")}${caches}.${secrets} A "Permission denied" there comes from the sandbox; do not try to get around it. Installing works inside the project (npm install, a virtualenv: python3 -m venv .venv, then .venv/bin/pip install) and through the package caches; system-wide installs and pip install --user (~/.local) do not.${jailPromptLine(s)}`
     : `No sandbox confines your commands (${s.status}); they can change anything this user can, so be careful with destructive commands.`;
-  const search = `To search the web run: ${f.selfCommand} search "QUERY" (it prints a JSON array of {title, href, body}). To read a page, fetch it with curl -sL or wget -qO-.`;
+  // Without a network (--network off) there is no web to search: the model is not told of a way that fails.
+  const search =
+    s.network === "loopback"
+      ? ""
+      : `To search the web run: ${f.selfCommand} search "QUERY" (it prints a JSON array of {title, href, body}). To read a page, fetch it with curl -sL or wget -qO-.`;
   const capRule = `Each command's output reaches you capped at ${f.maxOutputBytes} bytes. When it is longer you get its head and tail, a line naming a file that holds the whole output, and the final line "${TRUNCATION_SENTINEL}". When you see that, do not re-run the command: read the saved file in slices (sed -n '100,200p', head -c, tail -c) or search it with grep and wc. For commands you expect to be long, redirect their output to a file yourself and read it the same way.`;
   const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work (a server, a long build) in the background with & and its output redirected (cmd > log 2>&1 &): it keeps running after your command returns, as a background job (at most ${MAX_JOBS} at once), and every later tool result ends with a line per job saying whether it still runs and the exact command that stops it. Poll its log; stop it with that command when you are done with it. Otherwise split the work into smaller steps or bound it with timeout.`;
   const shellName = path.basename(f.shell);
@@ -835,7 +857,9 @@ function buildSystemPrompt(f: PromptFacts): string {
         timeoutRule,
         honesty,
         search,
-      ].join("\n\n") + projectSection(f.projectInstructions)
+      ]
+        .filter(Boolean)
+        .join("\n\n") + projectSection(f.projectInstructions)
     );
   }
   return (
@@ -854,8 +878,21 @@ function buildSystemPrompt(f: PromptFacts): string {
       sandboxLine,
       honesty,
       search,
-    ].join("\n\n") + projectSection(f.projectInstructions)
+    ]
+      .filter(Boolean)
+      .join("\n\n") + projectSection(f.projectInstructions)
   );
+}
+
+/** What the jail means for the model's commands (nothing without it). */
+function jailPromptLine(s: Sandbox): string {
+  if (s.jail !== "namespaces") return "";
+  const network =
+    s.network === "loopback"
+      ? " They have no network: only loopback (127.0.0.1) works, so downloads and installs from registries fail."
+      : "";
+  const agent = s.sshAgent ? " The user's ssh-agent is passed through, so git over ssh can authenticate." : "";
+  return ` They also run in a jail of their own: they see only their own processes, not the user's terminal or servers, and nothing they start outlives the run. The repository's settings and hooks (.git/config, .git/hooks) are read-only: commit, branch, merge, rebase, stash and push work, but what writes the settings (git config, git remote add, push -u, branch --set-upstream-to) fails with "could not write config file .git/config: Device or resource busy", sometimes with exit code 0, so the setting was NOT made; a hook write fails with "Read-only file system". Ask the user to do those.${network}${agent}`;
 }
 
 function projectSection(p: PromptFacts["projectInstructions"]): string {
@@ -988,7 +1025,6 @@ function truncationNote(
   return `[… ${omitted} bytes left out of ${total} (${lines} lines). ${whole} …]`;
 }
 
-/** Output a command printed faster than it could be rendered, when even pausing it could not keep up. */
 /** The line a tool result ends with when the command changed files: the first few names of each kind. */
 function changedFilesNote(c: ChangedFiles): string {
   const part = (label: string, list: string[]) =>
@@ -999,6 +1035,11 @@ function changedFilesNote(c: ChangedFiles): string {
   return parts.length ? `Files changed: ${parts.join("; ")}.` : "";
 }
 
+/** What aic took out of the project's repositories after a command, for the model and the person. */
+const disarmedMessage = (lines: readonly string[]) =>
+  `aic took out what would have made git run code outside the sandbox: ${lines.join("; ")}.`;
+
+/** Output a command printed faster than it could be rendered, when even pausing it could not keep up. */
 const droppedOutputNote = (bytes: number) =>
   `[… ${bytes} bytes arrived faster than they could be rendered and were left out …]`;
 
@@ -1129,7 +1170,8 @@ type AgentEvent =
       spent: number;
       max_tokens: number | null;
     }
-  | { type: "job_started"; id: number; pid: number; command: string; log: string }
+  /** `pid` is the leader's pid as aic sees it; `group` the process group as commands see it (the jail numbers its own). */
+  | { type: "job_started"; id: number; pid: number; group: number; command: string; log: string }
   | { type: "job_ended"; id: number; pid: number; exit_code: number | null; how: Job["state"] }
   | {
       type: "verify";
@@ -1284,10 +1326,13 @@ function describeEvent(e: AgentEvent): EventLine[] {
       if (e.decision === "read_only") return console("dim", "(read-only: runs without asking)");
       return [];
     case "command_result": {
+      const status = e.status.replace(/_/g, " ");
       const note =
         e.status === "exited"
           ? `exit code ${e.exit_code}`
-          : `${e.status.replace(/_/g, " ")} (exit code ${e.exit_code})`;
+          : e.exit_code === null
+            ? status
+            : `${status} (exit code ${e.exit_code})`;
       const files = e.changed_files ? changedFilesNote(e.changed_files) : "";
       return [...console(e.exit_code === 0 ? "ok" : "bad", `[${note}]`), ...(files ? console("dim", files) : [])];
     }
@@ -1488,6 +1533,16 @@ class PlainSink implements EventSink {
   }
 }
 
+/**
+ * One JSON Lines record. JSON.stringify leaves U+0085, U+2028 and U+2029 as
+ * they are (valid JSON), but line readers such as Python's splitlines() and
+ * some JavaScript tools break lines there: they are escaped, so a command's
+ * output can never split a record in two.
+ */
+function jsonLine(record: unknown): string {
+  return `${JSON.stringify(record).replace(/[\u0085\u2028\u2029]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, "0")}`)}\n`;
+}
+
 /** JSON Lines for machines: one object per line, each with `type` and `ts`; deltas are folded into whole turns. */
 class JsonSink implements EventSink {
   private static readonly SKIP = new Set<AgentEventType>([
@@ -1501,7 +1556,7 @@ class JsonSink implements EventSink {
   emit(e: AgentEvent): void {
     if (JsonSink.SKIP.has(e.type)) return;
     const record = Object.assign({ type: e.type, ts: new Date().toISOString() }, e);
-    writeOut(1, JSON.stringify(record) + "\n");
+    writeOut(1, jsonLine(record));
   }
 }
 
@@ -2553,7 +2608,11 @@ function openLinuxLibc() {
   const { dlopen, FFIType } = require("bun:ffi") as typeof import("bun:ffi");
   return dlopen("libc.so.6", {
     // Every argument as a 64-bit integer: pointers are passed as numbers from ptr().
-    syscall: { args: [FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64], returns: FFIType.i64 },
+    // The number and five arguments (move_mount and mount_setattr take five).
+    syscall: {
+      args: [FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64, FFIType.i64],
+      returns: FFIType.i64,
+    },
     prctl: { args: [FFIType.i32, FFIType.u64, FFIType.u64, FFIType.u64, FFIType.u64], returns: FFIType.i32 },
     open: { args: [FFIType.cstring, FFIType.i32], returns: FFIType.i32 },
     close: { args: [FFIType.i32], returns: FFIType.i32 },
@@ -2561,6 +2620,11 @@ function openLinuxLibc() {
     flock: { args: [FFIType.i32, FFIType.i32], returns: FFIType.i32 },
     fcntl: { args: [FFIType.i32, FFIType.i32, FFIType.i64], returns: FFIType.i32 },
     waitpid: { args: [FFIType.i32, FFIType.ptr, FFIType.i32], returns: FFIType.i32 },
+    // The jail's set-up, in the fresh namespaces (see "The jail").
+    mount: { args: [FFIType.ptr, FFIType.ptr, FFIType.ptr, FFIType.u64, FFIType.ptr], returns: FFIType.i32 },
+    socket: { args: [FFIType.i32, FFIType.i32, FFIType.i32], returns: FFIType.i32 },
+    ioctl: { args: [FFIType.i32, FFIType.u64, FFIType.ptr], returns: FFIType.i32 },
+    __errno_location: { args: [], returns: FFIType.ptr },
   });
 }
 
@@ -2841,6 +2905,27 @@ class HeldDirectory {
       }
     }
     this.close();
+  }
+
+  /** The subdirectory `name`, held, unless it is a link or not a directory. */
+  child(name: string): HeldDirectory | undefined {
+    try {
+      return new HeldDirectory(
+        path.join(this.path, name),
+        fs.openSync(this.at(name), O.O_RDONLY | O.O_DIRECTORY | O.O_NOFOLLOW),
+      );
+    } catch {
+      return undefined;
+    }
+  }
+
+  /** What the held directory holds now (empty when it cannot be read). */
+  entries(): fs.Dirent[] {
+    try {
+      return fs.readdirSync(this.at(), { withFileTypes: true });
+    } catch {
+      return [];
+    }
   }
 
   private empty(): void {
@@ -3480,6 +3565,27 @@ const SESSION_KEYS = new Set([
 const MESSAGES_SLOT = "\u0000aic-messages\u0000";
 
 /**
+ * A lock file for the session file `file` in aic's state directory
+ * (`$XDG_STATE_HOME/aic/locks/<hash of its path>`), open; undefined where
+ * that directory cannot be made (a read-only home): the lock beside the
+ * session file is then all there is.
+ */
+function stateLockFor(file: string): number | undefined {
+  const state = process.env.XDG_STATE_HOME;
+  const home = homeDirectory();
+  const base = state && path.isAbsolute(state) ? state : home ? path.join(home, ".local", "state") : undefined;
+  if (!base) return undefined;
+  try {
+    const dir = path.join(base, "aic", "locks");
+    fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
+    const hash = createHash("sha256").update(path.resolve(file)).digest("hex").slice(0, 24);
+    return openRegular(path.join(dir, `${hash}.lock`), O.O_WRONLY | O.O_CREAT | O.O_APPEND);
+  } catch {
+    return undefined;
+  }
+}
+
+/**
  * One claimed session file and its checkpoints. The file sits where commands
  * can write, so it is reached through its held directory: read only if it is
  * a regular file, replaced by an atomic rename, never written through a link.
@@ -3533,9 +3639,11 @@ class SessionStore {
         text: "cannot lock the session file on this platform; another aic here could share it",
       });
     const skipped: string[] = [];
+    let pendingStateLock: number | undefined;
     for (let n = 1; n < MAX_SESSION_INSTANCES; n++) {
       const candidate = n === 1 ? name : `${name}${n}`;
       let lockFd: number | undefined;
+      pendingStateLock = undefined;
       if (flock) {
         try {
           lockFd = dir.open(`${candidate}.lock`, O.O_WRONLY | O.O_CREAT | O.O_APPEND);
@@ -3551,8 +3659,15 @@ class SessionStore {
             text: `cannot create the session lock ${dir.display(`${candidate}.lock`)} (${e.message}); continuing without a lock`,
           });
         }
-        if (lockFd !== undefined && flock(lockFd, LOCK_EX | LOCK_NB) !== 0) {
-          fs.closeSync(lockFd);
+        // The lock that decides lives in aic's state directory, where no command reaches: a command that deleted
+        // the lock file beside the session cannot make two aic processes take the same file.
+        const stateLock = stateLockFor(dir.display(candidate));
+        if (
+          (lockFd !== undefined && flock(lockFd, LOCK_EX | LOCK_NB) !== 0) ||
+          (stateLock !== undefined && flock(stateLock, LOCK_EX | LOCK_NB) !== 0)
+        ) {
+          if (lockFd !== undefined) fs.closeSync(lockFd);
+          if (stateLock !== undefined) fs.closeSync(stateLock);
           if (exact) {
             dir.close();
             throw new Error(`${absolute} is in use by a running aic: undo there (/undo in its TUI), or stop it first`);
@@ -3560,6 +3675,7 @@ class SessionStore {
           skipped.push(`another aic is using ${candidate} in this directory`);
           continue;
         }
+        pendingStateLock = stateLock;
       }
       // Read through to know it can be read (a long session is read again, as it is parsed, by load()).
       let fd: number | undefined;
@@ -3581,7 +3697,9 @@ class SessionStore {
           type: "warning",
           text: `${skipped.join("; ")}; this instance uses ${candidate} instead (instance ${n})`,
         });
-      return new SessionStore(dir, candidate, n, lockFd, meta, sink, fd);
+      const store = new SessionStore(dir, candidate, n, lockFd, meta, sink, fd);
+      store.stateLockFd = pendingStateLock;
+      return store;
     }
     dir.close();
     throw new Error(`could not claim any session file next to ${absolute}`);
@@ -3776,8 +3894,10 @@ class SessionStore {
       ];
       const durableAlready = this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
       this.noticePlantedLink();
+      this.noticeTampering();
       this.dir.replace(this.name, this.writer.pieces(doc, state.messages, steps), !durableAlready);
       if (!durableAlready) this.durable = signature;
+      this.written = this.identityOnDisk();
       return true;
     } catch (error) {
       if (!this.failureReported) {
@@ -3796,6 +3916,51 @@ class SessionStore {
   }
 
   private linkReported = false;
+  /** What aic last wrote (device, inode, size, time): anything else there now was put there by someone else. */
+  private written: string | undefined;
+
+  private identityOnDisk(name = this.name): string | undefined {
+    try {
+      const st = fs.lstatSync(this.dir.at(name), { bigint: true });
+      return `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}`;
+    } catch {
+      return undefined;
+    }
+  }
+
+  /**
+   * The session file and its lock sit where commands can write. A command
+   * that rewrote or deleted the file gains nothing (this save puts back what
+   * aic holds) and the person is told; a deleted lock file is made again
+   * (the lock that decides is the one in aic's state directory, which no
+   * command can reach).
+   */
+  private noticeTampering(): void {
+    const now = this.identityOnDisk();
+    if (this.written !== undefined && now !== this.written)
+      this.sink.emit({
+        type: "warning",
+        text: `${this.path} was ${now === undefined ? "deleted" : "changed"} by someone else (a command?) since aic wrote it; aic writes it again from the conversation it holds`,
+      });
+    if (this.lockFd === undefined) return;
+    const held = fs.fstatSync(this.lockFd);
+    const there = this.identityOnDisk(`${this.name}.lock`);
+    if (there?.startsWith(`${held.dev}:${held.ino}:`)) return;
+    try {
+      const fd = this.dir.open(`${this.name}.lock`, O.O_WRONLY | O.O_CREAT | O.O_APPEND);
+      libc()?.symbols.flock(fd, LOCK_EX | LOCK_NB);
+      this.extraLocks.push(fd);
+      this.sink.emit({
+        type: "warning",
+        text: `${this.path}.lock had been removed (by a command?); aic made it again`,
+      });
+    } catch {
+      /* the state directory's lock still holds the file */
+    }
+  }
+  private readonly extraLocks: number[] = [];
+  /** The session's lock in aic's state directory (see stateLockFor). */
+  stateLockFd: number | undefined;
   /** A command replaced the file with a link: the write replaces the link (never follows it), and the person is told once. */
   private noticePlantedLink(): void {
     if (this.linkReported) return;
@@ -3838,6 +4003,12 @@ class SessionStore {
   release(): void {
     if (this.claimedFd !== undefined) fs.closeSync(this.claimedFd);
     this.claimedFd = undefined;
+    for (const fd of [...this.extraLocks.splice(0), ...(this.stateLockFd !== undefined ? [this.stateLockFd] : [])])
+      try {
+        fs.closeSync(fd);
+      } catch {
+        /* already closed */
+      }
     if (this.lockFd !== undefined)
       try {
         fs.closeSync(this.lockFd);
@@ -3882,6 +4053,21 @@ interface Sandbox {
   readonly ruleCount: number;
   /** Programs deny rules forbid that commands cannot execute (or read) at all: the kernel refuses them. */
   readonly deniedPrograms: readonly string[];
+  /** How commands are confined: the jail (Landlock inside namespaces), Landlock alone, or not at all. */
+  readonly jail: SandboxFacts["jail"];
+  readonly network: SandboxFacts["network"];
+  /** The person's ssh-agent is passed through to commands (--allow-ssh-agent). */
+  readonly sshAgent: boolean;
+  /** In the jail, the process every orphan of a command becomes the child of (the launcher, as aic sees it). */
+  readonly reaper: number | undefined;
+  /** Starts the launcher, once the files the jail keeps read-only (the session's lock) exist. */
+  start(own: OwnFiles): void;
+  /**
+   * Takes out what commands left for the person's git to run outside the
+   * sandbox (README: "Threat model"); what it took out, one line each.
+   * `deep`: the whole tree, not only the first levels (the end of a run).
+   */
+  auditRepositories(deep?: boolean): string[];
   /** Starts `argv` on a PTY of its own: confined, through the launcher, when on. */
   spawn(argv: string[], opts: PtyOptions): Promise<CommandProcess>;
 }
@@ -3906,7 +4092,11 @@ const CACHE_DIRS = [
   ".yarn/berry/cache",
 ];
 
-/** The usual secret stores under the home directory: commands cannot read them unless --allow-read-secrets. */
+/**
+ * Where tools keep tokens, keys and what a person typed, under the home
+ * directory: commands cannot read them unless --allow-read-secrets. Shell
+ * histories are here because people paste tokens into their shells.
+ */
 const SECRET_STORES = [
   ".ssh",
   ".aws",
@@ -3919,7 +4109,40 @@ const SECRET_STORES = [
   ".git-credentials",
   ".npmrc",
   ".pypirc",
+  ".config/gh",
+  ".config/hub",
+  ".pgpass",
+  ".vault-token",
+  ".cargo/credentials.toml",
+  ".cargo/credentials",
+  ".terraform.d",
+  ".local/share/keyrings",
+  ".password-store",
+  ".config/op",
+  ".mozilla",
+  ".config/google-chrome",
+  ".config/chromium",
+  ".bash_history",
+  ".zsh_history",
+  ".local/share/fish",
 ];
+
+/**
+ * With --allow-ssh-agent, ssh in a command must still check host keys and
+ * read its settings: of ~/.ssh only the other files (the private keys) stay
+ * unreadable, each on its own. A file added there later is unreadable too.
+ */
+function sshPrivateFiles(home: string): string[] {
+  const dir = path.join(home, ".ssh");
+  try {
+    return fs
+      .readdirSync(dir)
+      .filter((name) => !/^(known_hosts2?|config|authorized_keys|.*\.pub)$/.test(name))
+      .map((name) => path.join(dir, name));
+  } catch {
+    return [];
+  }
+}
 
 /** One Landlock rule: what commands may do beneath `path`, and the identity `path` had when aic started. */
 interface SandboxRule {
@@ -3942,10 +4165,10 @@ function sandboxFacts(s: Sandbox): SandboxFacts {
   return {
     enabled: s.enabled,
     status: s.status,
-    jail: s.enabled ? "landlock" : "off",
+    jail: s.jail,
     writable: [...s.writable],
     unreadable: [...s.secrets],
-    network: "on",
+    network: s.network,
     rules: s.ruleCount,
   };
 }
@@ -3959,6 +4182,12 @@ function sandboxOff(reason: string): Sandbox {
     secrets: [],
     ruleCount: 0,
     deniedPrograms: [],
+    jail: "off",
+    network: "on",
+    sshAgent: false,
+    reaper: undefined,
+    start: () => {},
+    auditRepositories: () => [],
     spawn: async (argv, opts) => unconfinedCommand(argv, opts),
   };
 }
@@ -4099,6 +4328,48 @@ const LANDLOCK_READ_FILE = 1n << 2n;
 /** Executing a file: handled only when a deny rule names a program outright. */
 const LANDLOCK_EXECUTE = 1n << 0n;
 
+/** Landlock ABI 6 scopes (linux/landlock.h). */
+const LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET = 1n;
+const LANDLOCK_SCOPE_SIGNAL = 2n;
+
+const PR_CAPBSET_DROP = 24;
+const PR_SET_SECUREBITS = 28;
+const PR_CAP_AMBIENT = 47;
+const PR_CAP_AMBIENT_CLEAR_ALL = 4;
+const SYS_CAPSET = 126;
+/**
+ * securebits: NOROOT (+LOCKED) keeps a uid-0 process from regaining every
+ * capability at its next execve; NO_SETUID_FIXUP, KEEP_CAPS_LOCKED and
+ * NO_CAP_AMBIENT_RAISE (+LOCKED) close the other ways back.
+ */
+const SECUREBITS_NO_WAY_BACK = 0xef;
+
+/**
+ * Drops every capability of the calling thread for good (the thread that is
+ * about to execve): securebits first and the bounding set next, which need
+ * CAP_SETPCAP, then the ambient set, then capset to nothing. Without
+ * CAP_SETPCAP (a non-root aic outside a jail) there is nothing to drop.
+ * Returns why it failed, or undefined.
+ */
+function dropCapabilities(): string | undefined {
+  const c = libc()?.symbols;
+  if (!c) return "cannot open libc.so.6 through bun:ffi";
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  const status = fs.readFileSync("/proc/self/status", "utf8");
+  if (/^CapPrm:\s*0+$/m.test(status) && /^CapAmb:\s*0+$/m.test(status)) return undefined;
+  if (c.prctl(PR_SET_SECUREBITS, SECUREBITS_NO_WAY_BACK, 0, 0, 0) !== 0) return "prctl(PR_SET_SECUREBITS) was refused";
+  const last = Number(fs.readFileSync("/proc/sys/kernel/cap_last_cap", "utf8"));
+  for (let cap = 0; cap <= last; cap++)
+    if (c.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) !== 0) return `prctl(PR_CAPBSET_DROP, ${cap}) was refused`;
+  if (c.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) !== 0)
+    return "clearing the ambient capabilities was refused";
+  // capset(&{_LINUX_CAPABILITY_VERSION_3, pid 0}, data[2]{effective, permitted, inheritable}: all zero)
+  const header = new Uint32Array([0x20080522, 0]);
+  const data = new Uint32Array(6);
+  if (Number(c.syscall(SYS_CAPSET, ptr(header), ptr(data), 0, 0, 0)) !== 0) return "capset was refused";
+  return undefined;
+}
+
 const SYS_LANDLOCK_CREATE_RULESET = 444;
 const SYS_LANDLOCK_ADD_RULE = 445;
 const SYS_LANDLOCK_RESTRICT_SELF = 446;
@@ -4112,7 +4383,7 @@ function landlockAbi(): number | string {
   try {
     const c = libc();
     if (!c) return "cannot open libc.so.6 through bun:ffi";
-    const abi = Number(c.symbols.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0));
+    const abi = Number(c.symbols.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0, 0));
     return abi >= 1 ? abi : "this kernel does not offer Landlock";
   } catch (error) {
     return `cannot call the kernel through libc (${(error as Error).message})`;
@@ -4138,13 +4409,17 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number {
   const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
   const c = libc()?.symbols;
   if (!c) return fail("cannot open libc.so.6 through bun:ffi");
-  const abi = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0));
+  const abi = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION, 0, 0));
   if (abi < 1) return fail("Landlock is not available");
   const write = writeRights(abi);
   const read = (plan.confineReads ? LANDLOCK_READ_FILE : 0n) | (plan.confineExec ? LANDLOCK_EXECUTE : 0n);
   const handled = write | read;
-  const rulesetAttr = new BigUint64Array([handled]);
-  const rulesetFd = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, ptr(rulesetAttr), 8, 0, 0));
+  // struct landlock_ruleset_attr { u64 handled_access_fs; u64 handled_access_net; u64 scoped; }: from ABI 6 the
+  // scopes keep commands from signalling any process outside their domain (aic among them) and from connecting
+  // to abstract Unix sockets made outside it (an X server's, a D-Bus bus).
+  const scoped = abi >= 6 ? LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL : 0n;
+  const rulesetAttr = new BigUint64Array([handled, 0n, scoped]);
+  const rulesetFd = Number(c.syscall(SYS_LANDLOCK_CREATE_RULESET, ptr(rulesetAttr), abi >= 6 ? 24 : 8, 0, 0, 0));
   if (rulesetFd < 0) return fail("landlock_create_ruleset was refused");
   // struct landlock_path_beneath_attr { u64 allowed_access; s32 parent_fd; } __attribute__((packed))
   const attr = new Uint8Array(12);
@@ -4163,12 +4438,17 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number {
     }
     view.setBigUint64(0, (rule.access === "r" ? 0n : write) | (rule.access === "w" ? 0n : read), true);
     view.setInt32(8, fd, true);
-    const rc = Number(c.syscall(SYS_LANDLOCK_ADD_RULE, rulesetFd, LANDLOCK_RULE_PATH_BENEATH, ptr(attr), 0));
+    const rc = Number(c.syscall(SYS_LANDLOCK_ADD_RULE, rulesetFd, LANDLOCK_RULE_PATH_BENEATH, ptr(attr), 0, 0));
     c.close(fd);
     if (rc !== 0) return fail(`landlock_add_rule for ${rule.path} was refused`);
   }
+  // No capability survives into the launcher or a command: a root command cannot ptrace, take another process's
+  // descriptors (pidfd_getfd), type into a terminal (TIOCSTI) or mount. Needs CAP_SETPCAP for its first steps, so
+  // it comes before anything else is given up; for a non-root aic there is nothing to drop.
+  const dropped = dropCapabilities();
+  if (dropped) return fail(dropped);
   if (c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) !== 0) return fail("prctl(PR_SET_NO_NEW_PRIVS) was refused");
-  if (Number(c.syscall(SYS_LANDLOCK_RESTRICT_SELF, rulesetFd, 0, 0, 0)) !== 0)
+  if (Number(c.syscall(SYS_LANDLOCK_RESTRICT_SELF, rulesetFd, 0, 0, 0, 0)) !== 0)
     return fail("landlock_restrict_self was refused");
   // execve wants NULL-terminated arrays of C strings; the buffers must outlive the call.
   const cStrings = (items: string[]) => {
@@ -4196,58 +4476,867 @@ function selfCommand(): string {
   return selfArgv().map(quote).join(" ");
 }
 
+/** What aic keeps of its own that no command may read: the checkpoint store, the prompt history, other runs' outputs. */
+/** What the jail is told of aic's own files when it starts: the start directory (held), session files to keep read-only, this run's outputs. */
+interface OwnFiles {
+  workDir: HeldDirectory;
+  files: string[];
+  keepOutputs: string | undefined;
+}
+
+/** aic's own state a command could use: the checkpoint stores and locks, and the prompt history. */
+function aicStatePaths(home: string | undefined): string[] {
+  const state = process.env.XDG_STATE_HOME;
+  const base = state && path.isAbsolute(state) ? state : home ? path.join(home, ".local", "state") : undefined;
+  return [...(base ? [path.join(base, "aic")] : []), ...(home ? [path.join(home, ".aic_history")] : [])];
+}
+
+/** aic's state, and the saved outputs of every other run: the jail covers them all. */
+function ownStatePaths(home: string | undefined, keepOutputs: string | undefined): string[] {
+  const tmp = HeldDirectory.open(os.tmpdir());
+  const outputs = tmp
+    .entries()
+    .filter((e) => e.isDirectory() && e.name.startsWith(OUTPUT_DIR_PREFIX))
+    .map((e) => tmp.display(e.name))
+    .filter((dir) => dir !== keepOutputs);
+  tmp.close();
+  return [...aicStatePaths(home), ...outputs];
+}
+
+/** The jail's half of the sandbox: whether it is used, and if not, why. */
+interface JailChoice {
+  /** Why namespaces are not used (undefined: the jail is tried). */
+  refused: string | undefined;
+  net: boolean;
+  allowSshAgent: boolean;
+}
+
 function setUpSandbox(config: Config, deniedPrograms: readonly string[] = []): Sandbox {
-  if (config.disableSandbox) return sandboxOff("--disable-sandbox");
+  // A run asked to keep commands off the network must not quietly run them on it.
+  const noNetwork = (why: string) => new UsageError(`--network off needs the jail, which cannot be used here: ${why}`);
+  if (config.disableSandbox) {
+    if (config.network === "off") throw noNetwork("--disable-sandbox");
+    return sandboxOff("--disable-sandbox");
+  }
   const abi = landlockAbi();
-  if (typeof abi === "string") return sandboxOff(abi);
+  if (typeof abi === "string") {
+    if (config.network === "off") throw noNetwork(abi);
+    return sandboxOff(abi);
+  }
   const home = homeDirectory();
   const caches = home ? prepareCaches(home) : [];
   // Real paths, so the launcher can open each without following a link (a command may plant one later).
   const real = (dir: string) => (fs.lstatSync(dir).isSymbolicLink() ? fs.realpathSync(dir) : dir);
   const writable = [...new Set([process.cwd(), "/tmp", "/dev", ...caches, ...config.allowWrite].map(real))];
-  const stores = home && !config.allowReadSecrets ? SECRET_STORES.map((s) => path.join(home, s)) : [];
+  const stores =
+    home && !config.allowReadSecrets
+      ? SECRET_STORES.flatMap((s) =>
+          s === ".ssh" && config.allowSshAgent ? sshPrivateFiles(home) : [path.join(home, s)],
+        )
+      : [];
   // A secret store inside a writable tree (aic started in ~) cannot be kept unreadable: commands may rewrite it
   // anyway, and files they create there later must be readable. It is said at start instead of half-protected.
   const exposed = stores.filter((s) => writable.some((w) => s === w || isBeneath(s, w)));
   const secrets = stores.filter((s) => !exposed.includes(s));
   // A program a deny rule forbids outright cannot be executed, nor read (so it cannot be copied and run).
   const binaries = deniedPrograms.flatMap(programFiles).filter((f) => !writable.some((w) => isBeneath(f, w)));
-  const plan = planSandbox(writable, secrets, binaries);
-  // The launcher must be something a confined command cannot swap out. /proc/self/exe, resolved by
-  // the freshly forked child, is this very executable's inode even if its path has been replaced.
+  // aic's own state is unreadable under Landlock alone too, where it is not in a writable tree (the jail hides it all).
+  const state = aicStatePaths(home).filter((p) => !writable.some((w) => p === w || isBeneath(p, w)));
+  const plan = planSandbox(writable, [...secrets, ...state], binaries);
+  // The launcher must be something a confined command cannot swap out: aic's own binary by descriptor (fd 3 of
+  // the child, opened from /proc/self/exe when it starts), the very inode running now.
   const launcher = selfArgv();
   const script = launcher[1];
   if (script && writable.some((dir) => script === dir || isBeneath(script, dir)))
     return sandboxOff(
       `the aic script ${script} lives where commands may write, so they could change the sandbox launcher; run the compiled binary`,
     );
-  const prefix = ["/proc/self/exe", ...launcher.slice(1), SANDBOX_EXEC, JSON.stringify(plan), "--"];
-  // Started now and awaited by the first command, so start-up never waits for it. It fails closed: when the
-  // kernel offers Landlock but the launcher cannot confine itself, commands are refused with its reason.
-  const commands = new SandboxLauncher([...prefix, "/proc/self/exe", ...launcher.slice(1), SANDBOX_LAUNCHER]);
-  void commands.start();
-  const shown = (list: readonly string[]) => list.map((p) => tildePath(p, home)).join(", ");
+  const jail: JailChoice = {
+    refused: namespacesRefused(),
+    net: config.network === "off",
+    allowSshAgent: config.allowSshAgent,
+  };
+  if (jail.net && jail.refused) throw noNetwork(jail.refused);
+  const self = ["/proc/self/fd/3", ...launcher.slice(1)];
   const enforced = deniedPrograms.filter((name) => programFiles(name).some((f) => binaries.includes(f)));
-  const secretsNote =
-    (secrets.length
-      ? `; the secret stores ${shown(secrets)} are unreadable`
-      : config.allowReadSecrets
-        ? "; secret stores readable (--allow-read-secrets)"
-        : "") +
-    (exposed.length
-      ? `; ${shown(exposed)} stay readable and writable, since aic started in a directory that holds them`
-      : "") +
-    (enforced.length ? `; denied programs cannot be executed: ${enforced.join(", ")}` : "");
-  return {
-    status: `on (Landlock ABI ${abi}; writes only under ${shown(writable)}${secretsNote})`,
+  const status = sandboxStatus({
+    abi,
+    home,
+    writable,
+    caches: caches.map(real),
+    secrets,
+    exposed,
+    enforced,
+    jail,
+    config,
+  });
+  let commands: SandboxLauncher | undefined;
+  let guard: GitGuard | undefined;
+  const facts = {
     enabled: true,
     writable,
     caches,
     secrets: plan.confineReads ? secrets : [],
     ruleCount: plan.rules.length,
     deniedPrograms: enforced,
-    spawn: (argv, opts) => commands.spawn(argv, opts),
   };
+  return {
+    ...facts,
+    get status() {
+      return status();
+    },
+    get jail() {
+      return jail.refused ? "landlock" : "namespaces";
+    },
+    network: jail.net && !jail.refused ? "loopback" : "on",
+    sshAgent: config.allowSshAgent,
+    get reaper() {
+      return commands?.reaper;
+    },
+    // Started once the session is claimed (its lock file is protected by the jail), and awaited by the first
+    // command, so start-up never waits for it. It fails closed: when the kernel offers Landlock but the launcher
+    // cannot confine itself, commands are refused with its reason.
+    start(own) {
+      guard = new GitGuard(own.workDir);
+      commands = startLauncher({ self, plan, jail, own, home, secrets, onRefused: (why) => (jail.refused = why) });
+    },
+    auditRepositories: (deep) => guard?.audit(deep) ?? [],
+    spawn: (argv, opts) => {
+      if (!commands) throw new Error("the sandbox launcher was never started");
+      return commands.spawn(argv, opts);
+    },
+  };
+}
+
+/** The launcher, jailed when namespaces may be tried, else under Landlock alone. */
+function startLauncher(o: {
+  self: string[];
+  plan: SandboxPlan;
+  jail: JailChoice;
+  own: OwnFiles;
+  home: string | undefined;
+  secrets: string[];
+  onRefused(why: string): void;
+}): SandboxLauncher {
+  const plain = [...o.self, SANDBOX_EXEC, JSON.stringify(o.plan), "--", ...o.self, SANDBOX_LAUNCHER];
+  if (o.jail.refused) {
+    const launcher = new SandboxLauncher(plain, false);
+    void launcher.start();
+    return launcher;
+  }
+  const keepSockets =
+    o.jail.allowSshAgent && process.env.SSH_AUTH_SOCK ? [path.dirname(process.env.SSH_AUTH_SOCK)] : [];
+  const jailPlan = planJail({
+    net: o.jail.net,
+    home: o.home,
+    cwd: o.own.workDir,
+    secrets: o.secrets,
+    ownFiles: o.own.files,
+    hiddenOwn: ownStatePaths(o.home, o.own.keepOutputs),
+    keepSockets,
+  });
+  const unshare = [UNSHARE, "--user", "--map-current-user", "--keep-caps", "--mount", "--pid", "--ipc", "--fork"];
+  const argv = [...unshare, "--kill-child", ...(o.jail.net ? ["--net"] : []), ...o.self, JAIL];
+  const plans = JSON.stringify({ jail: jailPlan, sandbox: o.plan });
+  // Without its own network, commands have no fallback: they are refused rather than run on the network.
+  const fallback = o.jail.net
+    ? undefined
+    : { argv: plain, onRefused: (why: string) => o.onRefused(`namespaces were refused when the jail started: ${why}`) };
+  const jailed = new SandboxLauncher([...argv, plans, "--", ...o.self, SANDBOX_LAUNCHER], true, fallback);
+  void jailed.start();
+  return jailed;
+}
+
+/** The sandbox's one line for people: what commands may write and read, and which of the jail's properties hold. */
+function sandboxStatus(o: {
+  abi: number;
+  home: string | undefined;
+  writable: string[];
+  caches: string[];
+  secrets: string[];
+  exposed: string[];
+  enforced: string[];
+  jail: JailChoice;
+  config: Config;
+}): () => string {
+  const shown = (list: readonly string[]) => list.map((p) => tildePath(p, o.home)).join(", ");
+  // The line must fit a terminal: long lists show their first few (the JSON start event has them all).
+  const few = (list: readonly string[], n = 3) =>
+    list.length <= n + 1 ? shown(list) : `${shown(list.slice(0, n))} and ${list.length - n} more`;
+  const caches = o.writable.filter((w) => o.caches.includes(w));
+  const writes = `${shown(o.writable.filter((w) => !caches.includes(w)))}${caches.length ? ` and the package caches (${few(caches, 2)})` : ""}`;
+  const notes =
+    (o.secrets.length
+      ? `; secret stores unreadable (${few(o.secrets)})`
+      : o.config.allowReadSecrets
+        ? "; secret stores readable (--allow-read-secrets)"
+        : "") +
+    (o.exposed.length
+      ? `; ${shown(o.exposed)} stay readable and writable, since aic started in a directory that holds them`
+      : "") +
+    (o.enforced.length ? `; denied programs cannot be executed: ${o.enforced.join(", ")}` : "");
+  return () => {
+    const jail = o.jail.refused
+      ? `no jail (${o.jail.refused}): commands can still reach your Unix sockets (tmux, ssh-agent) and your terminal, read other processes' /proc entries, write .git/config and hooks, and leave processes behind if aic is killed with -9`
+      : `jail: own PID, mount and IPC namespaces (your processes, sockets and terminal out of reach; .git/config and hooks read-only; nothing outlives aic)${o.jail.net ? "; network: loopback only" : ""}${o.jail.allowSshAgent ? "; ssh-agent passed through (--allow-ssh-agent)" : ""}`;
+    return `on (Landlock ABI ${o.abi}; ${jail}; writes only under ${writes}${notes})`;
+  };
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// The jail
+// Owns: the namespaces commands run in where the kernel lets an unprivileged
+// process make them: util-linux `unshare` makes a user (the person's uid mapped
+// to itself), mount, PID and IPC namespace (and a network namespace with only
+// loopback, --network off) and runs `aic __jail PLAN -- … launcher` as its
+// PID 1 with every capability inside. That process builds what commands see,
+// by construction rather than by lists of things to block: a fresh /dev with
+// its own devpts (no terminal of the person's), a /proc of the new PID
+// namespace (no process of the person's), an empty directory over every
+// directory holding a Unix socket of the person's and over aic's own state,
+// and read-only binds of .git/config and .git/hooks and of aic's lock files.
+// Then it drops every capability, applies Landlock and execs the launcher,
+// which is PID 1: nothing inside can stop or kill it, and when it ends (aic
+// gone, its pipe closed) the kernel ends every process of the namespace.
+// Where namespaces are refused, commands run under Landlock alone (with its
+// scopes) and the start line says which properties do not hold.
+// ════════════════════════════════════════════════════════════════════════════
+
+const JAIL = "__jail";
+const UNSHARE = "/usr/bin/unshare";
+/** The jail's init exits with this when the namespaces were made but give no power (an AppArmor profile): fall back. */
+const JAIL_REFUSED_EXIT = 124;
+
+/** What the jail's init builds before it confines itself (paths as aic saw them, with their identity). */
+interface JailPlan {
+  /** A network namespace of its own: bring `lo` up. */
+  net: boolean;
+  /** Directories covered by an empty tmpfs: read-only for secret stores and aic's state, private and writable for socket directories. */
+  hideDirs: { path: string; writable: boolean }[];
+  /** Files covered by an empty read-only file (a socket directly in /tmp, ~/.netrc, the prompt history). */
+  hideFiles: string[];
+  /** Bound onto themselves read-only: .git/config, .git/hooks, aic's session and lock files. */
+  readOnly: { path: string; dev: number; ino: number }[];
+  /** Bound read-only if they are still the file aic saw (aic itself may have replaced a session file meanwhile). */
+  ownFiles: { path: string; dev: number; ino: number }[];
+  /** Bound onto themselves as they are: git dirs, so that no command can move one aside and put its own in its place. */
+  pinned: { path: string; dev: number; ino: number }[];
+}
+
+/** Whether namespaces can be tried at all, from files only (microseconds); undefined: try (the attempt still decides). */
+function namespacesRefused(): string | undefined {
+  if (process.env.AIC_NO_NAMESPACES === "1") return "AIC_NO_NAMESPACES=1";
+  if (process.platform !== "linux") return `not Linux (${process.platform})`;
+  const sysctl = (name: string) => {
+    try {
+      return Number(fs.readFileSync(`/proc/sys/${name}`, "utf8").trim());
+    } catch {
+      return undefined;
+    }
+  };
+  if (!fs.existsSync("/proc/self/ns/user")) return "this kernel has no user namespaces";
+  if (sysctl("user/max_user_namespaces") === 0) return "user.max_user_namespaces is 0";
+  const root = process.getuid?.() === 0;
+  if (!root && sysctl("kernel/unprivileged_userns_clone") === 0) return "kernel.unprivileged_userns_clone is 0";
+  if (!root && sysctl("kernel/apparmor_restrict_unprivileged_userns") === 1)
+    return "AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns=1)";
+  if (!fs.existsSync(UNSHARE)) return `${UNSHARE} (util-linux) is missing`;
+  return undefined;
+}
+
+/**
+ * `dir` with the links of its last components followed (`/var/run` is
+ * `/run`), without opening anything: a command may have bound the socket
+ * there, so only lstat and readlink look at it. Undefined unless it ends at
+ * a directory.
+ */
+function directoryBehindLinks(dir: string): string | undefined {
+  for (let hops = 0; hops < 8; hops++) {
+    const st = fs.lstatSync(dir, { throwIfNoEntry: false });
+    if (!st) return undefined;
+    if (st.isDirectory()) return dir;
+    if (!st.isSymbolicLink()) return undefined;
+    dir = path.resolve(path.dirname(dir), fs.readlinkSync(dir));
+  }
+  return undefined;
+}
+
+/**
+ * The pathname Unix sockets something listens on (the kernel's own list,
+ * /proc/net/unix, so no directory is walked), and how to hide each: its
+ * directory, unless commands must see that directory (a top-level one like
+ * /tmp or $HOME, the start directory or one of its ancestors), when an empty
+ * file covers the socket. Sockets under the start directory are the
+ * project's own (a dev server's) and stay.
+ */
+function socketHiding(
+  home: string | undefined,
+  cwd: string,
+  keep: readonly string[],
+): { dirs: string[]; files: string[] } {
+  let table = "";
+  try {
+    table = fs.readFileSync("/proc/net/unix", "utf8");
+  } catch {
+    return { dirs: [], files: [] };
+  }
+  const visible = ["/", "/tmp", "/run", "/var/run", "/var/tmp", "/dev/shm", ...(home ? [home] : []), ...keep];
+  const dirs = new Set<string>();
+  const files = new Set<string>();
+  for (const line of table.split("\n").slice(1)) {
+    const named = line.trim().split(/\s+/).slice(7).join(" ");
+    if (!named.startsWith("/")) continue; // abstract (@…) or unnamed: Landlock's scope covers those
+    const dir = directoryBehindLinks(path.dirname(named));
+    if (!dir) continue; // gone, or in a mount namespace aic does not see
+    if (dir === cwd || isBeneath(dir, cwd) || keep.some((k) => dir === k || isBeneath(dir, k))) continue;
+    if (visible.includes(dir) || isBeneath(cwd, dir)) files.add(path.join(dir, path.basename(named)));
+    else dirs.add(dir);
+  }
+  const list = [...dirs].filter((d) => ![...dirs].some((o) => o !== d && isBeneath(d, o)));
+  return { dirs: list, files: [...files].filter((f) => !list.some((d) => isBeneath(f, d))) };
+}
+
+/**
+ * Settings in a repository's config that make git run a program, or read
+ * more settings from elsewhere: what a command must not leave for the
+ * person's own git to find. (An alias runs code only when it starts with
+ * `!`; core.fsmonitor only when it is not a boolean.)
+ */
+const GIT_CONFIG_RUNS_CODE =
+  /^(core\.(fsmonitor|pager|editor|sshcommand|hookspath|askpass|gitproxy)|sequence\.editor|diff\.external|diff\..+\.(textconv|command)|difftool\..+\.(cmd|path)|merge\..+\.driver|mergetool\..+\.(cmd|path)|filter\..+\.(clean|smudge|process)|credential\.(.+\.)?helper|gpg\.(.+\.)?program|pager\..+|include\.path|includeif\..+\.path|remote\..+\.(uploadpack|receivepack|vcs)|uploadpack\.packobjectshook|init\.templatedir|hook\..+\.command|interactive\.difffilter|web\.browser|browser\..+\.(cmd|path)|protocol\..*allow|url\..+\.insteadof|extensions\.worktreeconfig)$/i;
+/** What git reads in a git dir, besides config and hooks, that points it at another repository's config. */
+const GIT_REDIRECTS = ["commondir"];
+/** A config larger than this is no person's: it is moved aside whole. */
+const MAX_GIT_CONFIG_BYTES = 1 << 20;
+/** How deep below the start directory repositories are looked for after each command (the end of a run looks further). */
+const REPOSITORY_DEPTH = 4;
+/** How many directories the end-of-run search visits at most. */
+const REPOSITORY_SEARCH_LIMIT = 20_000;
+
+/** One setting of a config as git lists it. */
+interface GitSetting {
+  key: string;
+  value: string | undefined;
+}
+
+/** A config's settings as git itself parses them (no includes followed, nothing run); undefined when git rejects it. */
+function gitSettings(text: Buffer): GitSetting[] | undefined {
+  const r = Bun.spawnSync(["git", "config", "--file", "-", "--list", "-z"], {
+    cwd: "/",
+    stdin: text,
+    env: {
+      PATH: process.env.PATH ?? "/usr/bin:/bin",
+      GIT_CONFIG_NOSYSTEM: "1",
+      GIT_CONFIG_GLOBAL: "/dev/null",
+      HOME: "/",
+    },
+    stdout: "pipe",
+    stderr: "ignore",
+  });
+  if (r.exitCode !== 0) return undefined;
+  return r.stdout
+    .toString("utf8")
+    .split("\0")
+    .filter(Boolean)
+    .map((entry) => {
+      const nl = entry.indexOf("\n");
+      return nl < 0 ? { key: entry, value: undefined } : { key: entry.slice(0, nl), value: entry.slice(nl + 1) };
+    });
+}
+
+function runsCode(s: GitSetting): boolean {
+  if (/^alias\./i.test(s.key)) return (s.value ?? "").trimStart().startsWith("!");
+  if (/^core\.fsmonitor$/i.test(s.key)) return !/^(true|false|yes|no|on|off|1|0|)$/i.test((s.value ?? "").trim());
+  return GIT_CONFIG_RUNS_CODE.test(s.key);
+}
+
+/** A config file's text holding `settings`, in git's syntax. */
+function gitConfigText(settings: readonly GitSetting[]): string {
+  const escape = (v: string) =>
+    v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n").replace(/\t/g, "\\t");
+  let out = "";
+  let section = "";
+  for (const { key, value } of settings) {
+    const first = key.indexOf(".");
+    const last = key.lastIndexOf(".");
+    const header =
+      first === last ? `[${key.slice(0, first)}]` : `[${key.slice(0, first)} "${escape(key.slice(first + 1, last))}"]`;
+    if (header !== section) out += `${(section = header)}\n`;
+    out += `\t${key.slice(last + 1)}${value === undefined ? "" : ` = "${escape(value)}"`}\n`;
+  }
+  return out;
+}
+
+/** Whether anything (a link included) is at `p`. */
+const somethingAt = (p: string) => fs.lstatSync(p, { throwIfNoEntry: false }) !== undefined;
+
+/** A file's size, change time and inode: it changed when these did. */
+function fileSignature(p: string): string | undefined {
+  const st = fs.lstatSync(p, { throwIfNoEntry: false });
+  return st && `${st.size}:${st.ctimeMs}:${st.ino}`;
+}
+
+/** What one git dir held at the last look. */
+interface GitDirBaseline {
+  config: Buffer | undefined;
+  /** Hook name → fileSignature. */
+  hooks: Map<string, string>;
+  redirects: Set<string>;
+}
+
+/** The hooks of a git dir (samples aside), with their signatures. */
+function hooksOf(gitDir: HeldDirectory): Map<string, string> {
+  const hooks = new Map<string, string>();
+  const dir = gitDir.child("hooks");
+  for (const e of dir?.entries() ?? []) {
+    const sig = e.name.endsWith(".sample") ? undefined : fileSignature(dir!.at(e.name));
+    if (sig) hooks.set(e.name, sig);
+  }
+  dir?.close();
+  return hooks;
+}
+
+/** A `.git` file or link (its directory held: the caller closes it). */
+interface GitPointer {
+  parent: HeldDirectory;
+  at: string;
+  display: string;
+}
+
+/** Where a `.git` file or link sends git. */
+function gitPointer(p: GitPointer): string | undefined {
+  try {
+    const st = fs.lstatSync(p.at);
+    if (st.isSymbolicLink()) return path.resolve(path.dirname(p.display), fs.readlinkSync(p.at));
+    if (!st.isFile() || st.size > 4096) return undefined;
+    const m = /^gitdir:\s*(.+?)\s*$/m.exec(readOwnFile(p.at, 4096).toString("utf8"));
+    return m ? path.resolve(path.dirname(p.display), m[1]!) : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * Undoes what a command left for the person's own git to run outside the
+ * jail. The jail keeps the config and hooks of the repositories that exist
+ * when it starts read-only, but a command can still make a new repository
+ * (`git init`, or a directory holding one moved aside and rebuilt), plant a
+ * `.git` file or link that sends git elsewhere, or write `.git/commondir`,
+ * which points git at another repository's config. After every command and
+ * at the end of the run, what git would read below the start directory is
+ * compared with what was there before: a setting that runs code and was not
+ * there is taken out (the config as it was is kept as
+ * `config.aic-disabled`); a hook that is new or changed, a new `commondir`,
+ * a new `.git` file or link that leads out of the project's repositories
+ * become `NAME.aic-disabled`. Each is reported, to the person and the model.
+ * Without the jail this is the only protection, and it comes after the fact.
+ */
+class GitGuard {
+  private readonly dirs = new Map<string, GitDirBaseline>();
+  private readonly pointers = new Set<string>();
+
+  constructor(private readonly workDir: HeldDirectory) {
+    const found = gitEntriesBelow(workDir, REPOSITORY_DEPTH);
+    for (const dir of found.dirs) this.dirs.set(dir.path, this.look(dir));
+    for (const p of found.pointers) this.pointers.add(p.display);
+    for (const held of [...found.dirs, ...found.pointers.map((p) => p.parent)]) held.close();
+  }
+
+  /** What was disarmed since the last audit, one line each; `deep` searches the whole tree (the end of a run). */
+  audit(deep = false): string[] {
+    const done: string[] = [];
+    const found = gitEntriesBelow(this.workDir, deep ? Number.MAX_SAFE_INTEGER : REPOSITORY_DEPTH);
+    const known = [...this.dirs.keys(), ...found.dirs.map((d) => d.path)];
+    for (const p of found.pointers) {
+      const target = this.pointers.has(p.display) ? undefined : gitPointer(p);
+      if (this.pointers.has(p.display) || (target && known.some((k) => isBeneath(target, k))))
+        this.pointers.add(p.display);
+      else done.push(...moveAside(p.at, p.display, `${p.display}, which sends git to ${target ?? "an unknown place"}`));
+      p.parent.close();
+    }
+    for (const dir of found.dirs) {
+      try {
+        done.push(...this.disarm(dir, this.dirs.get(dir.path)));
+        this.dirs.set(dir.path, this.look(dir));
+      } finally {
+        dir.close();
+      }
+    }
+    return done;
+  }
+
+  private look(dir: HeldDirectory): GitDirBaseline {
+    let config: Buffer | undefined;
+    try {
+      config = dir.read("config", MAX_GIT_CONFIG_BYTES);
+    } catch {
+      config = undefined;
+    }
+    return { config, hooks: hooksOf(dir), redirects: new Set(GIT_REDIRECTS.filter((n) => somethingAt(dir.at(n)))) };
+  }
+
+  private disarm(dir: HeldDirectory, before: GitDirBaseline | undefined): string[] {
+    const done: string[] = [];
+    for (const name of GIT_REDIRECTS)
+      if (!before?.redirects.has(name) && somethingAt(dir.at(name)))
+        done.push(...moveAside(dir.at(name), dir.display(name), `${dir.display(name)}, which points git elsewhere`));
+    const hooks = dir.child("hooks");
+    for (const [name, sig] of hooksOf(dir))
+      if (before?.hooks.get(name) !== sig)
+        done.push(...moveAside(hooks!.at(name), hooks!.display(name), `the hook ${hooks!.display(name)}`));
+    hooks?.close();
+    done.push(...this.disarmConfig(dir, before?.config));
+    return done;
+  }
+
+  private disarmConfig(dir: HeldDirectory, before: Buffer | undefined): string[] {
+    const where = dir.display("config");
+    let now: Buffer;
+    try {
+      now = dir.read("config", MAX_GIT_CONFIG_BYTES);
+    } catch (error) {
+      if (error instanceof OwnFileError && error.missing) return [];
+      // A link, a FIFO, a config too big to be a person's: git might read it, aic cannot judge it.
+      return moveAside(dir.at("config"), where, `${where} (${(error as Error).message})`);
+    }
+    if (before?.equals(now)) return [];
+    const settings = gitSettings(now);
+    if (settings === undefined) return []; // git refuses to work with it: nothing in it runs
+    const was = new Set((before ? (gitSettings(before) ?? []) : []).map((s) => `${s.key}\n${s.value}`));
+    const added = settings.filter((s) => runsCode(s) && !was.has(`${s.key}\n${s.value}`));
+    if (added.length === 0) return [];
+    try {
+      dir.replace("config.aic-disabled", now, true);
+      dir.replace("config", gitConfigText(settings.filter((s) => !added.includes(s))), true);
+      return [`${where}: ${added.map((s) => s.key).join(", ")} (as it was: ${dir.display("config.aic-disabled")})`];
+    } catch (error) {
+      return [
+        `${where}: ${added.map((s) => s.key).join(", ")}, which aic could not take out: ${(error as Error).message}`,
+      ];
+    }
+  }
+}
+
+/** Renames `at` to `at.aic-disabled`; the report line. */
+function moveAside(at: string, shown: string, what: string): string[] {
+  try {
+    fs.renameSync(at, `${at}.aic-disabled`);
+    return [`${what} (now ${shown}.aic-disabled)`];
+  } catch (error) {
+    return [`${what}, which aic could not move aside: ${(error as Error).message}`];
+  }
+}
+
+/**
+ * The git dirs below `root` (and their submodules'), held (the caller
+ * closes them), and the `.git` files and links, which send git elsewhere.
+ * Hidden directories and node_modules are not searched.
+ */
+function gitEntriesBelow(root: HeldDirectory, depth: number): { dirs: HeldDirectory[]; pointers: GitPointer[] } {
+  const dirs: HeldDirectory[] = [];
+  const pointers: GitPointer[] = [];
+  let budget = REPOSITORY_SEARCH_LIMIT;
+  const walk = (dir: HeldDirectory, left: number) => {
+    for (const e of dir.entries()) {
+      const parent = e.name === ".git" && !e.isDirectory() ? dir.child(".") : undefined;
+      if (parent) pointers.push({ parent, at: parent.at(".git"), display: parent.display(".git") });
+      if (!e.isDirectory() || e.name === "node_modules" || (e.name.startsWith(".") && e.name !== ".git")) continue;
+      if ((e.name !== ".git" && left <= 1) || budget-- <= 0) continue;
+      const sub = dir.child(e.name);
+      if (!sub) continue;
+      if (e.name !== ".git") {
+        walk(sub, left - 1);
+        sub.close();
+        continue;
+      }
+      dirs.push(sub);
+      const modules = sub.child("modules");
+      for (const m of modules?.entries() ?? []) {
+        const module = m.isDirectory() ? modules!.child(m.name) : undefined;
+        if (module) dirs.push(module);
+      }
+      modules?.close();
+    }
+  };
+  walk(root, depth);
+  return { dirs, pointers };
+}
+
+/** What a path is now, for a read-only bind that must not follow a link planted later. */
+function identified(p: string): JailPlan["readOnly"][number] | undefined {
+  try {
+    const st = fs.lstatSync(p);
+    return st.isSymbolicLink() ? undefined : { path: p, dev: st.dev, ino: st.ino };
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * The jail's plan: what is hidden and what is read-only. `secrets` and
+ * `stateDirs` are covered read-only; socket directories get a private,
+ * writable tmpfs (tmux inside then starts a server of its own).
+ */
+function planJail(o: {
+  net: boolean;
+  home: string | undefined;
+  cwd: HeldDirectory;
+  secrets: readonly string[];
+  ownFiles: readonly string[];
+  hiddenOwn: readonly string[];
+  keepSockets: readonly string[];
+}): JailPlan {
+  const runtime = process.env.XDG_RUNTIME_DIR;
+  const sockets = socketHiding(o.home, o.cwd.path, o.keepSockets);
+  const hideDirs: JailPlan["hideDirs"] = [];
+  const hideFiles: string[] = [];
+  const add = (p: string, writable: boolean) => {
+    try {
+      const st = fs.lstatSync(p);
+      if (st.isSymbolicLink()) return;
+      if (st.isDirectory()) hideDirs.push({ path: p, writable });
+      else hideFiles.push(p);
+    } catch {
+      /* nothing there to hide */
+    }
+  };
+  for (const d of sockets.dirs) add(d, true);
+  if (runtime && path.isAbsolute(runtime) && !o.keepSockets.some((k) => isBeneath(k, runtime))) add(runtime, true);
+  for (const s of [...o.secrets, ...o.hiddenOwn]) add(s, false);
+  hideFiles.push(...sockets.files.filter((f) => !hideFiles.includes(f)));
+  const found = gitEntriesBelow(o.cwd, REPOSITORY_DEPTH);
+  for (const p of found.pointers) p.parent.close();
+  const gitDirs = found.dirs.map((d) => (d.close(), d.path));
+  const git = gitDirs.flatMap((g) => [path.join(g, "config"), path.join(g, "hooks")]);
+  const readOnly = git.map(identified).filter((r) => r !== undefined);
+  const ownFiles = o.ownFiles.map(identified).filter((r) => r !== undefined);
+  const pinned = gitDirs.map(identified).filter((r) => r !== undefined);
+  const outer = <T extends { path: string }>(list: T[]) =>
+    list.filter((d) => !list.some((x) => x !== d && isBeneath(d.path, x.path)));
+  return { net: o.net, hideDirs: outer(hideDirs), hideFiles, readOnly, ownFiles, pinned };
+}
+
+const MS_RDONLY = 1;
+const MS_NOSUID = 2;
+const MS_NODEV = 4;
+const MS_NOEXEC = 8;
+const MS_REMOUNT = 32;
+const MS_BIND = 4096;
+const MS_REC = 16384;
+const MS_PRIVATE = 1 << 18;
+const SYS_OPEN_TREE = 428;
+const SYS_MOVE_MOUNT = 429;
+const SYS_MOUNT_SETATTR = 442;
+const OPEN_TREE_CLONE = 1;
+const AT_EMPTY_PATH = 0x1000;
+const AT_RECURSIVE = 0x8000;
+const MOUNT_ATTR_RDONLY = 1n;
+const MOVE_MOUNT_F_EMPTY_PATH = 4;
+const MOVE_MOUNT_T_EMPTY_PATH = 0x40;
+
+/** mount(2) through libc; throws with the errno's name. */
+function mountOrThrow(
+  source: string | null,
+  target: string,
+  fstype: string | null,
+  flags: number,
+  data: string | null = null,
+): void {
+  const c = libc()!.symbols;
+  const cs = (s: string | null) => (s === null ? null : Buffer.from(`${s}\0`));
+  if (c.mount(cs(source), cs(target)!, cs(fstype), flags, cs(data)) !== 0)
+    throw new Error(`mount ${fstype ?? source ?? ""} on ${target}: ${lastErrno()}`);
+}
+
+function lastErrno(): string {
+  const { read } = require("bun:ffi") as typeof import("bun:ffi");
+  const errno = read.i32(libc()!.symbols.__errno_location()!, 0);
+  return os.constants.errno
+    ? (Object.entries(os.constants.errno).find(([, v]) => v === errno)?.[0] ?? `errno ${errno}`)
+    : `errno ${errno}`;
+}
+
+/**
+ * Binds `fd`'s file or directory (or, with `over`, the file at `over` from
+ * `source`) read-only: a detached copy of the mount (open_tree), made
+ * read-only before it is ever visible (mount_setattr), moved into place
+ * (move_mount). No flag of the original mount has to be known or repeated.
+ */
+function bindReadOnly(sourceFd: number, targetFd: number, what: string): void {
+  const c = libc()!.symbols;
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  const empty = Buffer.from("\0");
+  const tree = Number(
+    c.syscall(SYS_OPEN_TREE, sourceFd, ptr(empty), OPEN_TREE_CLONE | O_CLOEXEC | AT_EMPTY_PATH | AT_RECURSIVE, 0, 0),
+  );
+  if (tree < 0) throw new Error(`open_tree ${what}: ${lastErrno()}`);
+  try {
+    const attr = new BigUint64Array([MOUNT_ATTR_RDONLY, 0n, 0n, 0n]);
+    if (Number(c.syscall(SYS_MOUNT_SETATTR, tree, ptr(empty), AT_EMPTY_PATH | AT_RECURSIVE, ptr(attr), 32)) !== 0)
+      throw new Error(`mount_setattr ${what}: ${lastErrno()}`);
+    // move_mount(tree, "", target, "", F_EMPTY_PATH | T_EMPTY_PATH)
+    if (
+      Number(
+        c.syscall(
+          SYS_MOVE_MOUNT,
+          tree,
+          ptr(empty),
+          targetFd,
+          ptr(empty),
+          MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+        ),
+      ) !== 0
+    )
+      throw new Error(`move_mount ${what}: ${lastErrno()}`);
+  } finally {
+    c.close(tree);
+  }
+}
+
+/** An O_PATH descriptor of `p` that is not a link (and, when given, still the file aic identified). */
+function pinPath(p: string, identity?: { dev: number; ino: number }): number {
+  const fd = fs.openSync(p, O_PATH | O.O_NOFOLLOW);
+  const st = fs.fstatSync(fd);
+  if (st.isSymbolicLink() || (identity && (st.dev !== identity.dev || st.ino !== identity.ino))) {
+    fs.closeSync(fd);
+    throw new Error(`${p} changed since aic looked at it`);
+  }
+  return fd;
+}
+
+const JAIL_DEV_NODES = ["null", "zero", "full", "random", "urandom", "tty"];
+
+/**
+ * A /dev of the jail's own: the harmless device nodes bound from the host's, a
+ * fresh devpts instance (commands' terminals are there; the person's are not),
+ * a private /dev/shm, then read-only.
+ */
+function freshDev(): void {
+  const nodes = JAIL_DEV_NODES.map((name) => ({ name, fd: pinPath(`/dev/${name}`) }));
+  mountOrThrow("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64");
+  for (const { name, fd } of nodes) {
+    fs.writeFileSync(`/dev/${name}`, "", { mode: 0o666 });
+    mountOrThrow(`/proc/self/fd/${fd}`, `/dev/${name}`, null, MS_BIND);
+    fs.closeSync(fd);
+  }
+  const links: [string, string][] = [
+    ["fd", "/proc/self/fd"],
+    ["stdin", "/proc/self/fd/0"],
+    ["stdout", "/proc/self/fd/1"],
+    ["stderr", "/proc/self/fd/2"],
+    ["ptmx", "pts/ptmx"],
+  ];
+  for (const [name, target] of links) fs.symlinkSync(target, `/dev/${name}`);
+  fs.mkdirSync("/dev/pts");
+  fs.mkdirSync("/dev/shm");
+  mountOrThrow("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
+  mountOrThrow("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+  fs.writeFileSync("/dev/.empty", "", { mode: 0o444 });
+  mountOrThrow(null, "/dev", null, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC);
+}
+
+/** SIOCSIFFLAGS on lo: up (struct ifreq: name[16], then short ifr_flags at offset 16, 40 bytes in all). */
+function loopbackUp(): void {
+  const c = libc()!.symbols;
+  const s = c.socket(2 /* AF_INET */, 2 /* SOCK_DGRAM */, 0);
+  if (s < 0) throw new Error(`socket: ${lastErrno()}`);
+  try {
+    const ifr = new Uint8Array(40);
+    ifr.set(utf8.encode("lo"));
+    const view = new DataView(ifr.buffer);
+    if (c.ioctl(s, 0x8913 /* SIOCGIFFLAGS */, ifr) !== 0) throw new Error(`SIOCGIFFLAGS lo: ${lastErrno()}`);
+    view.setInt16(16, view.getInt16(16, true) | 1 /* IFF_UP */, true);
+    if (c.ioctl(s, 0x8914 /* SIOCSIFFLAGS */, ifr) !== 0) throw new Error(`SIOCSIFFLAGS lo: ${lastErrno()}`);
+  } finally {
+    c.close(s);
+  }
+}
+
+/** The mounts of the jail, in the fresh namespaces, as PID 1 with every capability there. */
+function buildJail(plan: JailPlan): void {
+  freshDev();
+  mountOrThrow("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC);
+  for (const d of plan.hideDirs) {
+    const fd = pinPath(d.path);
+    try {
+      const options = d.writable ? "mode=0700,size=1m" : "mode=0555,size=4k,nr_inodes=2";
+      const flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | (d.writable ? 0 : MS_RDONLY);
+      mountOrThrow("tmpfs", `/proc/self/fd/${fd}`, "tmpfs", flags, options);
+    } finally {
+      fs.closeSync(fd);
+    }
+  }
+  const empty = pinPath("/dev/.empty");
+  try {
+    for (const f of plan.hideFiles) {
+      const fd = pinPath(f);
+      try {
+        bindReadOnly(empty, fd, f);
+      } finally {
+        fs.closeSync(fd);
+      }
+    }
+  } finally {
+    fs.closeSync(empty);
+  }
+  for (const r of plan.pinned) {
+    const fd = pinPath(r.path, r);
+    try {
+      mountOrThrow(`/proc/self/fd/${fd}`, `/proc/self/fd/${fd}`, null, MS_BIND);
+    } finally {
+      fs.closeSync(fd);
+    }
+  }
+  for (const r of plan.readOnly) {
+    const fd = pinPath(r.path, r);
+    try {
+      bindReadOnly(fd, fd, r.path);
+    } finally {
+      fs.closeSync(fd);
+    }
+  }
+  for (const r of plan.ownFiles) {
+    let fd: number;
+    try {
+      fd = pinPath(r.path, r);
+    } catch {
+      continue; // replaced by aic's own write meanwhile: aic notices any later change itself
+    }
+    try {
+      bindReadOnly(fd, fd, r.path);
+    } finally {
+      fs.closeSync(fd);
+    }
+  }
+  if (plan.net) loopbackUp();
+}
+
+/**
+ * `aic __jail PLANS -- ARGV…`: PID 1 of the fresh namespaces. Builds the jail
+ * and goes on as `__sandbox-exec` does (capabilities dropped, Landlock,
+ * execve of ARGV, the launcher). Exit 124: the namespaces give no power (fall
+ * back); any other failure: 125, and commands are not run.
+ */
+function jailInit(plans: { jail: JailPlan; sandbox: SandboxPlan }, argv: string[]): number {
+  if (process.pid !== 1) return (writeOut(2, "aic jail: not the first process of a new PID namespace\n"), 125);
+  try {
+    mountOrThrow(null, "/", null, MS_REC | MS_PRIVATE);
+  } catch (error) {
+    writeOut(2, `aic jail: namespaces refused: ${(error as Error).message}\n`);
+    return JAIL_REFUSED_EXIT;
+  }
+  try {
+    buildJail(plans.jail);
+  } catch (error) {
+    writeOut(2, `aic jail: ${(error as Error).message}\n`);
+    return 125;
+  }
+  // /dev and /proc are the jail's own now: their grants go to the new ones (the identity check guards the others).
+  for (const fresh of ["/dev", "/proc"]) {
+    const st = fs.lstatSync(fresh);
+    for (const rule of plans.sandbox.rules) if (rule.path === fresh) Object.assign(rule, { dev: st.dev, ino: st.ino });
+  }
+  return sandboxExec(plans.sandbox, argv);
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -4374,8 +5463,20 @@ function exitCodeOf(proc: Bun.Subprocess): number | null {
   return signal && SIGNAL_NUMBERS[signal] ? 128 + SIGNAL_NUMBERS[signal] : null;
 }
 
+/** Sends `sig` to one process; one that is already gone is fine. */
+function signalProcess(pid: number, sig: NodeJS.Signals): void {
+  if (!(pid > 1)) return;
+  try {
+    process.kill(pid, sig);
+  } catch {
+    /* already gone */
+  }
+}
+
 /** Sends `sig` to every process of the group `pgid`; a group that is already gone is fine. */
 function signalGroup(pgid: number, sig: NodeJS.Signals): void {
+  // 0 would be aic's own group and 1 every process it may signal: a pid aic could not learn is never a group.
+  if (!(pgid > 1)) return;
   try {
     process.kill(-pgid, sig);
   } catch {
@@ -4394,7 +5495,12 @@ interface ProcessInfo {
   zombie: boolean;
   /** Stopped by a signal (state T). */
   stopped: boolean;
+  /** A zombie's exit code (or 128 + signal), as waitpid would report it. */
+  exitCode: number | undefined;
 }
+
+/** A waitpid status as a shell reports it: the exit code, or 128 + the signal. */
+const waitStatusCode = (s: number) => ((s & 0x7f) === 0 ? (s >> 8) & 0xff : 128 + (s & 0x7f));
 
 /** What /proc says about `pid`, or undefined once it is gone. The name in parentheses may hold anything, so fields are read after the last ")". */
 function processInfo(pid: number): ProcessInfo | undefined {
@@ -4414,6 +5520,8 @@ function processInfo(pid: number): ProcessInfo | undefined {
     sid: Number(f[3]),
     tpgid: Number(f[5]),
     zombie: f[0] === "Z",
+    // Field 52, exit_code, in waitpid's form: readable while a zombie waits to be reaped (by the jail's init).
+    exitCode: f[0] === "Z" && f[49] !== undefined ? waitStatusCode(Number(f[49])) : undefined,
     stopped: f[0] === "T",
   };
 }
@@ -4499,11 +5607,48 @@ function groupAlive(pgid: number): boolean {
   }
 }
 
-/** aic's environment minus the API key, for commands and the Shell tab. */
-function commandEnvironment(): Record<string, string | undefined> {
+/**
+ * Variables that point a program at a server of the person's (their tmux, ssh-agent, D-Bus bus, Docker, display):
+ * commands never get them (with --allow-ssh-agent, SSH_AUTH_SOCK stays).
+ */
+const SOCKET_ENV = [
+  "SSH_AUTH_SOCK",
+  "SSH_AGENT_PID",
+  "TMUX",
+  "TMUX_PANE",
+  "STY",
+  "DBUS_SESSION_BUS_ADDRESS",
+  "DOCKER_HOST",
+  "GPG_AGENT_INFO",
+  "WAYLAND_DISPLAY",
+  "DISPLAY",
+  "XAUTHORITY",
+];
+
+/** aic's environment minus the API key and the person's server addresses, for commands (the Shell tab keeps the latter). */
+function commandEnvironment(keep: { sockets?: boolean; sshAgent?: boolean } = {}): Record<string, string | undefined> {
   const env: Record<string, string | undefined> = { ...process.env };
   for (const name of SECRET_ENV) delete env[name];
+  if (!keep.sockets) for (const name of SOCKET_ENV) if (!(keep.sshAgent && name === "SSH_AUTH_SOCK")) delete env[name];
   return env;
+}
+
+/**
+ * This directory's sessions and their lock files (this run's and other aic
+ * instances'), and this run's session wherever it is: the jail binds each
+ * read-only, so no command (`git clean -fdx`, `rm -rf .`) deletes or edits a
+ * conversation. aic itself writes them from outside the jail.
+ */
+function ownSessionFiles(session: string | undefined, workDir: HeldDirectory): string[] {
+  const files = new Set<string>();
+  if (session) for (const p of [session, `${session}.lock`]) if (fs.existsSync(p)) files.add(p);
+  try {
+    for (const e of fs.readdirSync(workDir.at(), { withFileTypes: true }))
+      if (e.isFile() && e.name.startsWith(".aicsession")) files.add(workDir.display(e.name));
+  } catch {
+    /* an unreadable directory: nothing to protect there */
+  }
+  return [...files];
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -4551,6 +5696,8 @@ const FRAME = {
   exit: 14,
   /** launcher → aic: UTF-8 reason the spawn failed. */
   failed: 15,
+  /** launcher → aic (id 0): i32 pid, i32 exit code of an orphan the launcher reaped as the jail's init. */
+  reaped: 16,
 } as const;
 
 const FRAME_HEADER_BYTES = 9;
@@ -4629,7 +5776,24 @@ const frameInt = (payload: Uint8Array) =>
  */
 async function runSandboxLauncher(): Promise<number> {
   libc()?.symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  // Descriptor 3 is aic's own binary, by which the launcher was started: commands never inherit it.
+  try {
+    fs.closeSync(3);
+  } catch {
+    /* started without it */
+  }
   const send = (frame: Uint8Array) => writeOut(1, frame);
+  // As the jail's init, every orphan of every command becomes the launcher's child: reaped here, and its exit code
+  // told to aic (a background job's leader is such an orphan once its command's shell has exited).
+  if (process.pid === 1)
+    setInterval(() => {
+      for (const [pid, code] of reapAdoptedZombies()) {
+        const payload = new Uint8Array(8);
+        new DataView(payload.buffer).setInt32(0, pid, true);
+        new DataView(payload.buffer).setInt32(4, code, true);
+        send(encodeFrame(FRAME.reaped, 0, payload));
+      }
+    }, JOB_POLL_MS / 2).unref();
   const terminals = new Map<number, Bun.Terminal>();
   const spawn = (id: number, request: LaunchRequest) => {
     try {
@@ -4675,19 +5839,79 @@ interface LaunchedCommand {
 interface LauncherProcess {
   proc: Bun.Subprocess<"pipe", "pipe", "pipe">;
   commands: Map<number, LaunchedCommand>;
+  /** The launcher's own pid in aic's view: `proc`'s in Landlock alone, the child of `unshare` in the jail. */
+  hostPid: number;
+  /** Stops it if it stops answering (stopped, or gone silent with commands waiting). */
+  watchdog?: ReturnType<typeof setInterval>;
 }
+
+/** How many times the jail is swept for processes to stop before a checkpoint, and how long they may take to stop. */
+const FREEZE_ROUNDS = 5;
+const FREEZE_SETTLE_MS = 50;
+
+/** How long a launcher may take to say it started a command before it is taken for stuck and replaced. */
+const LAUNCHER_ANSWER_MS = 5000;
+/** How often a launcher holding commands is looked at (stopped by a command? then it is replaced). */
+const LAUNCHER_WATCH_MS = 500;
+
+/** The pids of `pid`'s children, across its threads. */
+function childrenOf(pid: number): number[] {
+  const found = new Set<number>();
+  try {
+    for (const task of fs.readdirSync(`/proc/${pid}/task`))
+      for (const child of fs.readFileSync(`/proc/${pid}/task/${task}/children`, "utf8").split(" "))
+        if (child.trim()) found.add(Number(child));
+  } catch {
+    /* gone */
+  }
+  return [...found];
+}
+
+/** A process's pid in the innermost PID namespace it lives in (the jail's), from its status. */
+function innermostPid(hostPid: number): number | undefined {
+  try {
+    const line = /^NSpid:\s*(.*)$/m.exec(fs.readFileSync(`/proc/${hostPid}/status`, "utf8"))?.[1];
+    const pids = line?.trim().split(/\s+/).map(Number);
+    return pids?.at(-1);
+  } catch {
+    return undefined;
+  }
+}
+
+/** Exit codes of orphans the jail's init reaped, by their pid in the jail (a job's leader is looked up here). */
+const jailReapedExitCodes = new Map<number, number>();
 
 /**
  * aic's end of the launcher: starts it (and again, on the next command, if
- * it died), sends it commands, and routes what it says to each command.
+ * it died or was replaced), sends it commands, and routes what it says to
+ * each command. In the jail the launcher reports pids as the jail sees them;
+ * aic signals and inspects commands by their pids in its own view, found as
+ * the launcher's children.
  */
 class SandboxLauncher {
   private live: LauncherProcess | undefined;
   private starting: Promise<string | undefined> | undefined;
   private nextId = 1;
 
-  constructor(private readonly argv: string[]) {
-    process.on("exit", () => this.live?.proc.kill("SIGKILL"));
+  constructor(
+    private argv: string[],
+    /** Started through `unshare` into the jail's namespaces (the launcher is then the child of `unshare`). */
+    private jailed: boolean,
+    /**
+     * Where the jail's init turns out to have no power over its namespaces (an AppArmor profile): the
+     * launcher under Landlock alone, started from the next command on, and who is told.
+     */
+    private readonly fallback?: { argv: string[]; onRefused(why: string): void },
+  ) {
+    process.on("exit", () => {
+      this.live?.proc.kill("SIGKILL");
+      if (this.live && this.live.hostPid !== this.live.proc.pid) signalProcess(this.live.hostPid, "SIGKILL");
+    });
+  }
+
+  /** The launcher's pid in aic's view while it runs: every orphan in the jail becomes its child. */
+  get reaper(): number | undefined {
+    return this.jailed ? this.live?.hostPid : undefined;
   }
 
   /** Starts the launcher unless one runs; resolves once it is confined (undefined) or with why it is not. */
@@ -4699,13 +5923,19 @@ class SandboxLauncher {
   private launch(): Promise<string | undefined> {
     const env = definedEnvironment(commandEnvironment());
     let proc: Bun.Subprocess<"pipe", "pipe", "pipe">;
+    // aic's own binary by descriptor (fd 3 of the child): the inode running now, whatever a command put at its path.
+    const binary = fs.openSync("/proc/self/exe", O.O_RDONLY);
     try {
       // Its own session: a Ctrl+C at aic's terminal is aic's to handle, not a way to kill every command at once.
-      proc = reapedByBun(Bun.spawn(this.argv, { stdin: "pipe", stdout: "pipe", stderr: "pipe", env, detached: true }));
+      // Bun's types know three stdio entries; a fourth (the binary) is passed as the child's fd 3.
+      const stdio = ["pipe", "pipe", "pipe", binary] as unknown as ["pipe", "pipe", "pipe"];
+      proc = reapedByBun(Bun.spawn(this.argv, { stdio, env, detached: true }));
     } catch (error) {
       return Promise.resolve(`the sandbox launcher cannot start: ${(error as Error).message}`);
+    } finally {
+      fs.closeSync(binary);
     }
-    const live: LauncherProcess = { proc, commands: new Map() };
+    const live: LauncherProcess = { proc, commands: new Map(), hostPid: proc.pid };
     this.live = live;
     return new Promise((resolve) => {
       const timer = setTimeout(() => {
@@ -4714,10 +5944,25 @@ class SandboxLauncher {
       }, LAUNCHER_START_MS);
       const ready = (why?: string) => {
         clearTimeout(timer);
+        if (!why && this.jailed) live.hostPid = childrenOf(proc.pid)[0] ?? proc.pid;
+        if (!why) live.watchdog = setInterval(() => this.watch(live), LAUNCHER_WATCH_MS);
+        live.watchdog?.unref?.();
         resolve(why);
       };
       void this.listen(live, ready);
     });
+  }
+
+  /**
+   * A launcher stopped (SIGSTOP by a command that shares its Landlock domain,
+   * where there is no jail) would leave aic waiting for ever: it is killed, its
+   * commands end with their exit code unknown, and the next command starts a
+   * new one.
+   */
+  private watch(live: LauncherProcess): void {
+    if (!processInfo(live.hostPid)?.stopped) return;
+    signalProcess(live.hostPid, "SIGKILL");
+    live.proc.kill("SIGKILL");
   }
 
   /** Reads the launcher's frames until it ends; then fails whatever it still held. */
@@ -4734,6 +5979,7 @@ class SandboxLauncher {
     } catch (error) {
       broken = (error as Error).message;
     }
+    clearInterval(live.watchdog);
     if (this.live === live) this.live = undefined;
     proc.kill("SIGKILL");
     const why = `the sandbox launcher ${broken ? `was stopped: it ${broken}` : "ended"}`;
@@ -4746,20 +5992,35 @@ class SandboxLauncher {
       }
     }
     await proc.exited;
-    const said = (await new Response(proc.stderr).text()).trim().replace(/^aic sandbox: /, "");
+    const said = (await new Response(proc.stderr).text()).trim().replace(/^aic (sandbox|jail): /, "");
+    if (this.jailed && this.fallback && exitCodeOf(proc) === JAIL_REFUSED_EXIT) {
+      this.argv = this.fallback.argv;
+      this.jailed = false;
+      this.fallback.onRefused(said);
+    }
     ready(said || `the sandbox launcher exited ${exitCodeOf(proc)}`);
   }
 
   private dispatch(live: LauncherProcess, frame: Frame): void {
+    if (frame.kind === FRAME.reaped && frame.id === 0) {
+      const view =
+        frame.payload.length === 8 ? new DataView(frame.payload.buffer, frame.payload.byteOffset, 8) : undefined;
+      if (!view) throw new Error("sent a malformed reaped frame");
+      jailReapedExitCodes.set(view.getInt32(0, true), view.getInt32(4, true));
+      if (jailReapedExitCodes.size > 1000) jailReapedExitCodes.delete(jailReapedExitCodes.keys().next().value!);
+      return;
+    }
     const command = live.commands.get(frame.id);
     if (!command) return; // a command aic has closed: late bytes are dropped
     switch (frame.kind) {
       case FRAME.spawned: {
-        const pid = frameInt(frame.payload);
-        if (pid === undefined || pid <= 1 || command.pid !== undefined) throw new Error("named a pid twice or badly");
+        const said = frameInt(frame.payload);
+        if (said === undefined || said <= 1 || command.pid !== undefined) throw new Error("named a pid twice or badly");
+        // In the jail the launcher speaks of its own PID namespace: the command is its child with that inner pid.
+        const pid = this.jailed ? (childrenOf(live.hostPid).find((p) => innermostPid(p) === said) ?? 0) : said;
         // Gone already (a quick command, reaped) is fine; alive, it must be the launcher's own child.
-        const info = processInfo(pid);
-        if (info && !info.zombie && info.ppid !== live.proc.pid) throw new Error(`named pid ${pid}, not its child`);
+        const info = pid > 1 ? processInfo(pid) : undefined;
+        if (info && !info.zombie && info.ppid !== live.hostPid) throw new Error(`named pid ${pid}, not its child`);
         command.pid = pid;
         return command.started(pid);
       }
@@ -4804,7 +6065,24 @@ class SandboxLauncher {
     const env = definedEnvironment(opts.env);
     const request: LaunchRequest = { argv, cwd: opts.cwd, env, cols: opts.cols, rows: opts.rows };
     const pid = await new Promise<number>((started, refused) => {
-      live.commands.set(id, { onData: opts.onData, started, refused, exitedWith, reachedEof });
+      // A launcher that does not answer in time is taken for stuck: killed (the next command starts a new one).
+      const stuck = setTimeout(() => {
+        signalProcess(live.hostPid, "SIGKILL");
+        live.proc.kill("SIGKILL");
+      }, LAUNCHER_ANSWER_MS);
+      const done =
+        <T>(f: (value: T) => void) =>
+        (value: T) => {
+          clearTimeout(stuck);
+          f(value);
+        };
+      live.commands.set(id, {
+        onData: opts.onData,
+        started: done(started),
+        refused: done(refused),
+        exitedWith,
+        reachedEof,
+      });
       send(encodeFrame(FRAME.spawn, id, utf8.encode(JSON.stringify(request))));
     });
     return {
@@ -5344,6 +6622,8 @@ interface RunOptions {
   cwd: string;
   /** Whether the command sees CI=true (off with --no-ci-env). */
   ciEnv: boolean;
+  /** Whether it may use the person's ssh-agent (--allow-ssh-agent). */
+  sshAgent?: boolean;
   timeoutSec: number;
   maxOutputBytes: number;
   /** False when nobody can type an answer: then a command stuck on input is stopped. */
@@ -5424,7 +6704,7 @@ async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: Jo
     marker,
     ciEnv: opts.ciEnv,
     shell: commandShell(),
-    environment: commandEnvironment(),
+    environment: commandEnvironment({ sshAgent: opts.sshAgent }),
   });
   // Output that arrives before the process is known waits here (the launcher may report both in one read).
   let early: Uint8Array[] | undefined = [];
@@ -5559,18 +6839,24 @@ const reapedExitCodes = new Map<number, number>();
  * which Bun reaps), so no zombie piles up, and keeps its exit code as a
  * shell does: the code, or 128 + the signal.
  */
-function reapAdoptedZombies(): void {
+function reapAdoptedZombies(): [pid: number, code: number][] {
   const c = libc()?.symbols;
-  if (!c) return;
+  if (!c) return [];
   const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
   const status = new Int32Array(1);
+  const reaped: [number, number][] = [];
   for (const pid of ownChildren()) {
     if (bunChildren.has(pid) || !processInfo(pid)?.zombie) continue;
     if (c.waitpid(pid, ptr(status), WNOHANG) !== pid) continue;
-    const s = status[0]!;
-    reapedExitCodes.set(pid, (s & 0x7f) === 0 ? (s >> 8) & 0xff : 128 + (s & 0x7f));
-    if (reapedExitCodes.size > 1000) reapedExitCodes.delete(reapedExitCodes.keys().next().value!);
+    reaped.push([pid, waitStatusCode(status[0]!)]);
+    rememberExitCode(pid, reaped.at(-1)![1]);
   }
+  return reaped;
+}
+
+function rememberExitCode(pid: number, code: number): void {
+  reapedExitCodes.set(pid, code);
+  if (reapedExitCodes.size > 1000) reapedExitCodes.delete(reapedExitCodes.keys().next().value!);
 }
 
 /** The value of JOB_MARKER_ENV in a process's environment, if it can be read. */
@@ -5665,6 +6951,10 @@ interface Job {
   id: number;
   /** The process whose exit code is the job's: the group's leader. */
   pid: number;
+  /** Its process group's number as commands see it (in the jail, the jail's own numbering). */
+  group: number;
+  /** In the jail: the leader's pid there, under which the jail's init reports its exit code. */
+  innerPid: number | undefined;
   command: string;
   /** The session of the command that started it, and the marker its processes carry. */
   session: number;
@@ -5723,6 +7013,8 @@ class JobTable {
     private readonly emit: (event: AgentEvent) => void,
     private readonly outputs: OutputStore,
     private readonly logLimit: number,
+    /** In the jail: the launcher, which every orphan of a command becomes the child of (aic itself otherwise). */
+    private readonly reaper: () => number | undefined = () => undefined,
   ) {
     liveJobTables.add(this);
     if (!exitHandlerInstalled) {
@@ -5730,6 +7022,40 @@ class JobTable {
       // The last resort (process.exit from deep inside, a crash): jobs never outlive aic.
       process.once("exit", () => liveJobTables.forEach((t) => t.stopAll()));
     }
+  }
+
+  /**
+   * Stops every process in the jail (the launcher's descendants) until the
+   * function returned is called, which resumes them: a checkpoint then reads
+   * the tree while no job can swap a directory for a link under git's feet.
+   * Rounds repeat until a scan finds nothing new (a process may fork before
+   * its stop lands). Processes already stopped are left as they are. Only in
+   * the jail, and only while jobs run (otherwise nothing of the commands'
+   * is left).
+   */
+  freeze(): () => void {
+    const root = this.reaper();
+    if (root === undefined || this.running.length === 0) return () => {};
+    const stopped = new Set<number>();
+    const sweep = (pid: number): number => {
+      let fresh = 0;
+      for (const child of childrenOf(pid)) {
+        const info = stopped.has(child) ? undefined : processInfo(child);
+        if (info && !info.zombie && !info.stopped) {
+          signalProcess(child, "SIGSTOP");
+          stopped.add(child);
+          fresh++;
+        }
+        fresh += sweep(child);
+      }
+      return fresh;
+    };
+    for (let round = 0; round < FREEZE_ROUNDS && sweep(root) > 0; round++);
+    const until = performance.now() + FREEZE_SETTLE_MS;
+    while ([...stopped].some((pid) => processInfo(pid)?.stopped === false) && performance.now() < until);
+    return () => {
+      for (const pid of stopped) signalProcess(pid, "SIGCONT");
+    };
   }
 
   /** A marker for the next command's environment. */
@@ -5753,13 +7079,13 @@ class JobTable {
     // The shell is gone, so whatever of the command lives has an ancestor that is now aic's own child (the
     // subreaper adopts orphans). No such new child, nothing left: the usual case costs no scan of /proc.
     const known = new Set(this.running.flatMap((j) => [...j.groups]));
-    const adopted = ownChildren().filter((pid) => {
+    const adopted = this.children().filter((pid) => {
       if (bunChildren.has(pid)) return false;
       const info = processInfo(pid);
       return info !== undefined && !info.zombie && !known.has(info.pgid);
     });
     if (adopted.length === 0) return undefined;
-    const members = this.membersOf(left.session, left.marker);
+    const members = this.membersOf(left.session, left.marker).filter((m) => !known.has(m.pgid));
     if (members.length === 0) return undefined;
     const terminal = new JobTerminal(left.terminal, this.outputs, this.logLimit);
     left.redirect((bytes) => terminal.write(bytes));
@@ -5773,6 +7099,9 @@ class JobTable {
       const job: Job = {
         id: this.nextId++,
         pid: leader.pid,
+        // The group as commands see it: in the jail, its number in the jail's PID namespace.
+        group: this.reaper() ? (innermostPid(pgid) ?? pgid) : pgid,
+        innerPid: this.reaper() ? innermostPid(leader.pid) : undefined,
         // A `( … ) &` job is a fork of the command's own shell, whose command line is aic's wrapper: name the command instead.
         command: line.startsWith(`${commandShell()} -c set -m`) ? `a subshell of: ${oneLine(left.command, 100)}` : line,
         session: left.session,
@@ -5792,7 +7121,14 @@ class JobTable {
         continue;
       }
       started.push(job);
-      this.emit({ type: "job_started", id: job.id, pid: job.pid, command: job.command, log: terminal.path });
+      this.emit({
+        type: "job_started",
+        id: job.id,
+        pid: job.pid,
+        group: job.group,
+        command: job.command,
+        log: terminal.path,
+      });
     }
     if (started.length === 0) this.closeTerminalIfIdle(terminal);
     this.watch();
@@ -5807,17 +7143,27 @@ class JobTable {
   private membersOf(session: number, marker: string): ProcessInfo[] {
     const all = allProcesses().filter((p) => !p.zombie);
     const parent = new Map(all.map((p) => [p.pid, p.ppid]));
-    const descendsFromAic = (pid: number) => {
+    const reaper = this.reaper();
+    const descendsFrom = (pid: number, ancestor: number) => {
       for (let p = parent.get(pid), depth = 0; p !== undefined && depth < 64; p = parent.get(p), depth++)
-        if (p === process.pid) return true;
+        if (p === ancestor) return true;
       return false;
     };
+    // In the jail every process but its init is a command's: whatever of it lives (setsid env -i included, which
+    // leaves both the session and the marker behind) belongs to the command that just ended.
+    if (reaper) return all.filter((p) => p.pid !== reaper && descendsFrom(p.pid, reaper));
     return all.filter(
       (p) =>
         p.pid !== process.pid &&
         !bunChildren.has(p.pid) &&
-        (p.sid === session || (descendsFromAic(p.pid) && jobMarkerOf(p.pid) === marker)),
+        (p.sid === session || (descendsFrom(p.pid, process.pid) && jobMarkerOf(p.pid) === marker)),
     );
+  }
+
+  /** The processes orphans become the children of: the jail's launcher, or aic (a child subreaper). */
+  private children(): number[] {
+    const reaper = this.reaper();
+    return reaper ? childrenOf(reaper) : ownChildren();
   }
 
   private watch(): void {
@@ -5830,14 +7176,16 @@ class JobTable {
   private poll(): void {
     reapAdoptedZombies();
     const running = this.running;
-    for (const pid of ownChildren()) {
+    for (const pid of this.children()) {
       if (bunChildren.has(pid)) continue;
       const info = processInfo(pid);
       if (!info || info.zombie || running.some((j) => j.groups.has(info.pgid))) continue;
       const marker = jobMarkerOf(pid);
       running.find((j) => j.marker === marker)?.groups.add(info.pgid);
     }
-    for (const job of running) if (![...job.groups].some(groupExists)) this.finish(job, "ended");
+    // A group of zombies has ended too (the jail's init reaps them on its own timer).
+    for (const job of running)
+      if (![...job.groups].some((g) => groupExists(g) && processesInGroup(g).length > 0)) this.finish(job, "ended");
     if (this.running.length === 0 && this.timer) {
       clearInterval(this.timer);
       this.timer = undefined;
@@ -5848,7 +7196,12 @@ class JobTable {
     if (job.state !== "running") return;
     job.state = state;
     job.endedAt = Date.now();
-    job.exitCode = reapedExitCodes.get(job.pid) ?? null;
+    // Reaped by aic, reaped by the jail's init (which told aic), or a zombie still waiting to be reaped there.
+    job.exitCode =
+      reapedExitCodes.get(job.pid) ??
+      (job.innerPid !== undefined ? jailReapedExitCodes.get(job.innerPid) : undefined) ??
+      processInfo(job.pid)?.exitCode ??
+      null;
     this.emit({ type: "job_ended", id: job.id, pid: job.pid, exit_code: job.exitCode, how: state });
     this.closeTerminalIfIdle(job.terminal);
   }
@@ -5912,9 +7265,12 @@ class JobTable {
     return lines.join("\n");
   }
 
-  /** `/jobs`: every job this process started, newest last. */
+  /**
+   * `/jobs`: every job this process started, newest last, numbered as the
+   * person's own shell sees them (the jail numbers its processes its own way).
+   */
   list(): string[] {
-    return this.jobs.filter((j) => j.state !== "refused").map(jobLine);
+    return this.jobs.filter((j) => j.state !== "refused").map((j) => jobLine(j, processInfo(j.pid)?.pgid ?? j.pid));
   }
 
   records(): JobRecord[] {
@@ -5961,8 +7317,7 @@ function jobStateText(job: Job): string {
  * terminal is logged to /tmp/…/job-….log`. A job is its process group (a dev server's children included), so the
  * line names the one command that stops all of it; `kill %1` would mean nothing to the next command's fresh shell.
  */
-function jobLine(job: Job): string {
-  const group = jobGroup(job);
+function jobLine(job: Job, group = jobGroup(job)): string {
   const running =
     job.state === "running" ? `; stop it with: kill -- -${group}; its terminal is logged to ${job.terminal.path}` : "";
   return `[job ${job.id}] ${jobStateText(job)}: process group ${group} (${job.command})${running}`;
@@ -5970,7 +7325,7 @@ function jobLine(job: Job): string {
 
 /** The process group that is the job (its leader's), as the model's commands see it. */
 function jobGroup(job: Job): number {
-  return job.groups.values().next().value ?? job.pid;
+  return job.group;
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -6057,6 +7412,19 @@ const MANIFEST_HEADING = "aic-manifest";
 /** How deep, and how many, empty directories a checkpoint records: a tree of empty directories is no project's content. */
 const MANIFEST_DIR_DEPTH = 32;
 const MANIFEST_DIR_LIMIT = 1000;
+
+/** The work tree a checkpoint store was made with (the second line of its `directory` file; older stores have none). */
+function recordedWorkTree(home: string): string | undefined {
+  try {
+    const line = readOwnFile(path.join(home, "directory"), 64 * 1024)
+      .toString("utf8")
+      .split("\n")[1]
+      ?.trim();
+    return line && path.isAbsolute(line) ? line : undefined;
+  } catch {
+    return undefined;
+  }
+}
 
 /** The start directory's path no longer leads to the directory aic holds: checkpoints stop, and undo refuses. */
 class ProjectMoved extends Error {}
@@ -6192,6 +7560,10 @@ class ShadowRepository {
     const home = ephemeral
       ? path.join(base, "aic", "runs", `${process.pid}-${randomName()}`)
       : path.join(base, "aic", "checkpoints", hash);
+    // The store's snapshots are relative to the work tree it was made with: a `.git` a command made above the
+    // project (`mkdir ../.git`) must not move them, or a restore would read every path under another prefix.
+    const recorded = recordedWorkTree(home);
+    if (recorded && (recorded === real || isBeneath(real, recorded))) top = recorded;
     return new ShadowRepository(project, top ?? real, home, ownFiles);
   }
 
@@ -6311,7 +7683,7 @@ class ShadowRepository {
       writeOwnFile(path.join(this.gitDir, "config"), SHADOW_CONFIG);
       fs.mkdirSync(path.join(this.gitDir, "info"), { recursive: true });
       writeOwnFile(path.join(this.gitDir, "info", "attributes"), SHADOW_ATTRIBUTES);
-      writeOwnFile(path.join(this.home, "directory"), `${this.directory}\n`);
+      writeOwnFile(path.join(this.home, "directory"), `${this.directory}\n${this.workTree}\n`);
     }
     this.writeExcludes();
   }
@@ -6737,6 +8109,9 @@ class Checkpoints {
   off: string | undefined;
   private ready = false;
 
+  /** Stops the commands' processes while a snapshot reads the tree; calling what it returns resumes them. */
+  freeze: () => () => void = () => () => {};
+
   constructor(
     readonly shadow: ShadowRepository,
     private readonly warn: (text: string) => void,
@@ -6805,11 +8180,13 @@ class Checkpoints {
     try {
       if (!(await this.start())) return undefined;
       const release = this.shadow.lock();
+      const thaw = this.freeze();
       try {
         const made = first ? await this.firstSnapshot(message) : await this.shadow.snapshot(message);
         if (first) await this.shadow.pruneIfNeeded(this.keptCommits());
         return made;
       } finally {
+        thaw();
         release();
       }
     } catch (error) {
@@ -8016,7 +9393,8 @@ const PROGRAMS_THAT_RUN_PROGRAMS: Record<string, PartsReader> = {
       .map(writePart),
   ],
   uniq: (words) => {
-    const operands = words.slice(1).filter((w) => !w.known || !w.value.startsWith("-"));
+    // `-` is an operand (standard input): `uniq - OUT` writes OUT.
+    const operands = words.slice(1).filter((w) => !w.known || w.value === "-" || !w.value.startsWith("-"));
     return operands[1] ? [words, writePart(operands[1])] : [words];
   },
   watch: (w, _c, d, x) => watchParts(w, d, x),
@@ -8239,9 +9617,49 @@ const GIT_CODE_SETTING =
   /^(alias\.|core\.(fsmonitor|pager|editor|sshcommand|hookspath|askpass|gitproxy|attributesfile|excludesfile)$|diff\.|difftool\.|merge\.|mergetool\.|filter\.|credential\.|sequence\.editor|gpg\.|uploadpack\.|receivepack\.|include\.|includeif\.|remote\..*\.(uploadpack|receivepack|proxy)$|http\..*proxy|protocol\.|pager\.|web\.browser|browser\.|instaweb\.|ssh\.|hook\.|init\.templatedir|safe\.)/i;
 
 /**
+ * git's own commands (git 2.39, `git --list-cmds=main,nohelpers`). Any other
+ * word is a `git-WORD` program on PATH or in git's exec path, or an alias
+ * from some config, which can be anything (`alias.p = push`).
+ */
+const GIT_COMMANDS = new Set(
+  `
+  add am annotate apply archive bisect blame branch bugreport bundle cat-file check-attr check-ignore
+  check-mailmap check-ref-format checkout checkout-index cherry cherry-pick clean clone column commit
+  commit-graph commit-tree config count-objects credential credential-cache credential-store daemon
+  describe diagnose diff diff-files diff-index diff-tree difftool fast-export fast-import fetch fetch-
+  pack filter-branch fmt-merge-msg for-each-ref for-each-repo format-patch fsck fsck-objects gc get-tar-
+  commit-id grep hash-object help hook http-backend http-fetch http-push imap-send index-pack init init-
+  db instaweb interpret-trailers log ls-files ls-remote ls-tree mailinfo mailsplit maintenance merge
+  merge-base merge-file merge-index merge-octopus merge-one-file merge-ours merge-recursive merge-
+  recursive-ours merge-recursive-theirs merge-resolve merge-subtree merge-tree mergetool mktag mktree
+  multi-pack-index mv name-rev notes pack-objects pack-redundant pack-refs patch-id pickaxe prune prune-
+  packed pull push quiltimport range-diff read-tree rebase receive-pack reflog remote remote-ext remote-
+  fd remote-ftp remote-ftps remote-http remote-https repack replace request-pull rerere reset restore
+  rev-list rev-parse revert rm send-pack shell shortlog show show-branch show-index show-ref sparse-
+  checkout stage stash status stripspace submodule subtree switch symbolic-ref tag unpack-file unpack-
+  objects update-index update-ref update-server-info upload-archive upload-pack var verify-commit
+  verify-pack verify-tag version whatchanged worktree write-tree
+`
+    .trim()
+    .split(/\s+/),
+);
+/** Commands that push under another name: a rule about `git push` covers them. */
+const GIT_PUSHES = new Set(["send-pack", "http-push"]);
+/** Where git looks for `git-WORD` programs besides PATH. */
+const GIT_EXEC_PATHS = ["/usr/lib/git-core", "/usr/libexec/git-core", "/usr/local/libexec/git-core"];
+
+/** What `git WORD` runs when WORD is not one of git's own commands: a program, or undefined for an alias. */
+function gitExternalCommand(word: string): string | undefined {
+  if (word.includes("/")) return undefined;
+  const dirs = [...(process.env.PATH ?? "").split(":"), ...GIT_EXEC_PATHS].filter((d) => path.isAbsolute(d));
+  return dirs.some((d) => fs.existsSync(path.join(d, `git-${word}`))) ? `git-${word}` : undefined;
+}
+
+/**
  * `git [global options] SUBCOMMAND …` as the rules see it: `git -C . --no-pager push` is `git push`. A `-c`
  * setting that runs code (an alias starting with !, core.fsmonitor, a pager, a filter…), --exec-path or
- * --config-env is a part of its own that no rule can allow.
+ * --config-env is a part of its own that no rule can allow, and so is a subcommand that is neither git's own
+ * nor a `git-WORD` program: an alias, which can stand for anything. `git send-pack` is also `git push`.
  */
 function gitParts(words: ShellWord[]): CommandPart[] {
   const parts: CommandPart[] = [];
@@ -8259,6 +9677,10 @@ function gitParts(words: ShellWord[]): CommandPart[] {
     if (option === "--exec-path" || option === "--config-env" || GIT_CODE_SETTING.test(setting))
       parts.push([dynamic(`git ${option} ${value.value} (makes git run a program)`)]);
   }
+  const sub = valueOf(words[i]);
+  if (sub && GIT_PUSHES.has(sub)) parts.push([words[0]!, known("push"), ...words.slice(i + 1)]);
+  else if (sub && !sub.startsWith("-") && !GIT_COMMANDS.has(sub) && !gitExternalCommand(sub))
+    parts.push([dynamic(`git ${sub} (not one of git's own commands: an alias, which can stand for anything)`)]);
   // log, diff, show and archive write the file of --output (-o for archive) instead of printing.
   for (let k = i + 1; k < words.length; k++) {
     const v = valueOf(words[k]);
@@ -8299,10 +9721,11 @@ function sortParts(words: ShellWord[], c: ParsedCommand, depth: number, ctx: Jud
     const w = words[i]!;
     if (!w.known) continue;
     const [option, attached] = w.value.startsWith("--") ? w.value.split(/=(.*)/s) : [w.value, undefined];
-    if (option === "--compress-program") {
+    // GNU sort takes any unambiguous prefix: --compress-prog, --outp.
+    if (isOption(option!, "--compress-program")) {
       const prog = attached !== undefined ? known(attached) : words[++i];
       if (prog) parts.push(...partsOf([prog], c, depth, ctx));
-    } else if (option === "--output") {
+    } else if (isOption(option!, "--output")) {
       const file = attached !== undefined ? known(attached) : words[++i];
       if (file) parts.push(writePart(file));
     } else if (/^-[A-Za-z]*o/.test(w.value) && !w.value.startsWith("--")) {
@@ -8444,6 +9867,9 @@ function awkParts(words: ShellWord[], depth: number, ctx: JudgeContext): Command
     return m && m.index === at ? m : undefined;
   };
   const unseen = (what: string) => parts.push([dynamic(`${what} in ${words[0]!.text} code`)]);
+  // awk joins adjacent strings (`"cat" "; id"` is "cat; id"): a literal counts only when nothing is joined to it.
+  const endsHere = (at: number) => /^[ \t]*($|[;}\n)|])/.test(code.slice(at));
+  const startsHere = (at: number) => /(^|[;{(\n]|&&|\|\|)[ \t]*$/.test(code.slice(0, at));
   for (const m of code.matchAll(/\bsystem\s*\(\s*/g)) {
     const s = literal(m.index + m[0].length);
     if (s && /^\s*\)/.test(code.slice(s.index + s[0].length)))
@@ -8452,10 +9878,13 @@ function awkParts(words: ShellWord[], depth: number, ctx: JudgeContext): Command
   }
   for (const m of code.matchAll(/(\|&?|>>?)\s*/g)) {
     if (m[0].startsWith("|") && (code[m.index - 1] === "|" || code[m.index + 1] === "|")) continue; // ||
-    const s = literal(m.index + m[0].length);
-    const before = /"((?:[^"\\]|\\.)*)"\s*$/.exec(code.slice(0, m.index));
+    const found = literal(m.index + m[0].length);
+    const s = found && endsHere(found.index + found[0].length) ? found : undefined;
+    const quoted = /"((?:[^"\\]|\\.)*)"\s*$/.exec(code.slice(0, m.index));
+    const before = quoted && startsHere(quoted.index) ? quoted : undefined;
     if (m[0].startsWith(">")) {
       if (s) parts.push(writePart(known(awkUnescape(s[1]!))));
+      else if (found) unseen("a file name joined from strings");
       continue; // `a > b` outside a print is a comparison
     }
     const cmd = s?.[1] ?? (/^\s*getline/.test(code.slice(m.index + m[0].length)) ? before?.[1] : undefined);
@@ -8530,6 +9959,10 @@ function sedEffects(script: string): CommandPart[] {
     i = end < 0 ? script.length : end;
     return text.trim();
   };
+  // GNU sed ends a label (: b t T) and the number of q Q l L at a semicolon too: `:a;w f` writes f.
+  const toSemicolon = () => {
+    while (i < script.length && !/[;\n]/.test(at())) i++;
+  };
   const regex = () => {
     const delim = at() === "\\" ? script[++i] : "/";
     i++;
@@ -8553,7 +9986,8 @@ function sedEffects(script: string): CommandPart[] {
       runs();
       toLineEnd();
     } else if (cmd === "w" || cmd === "W") out.push(writePart(known(toLineEnd())));
-    else if ("aicrR:btTvqQlL".includes(cmd)) toLineEnd();
+    else if ("aicrR".includes(cmd)) toLineEnd();
+    else if (":btTvqQlL".includes(cmd)) toSemicolon();
     else if (cmd === "s" || cmd === "y") {
       const delim = at();
       if (!delim || delim === "\n" || delim === "\\") return [[dynamic(`sed script ${JSON.stringify(script)}`)]];
@@ -8781,18 +10215,29 @@ type ReadOnlyCheck = (args: ShellWord[]) => boolean;
 
 const anyArgs: ReadOnlyCheck = () => true;
 const knownArgs: ReadOnlyCheck = (args) => args.every((w) => w.known);
+/**
+ * Whether `word` is `option` as getopt reads it: `--output=F`, an
+ * unambiguous prefix such as `--outp=F` (GNU tools accept those), or a short
+ * option inside a group (`-uo F` is `-u -o F`).
+ */
+function isOption(word: string, option: string): boolean {
+  if (option.startsWith("--")) {
+    const name = word.split("=")[0]!;
+    return name.length > 2 && name.startsWith("--") && option.startsWith(name);
+  }
+  return word === option || (/^-[^-]/.test(word) && word.includes(option[1]!));
+}
+
 /** No word is one of these options (a dynamic word might be one). */
 const without =
   (...options: string[]): ReadOnlyCheck =>
   (args) =>
-    args.every(
-      (w) => w.known && !options.some((o) => w.value === o || (o.startsWith("--") && w.value.startsWith(`${o}=`))),
-    );
-/** At most `n` operands (uniq IN OUT, xxd IN OUT write the second). */
+    args.every((w) => w.known && !options.some((o) => isOption(w.value, o)));
+/** At most `n` operands (uniq IN OUT, xxd IN OUT write the second; `-` is an operand: standard input). */
 const operandsAtMost =
   (n: number): ReadOnlyCheck =>
   (args) =>
-    knownArgs(args) && args.filter((w) => w.known && !w.value.startsWith("-")).length <= n;
+    knownArgs(args) && args.filter((w) => w.known && (w.value === "-" || !w.value.startsWith("-"))).length <= n;
 
 /** git subcommands that only read, with the options that would make them write or run a program refused. */
 const GIT_READ_ONLY: Record<string, ReadOnlyCheck> = {
@@ -8831,7 +10276,6 @@ const READ_ONLY: Record<string, ReadOnlyCheck> = {
       "egrep",
       "fgrep",
       "stat",
-      "file",
       "du",
       "df",
       "pwd",
@@ -8899,6 +10343,8 @@ const READ_ONLY: Record<string, ReadOnlyCheck> = {
     knownArgs(args) &&
     !args.some((w) => w.known && /^-(exec|execdir|ok|okdir|delete|fprint0?|fprintf|fls)$/.test(w.value)),
   sort: without("-o", "--output", "--compress-program"),
+  // file -C compiles a magic file into the current directory.
+  file: without("-C", "--compile"),
   rg: without("--pre", "--pre-glob"),
   tree: without("-o"),
   uniq: operandsAtMost(1),
@@ -9334,6 +10780,11 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
   const changed = await ctx.afterRun(call.id);
   let content = describeCommandResult(result, o.config.timeoutSec, o.config.maxOutputBytes);
   if (changed && changedFilesNote(changed)) content += `\n${changedFilesNote(changed)}`;
+  const disarmed = o.sandbox.auditRepositories();
+  if (disarmed.length) {
+    content += `\n${disarmedMessage(disarmed)}`;
+    emit({ type: "warning", text: disarmedMessage(disarmed) });
+  }
   if (result.jobs?.refused.length)
     content += `\nThis command left ${result.jobs.refused.length} more process group(s) running, but at most ${MAX_JOBS} background jobs run at once, so aic stopped them: ${result.jobs.refused.map((j) => j.command).join("; ")}. Stop a job you no longer need (kill its pid) before starting another.`;
   emit({
@@ -9454,6 +10905,7 @@ async function runForAgent(
       timeoutSec: o.config.timeoutSec,
       maxOutputBytes: o.config.maxOutputBytes,
       ciEnv: !o.config.noCiEnv,
+      sshAgent: o.config.allowSshAgent,
       signal,
       sandbox: o.sandbox,
       outputs: o.outputs,
@@ -10457,14 +11909,23 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     },
   );
   const workDir = HeldDirectory.open(process.cwd());
+  // The jail keeps the session's lock file (and those of other aic instances here) read-only: it starts once they exist.
+  prepared.sandbox.start({ workDir, files: ownSessionFiles(session?.path, workDir), keepOutputs: outputs.path });
   // Before the first command: a daemon it double-forks must become aic's, to be found and stopped later.
   becomeSubreaper();
-  const jobs = new JobTable((e) => front.sink.emit(e), outputs, RUNAWAY_FACTOR * config.maxOutputBytes);
+  const jobs = new JobTable(
+    (e) => front.sink.emit(e),
+    outputs,
+    RUNAWAY_FACTOR * config.maxOutputBytes,
+    () => prepared.sandbox.reaper,
+  );
   // Without a session file nobody can undo later, but each command's changed files are still shown: its
   // snapshots then go to a store of the run's own, removed when it ends.
   const checkpoints = config.noCheckpoints
     ? undefined
     : Checkpoints.forDirectory(workDir, session?.path, (text) => front.sink.emit({ type: "warning", text }), !session);
+  // A job must not swap a directory for a link while a snapshot reads the tree: its processes wait meanwhile.
+  if (checkpoints) checkpoints.freeze = () => jobs.freeze();
   const agent = new Agent({
     config,
     sink: front.sink,
@@ -10498,6 +11959,8 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
       closed = true;
       // Jobs first, so the session records how each of them ended.
       jobs.stopAll();
+      const disarmed = prepared.sandbox.auditRepositories(true);
+      if (disarmed.length) front.sink.emit({ type: "warning", text: disarmedMessage(disarmed) });
       agent.checkpoint(reason);
       session?.release();
       outputs.close();
@@ -10692,7 +12155,8 @@ async function runHeadless(config: Config, prepared: PreparedRun): Promise<numbe
   );
   const outcome = await run.agent.run(request);
   if (signalled) return finish(signalled.code, signalled.reason);
-  if (outcome.status === "needs_approval")
+  // (With --json the end event says so: stdout stays the one place a CI job reads.)
+  if (outcome.status === "needs_approval" && !config.json)
     writeOut(2, "aic: a command needs approval but standard input has ended; use --auto-approve for unattended runs\n");
   return finish(outcome.exitCode, "process_exit");
 }
@@ -11998,7 +13462,7 @@ class ShellTab {
     try {
       pty = spawnPty([shellPath, "-i"], {
         cwd: process.cwd(),
-        env: { ...commandEnvironment(), TERM: "xterm-256color" },
+        env: { ...commandEnvironment({ sockets: true }), TERM: "xterm-256color" },
         cols,
         rows,
         onData: (bytes) => (term ? term.write(bytes) : early?.push(bytes)),
@@ -13317,6 +14781,10 @@ async function main(argv: string[]): Promise<number> {
   if (argv[0] === SANDBOX_EXEC) {
     const separator = argv.indexOf("--");
     return sandboxExec(JSON.parse(argv[1] ?? "{}") as SandboxPlan, argv.slice(separator + 1));
+  }
+  if (argv[0] === JAIL) {
+    const separator = argv.indexOf("--");
+    return jailInit(JSON.parse(argv[1] ?? "{}") as { jail: JailPlan; sandbox: SandboxPlan }, argv.slice(separator + 1));
   }
   if (argv[0] === SANDBOX_LAUNCHER) return await runSandboxLauncher();
   process.on("exit", rememberStreamFlags());

@@ -15,6 +15,7 @@ import {
   alive,
   bash,
   has,
+  hostPid,
   headless,
   jsonLines,
   messagesOf,
@@ -170,11 +171,12 @@ describe("undo and redo from the command line", () => {
       "the command's write and its pid",
       () => readFileSync(join(dir, "a.txt"), "utf8") === "clobbered\n" && /sleeper-pid=(\d+)\n/.exec(live.stdout()),
     );
+    // The pid it printed is the jail's numbering: the same process as the tests see it.
+    const sleeper = await waitFor("the sleep's pid outside the jail", () => hostPid(Number(printed[1]), dir));
     live.proc.kill("SIGKILL");
     await live.done;
-    // The sleep was the command's own process: end it as a person would, by the pid it printed (if it is still
-    // that sleep), never by name.
-    const sleeper = Number(printed[1]);
+    // The sleep was the command's own process: end it as a person would, by its pid (if it is still that sleep),
+    // never by name. (In the jail, aic's end already ended it.)
     const isTheSleep = () => {
       try {
         return readFileSync(`/proc/${sleeper}/cmdline`, "utf8") === "sleep\x00300\x00";

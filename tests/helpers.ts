@@ -364,6 +364,28 @@ export function groupAlive(pgid: number): boolean {
   });
 }
 
+/**
+ * The pid, as the tests see it, of a process a command knows as `inner` (`$$`, `$!`): in aic's jail commands have
+ * a PID namespace of their own. Found among the live processes working in `cwd` whose innermost pid is `inner`
+ * (outside a jail that is `inner` itself); undefined when there is none (gone already).
+ */
+export function hostPid(inner: number, cwd: string): number | undefined {
+  for (const entry of readdirSync("/proc")) {
+    if (!/^\d+$/.test(entry)) continue;
+    try {
+      const nspid = /^NSpid:\s*(.*)$/m
+        .exec(readFileSync(`/proc/${entry}/status`, "utf8"))?.[1]
+        ?.trim()
+        .split(/\s+/);
+      if (Number(nspid?.at(-1)) === inner && realpathSync(`/proc/${entry}/cwd`) === cwd && alive(Number(entry)))
+        return Number(entry);
+    } catch {
+      /* gone, or not ours to read */
+    }
+  }
+  return undefined;
+}
+
 /** SIGKILL to a whole process group, if it is still there. */
 export function killGroup(pgid: number): void {
   try {

@@ -56,7 +56,9 @@ describe.skipIf(ABI < 1)(`the sandbox launcher (kernel Landlock ABI ${ABI})`, ()
     expect(/parent=(\d+)/.exec(first)?.[1]).toBe(/parent=(\d+)/.exec(second)?.[1]!);
   });
 
-  test("a command that kills the launcher gets a new one for the next command, still confined", async () => {
+  // Without the jail (Landlock alone) a command shares the launcher's domain and can kill it; in the jail the
+  // launcher is the namespace's init, which nothing inside can kill (tested in jail.test.ts).
+  test("without the jail, a command that kills the launcher gets a new one for the next command, still confined", async () => {
     const cwd = fixtures.varTmp("aic-launcher-");
     const inHome = fixtures.disposable(join(homedir(), unique("aic-launcher-")));
     const srv = fixtures.serve([
@@ -66,7 +68,10 @@ describe.skipIf(ABI < 1)(`the sandbox launcher (kernel Landlock ABI ${ABI})`, ()
       bash(`echo "after=$PPID"; echo x > ${inHome}; echo "home write exit $?"`, "call_after"),
       { content: "TASKCOMPLETE" },
     ]);
-    const run = await runAic([...headless(srv.url, "test-model", "--auto-approve"), "kill the launcher"], { cwd });
+    const run = await runAic([...headless(srv.url, "test-model", "--auto-approve"), "kill the launcher"], {
+      cwd,
+      env: { AIC_NO_NAMESPACES: "1" },
+    });
 
     expect(run.code).toBe(0);
     const before = /before=(\d+)/.exec(toolAnswer(srv.requests.at(-1), "call_before"))?.[1];
@@ -82,7 +87,7 @@ describe.skipIf(ABI < 1)(`the sandbox launcher (kernel Landlock ABI ${ABI})`, ()
 
 describe("aic refuses a launcher that lies", () => {
   const lying = (lie: string) =>
-    new SandboxLauncher([process.execPath, join(ROOT, "tests", "lying-launcher.ts"), lie, String(process.pid)]);
+    new SandboxLauncher([process.execPath, join(ROOT, "tests", "lying-launcher.ts"), lie, String(process.pid)], false);
   const options = { cwd: ROOT, env: {}, cols: 80, rows: 24, onData() {} };
 
   for (const [lie, why] of [
@@ -106,11 +111,20 @@ test.skipIf(ABI < 1)("the launcher's environment has no API key in it", async ()
   const srv = fixtures.serve([bash(count, "call_env"), { content: "TASKCOMPLETE" }]);
   const run = await runAic([...headless(srv.url, "test-model", "--auto-approve"), "read the launcher's environment"], {
     cwd: fixtures.varTmp("aic-launcher-"),
-    env: { OPENAI_API_KEY: "KEY_MARK-1234", AIC_API_KEY: "KEY_MARK-5678", KEEP_MARK: "KEY_MARK_VISIBLE" },
+    // (Outside the jail: inside it, /proc/$PPID is the jail's init, whose environment no command may read at all.)
+    env: {
+      OPENAI_API_KEY: "KEY_MARK-1234",
+      AIC_API_KEY: "KEY_MARK-5678",
+      KEEP_MARK: "KEY_MARK_VISIBLE",
+      AIC_NO_NAMESPACES: "1",
+    },
   });
   expect(run.code).toBe(0);
-  // Only the harmless variable that merely contains the marker is there.
-  expect(toolAnswer(srv.requests.at(-1), "call_env")).toMatch(/count=1\b/);
+  // Only the harmless variable that merely contains the marker is there, or (commands without capabilities, as
+  // root too) the launcher's environment cannot be read at all.
+  const answer = toolAnswer(srv.requests.at(-1), "call_env");
+  expect(answer).toMatch(/count=1\b|environ: Permission denied[\s\S]*count=0/);
+  expect(answer).not.toMatch(/1234|5678/);
 });
 
 // The launcher's pipe to aic is reachable through /proc/<launcher>/fd only for whoever may trace it: a command that

@@ -76,6 +76,8 @@ describe("background jobs", () => {
     const started = events.filter((e) => e.type === "job_started");
     expect(started.map((e) => e.command)).toEqual([expect.stringContaining("Bun.serve"), "sleep 302"]);
     const [web, daemon] = started.map((e) => e.pid as number) as [number, number];
+    // The group as the model's commands see it (in the jail, the jail's own numbering).
+    const webGroup = started[0].group as number;
 
     for (const [request, id] of [
       [srv.requests[2], "first"],
@@ -85,7 +87,7 @@ describe("background jobs", () => {
       expect(answer).toContain("hello-from-job");
       expect(answer).toMatch(
         new RegExp(
-          `\\[job 1\\] running for \\d+ (ms|s): process group ${web} \\(.*Bun\\.serve.*\\); stop it with: kill -- -${web};`,
+          `\\[job 1\\] running for \\d+ (ms|s): process group ${webGroup} \\(.*Bun\\.serve.*\\); stop it with: kill -- -${webGroup};`,
         ),
       );
       expect(answer).toContain(`[job 2] running for`);

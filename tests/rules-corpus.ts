@@ -1079,7 +1079,12 @@ export const RULES_CASES: RulesCase[] = [
     why: "one word `git push`: no such command, no rule",
     parts: [["git push"]],
   },
-  { command: "git push\\ origin", verdict: "ask", why: "one argument `push origin`", parts: [["git", "push origin"]] },
+  {
+    command: "git push\\ origin",
+    verdict: "ask",
+    why: "one argument `push origin`, not one of git's commands: an alias, which can stand for anything",
+    parts: [["git", "push origin"], [dyn("git push origin (an alias)")]],
+  },
   { command: "git$'\\x20'push", verdict: "ask", why: "$'…' is not parsed (dash differs)", parts: U },
   { command: "$'\\x67it' push", verdict: "ask", why: "$'…' is not parsed (dash differs)", parts: U },
   {
@@ -1096,7 +1101,28 @@ export const RULES_CASES: RulesCase[] = [
     why: "a glob may expand to `push`",
     parts: [["git", dyn("pu*")]],
   },
-  { command: 'git "pu*"', verdict: "ask", why: "quoted: the static word `pu*`", parts: [["git", "pu*"]] },
+  {
+    command: 'git "pu*"',
+    verdict: "ask",
+    why: "quoted: the static word `pu*`, not one of git's commands: an alias",
+    parts: [["git", "pu*"], [dyn("git pu* (an alias)")]],
+  },
+  {
+    command: "git send-pack ../remote.git master",
+    verdict: "deny",
+    rule: R.denyPush,
+    why: "send-pack pushes: a rule about git push covers it",
+    parts: [
+      ["git", "send-pack", "../remote.git", "master"],
+      ["git", "push", "../remote.git", "master"],
+    ],
+  },
+  {
+    command: "git pu origin master",
+    verdict: "ask",
+    why: "an alias (it may be push) is a part no rule can allow",
+    parts: [["git", "pu", "origin", "master"], [dyn("git pu (an alias)")]],
+  },
   { command: "ls *.ts", verdict: "allow", rule: R.ls, why: "glob under `*`", parts: [["ls", dyn("*.ts")]] },
   {
     command: "cat ~/notes.txt",

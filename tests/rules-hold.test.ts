@@ -131,6 +131,9 @@ const PUSH_ROUTES = [
   "awk 'BEGIN{system(\"git push origin master\")}'",
   'python3 -c \'import subprocess; subprocess.run(["git","push","origin","master"])\'',
   "printf '[alias]\\n\\tq = push\\n' >> .git/config; git q origin master",
+  // Push under another name, and an alias the repository already had before the run.
+  "git send-pack ../remote.git master",
+  "git pu origin master",
 ];
 
 function git(cwd: string, ...args: string[]): string {
@@ -164,6 +167,7 @@ describe.skipIf(!has.git)("deny holds under --auto-approve, whatever the route",
     const pushed = git(remote, "rev-parse", "master");
     writeFileSync(join(dir, "README"), "two\n");
     git(dir, "commit", "-q", "-am", "two"); // a push would move the remote's master to this
+    git(dir, "config", "alias.pu", "push");
     writeFileSync(
       join(dir, ".aicrules"),
       "deny rm *  # nothing is deleted here\ndeny git push *  # pushing needs a person\n",
@@ -274,6 +278,14 @@ const WRITE_ROUTES = [
   "grep -r x . > /dev/null; rm P",
   "echo $(rm P)",
   "uniq P P.out",
+  "uniq - P",
+  "sort --outp=P P",
+  "sort -uo P P",
+  "sed -n ':a;w P' /etc/hostname",
+  "sed -n 't;w P' /etc/hostname",
+  'awk \'BEGIN{print "x" | "cat" " > P"}\'',
+  'awk \'BEGIN{print "x" > "P" ".x"}\'',
+  "file -C -m P",
   "ls -la > /dev/null && echo x > P",
 ];
 

@@ -21,6 +21,7 @@ import {
   startAic,
   waitFor,
   type AicRun,
+  hostPid,
 } from "./helpers.ts";
 
 const fixtures = perTestFixtures();
@@ -101,7 +102,12 @@ describe("process lifetime", () => {
     "a timed-out command is killed with its whole group and the model is told",
     async () => {
       const cwd = scratch();
-      const { run, requests } = await runTurns([bash(LONG_COMMAND_WITH_GRANDCHILD)], ["--timeout", "2"], { cwd });
+      // Outside the jail, so the pids the command records are the ones to check once aic has gone on (in the jail
+      // nothing could be left anyway: it ends with aic).
+      const { run, requests } = await runTurns([bash(LONG_COMMAND_WITH_GRANDCHILD)], ["--timeout", "2"], {
+        cwd,
+        env: { AIC_NO_NAMESPACES: "1" },
+      });
       expect(run.code).toBe(0);
       expect(toolMessage(requests)).toMatch(/timed out after 2 seconds/);
       const pids = [readPid(join(cwd, "sh.pid")), readPid(join(cwd, "gc.pid"))];
@@ -127,7 +133,8 @@ describe("process lifetime", () => {
       });
       await waitForFile(join(cwd, "gc.pid"));
       await waitForFile(join(cwd, "sh.pid"));
-      const pids = [readPid(join(cwd, "sh.pid")), readPid(join(cwd, "gc.pid"))];
+      // The command records its pids as it sees them (in the jail, the jail's numbering): found as the tests see them.
+      const pids = [readPid(join(cwd, "sh.pid")), readPid(join(cwd, "gc.pid"))].map((p) => hostPid(p, cwd) ?? -1);
       expect(pids.filter(alive)).toEqual(pids);
       live.proc.kill(signal);
       const { code } = await live.done;

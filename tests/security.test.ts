@@ -150,19 +150,24 @@ describe.skipIf(!has.landlock)("escapes through aic's own files (sandbox on)", (
     expect(second.requests[0]!.headers.authorization ?? "").not.toContain("sk-planted");
   });
 
-  // 3. A lock file replaced by a link (by a command of the first run) is never created or locked through in the next run.
-  test("a planted .aicsession.lock link is refused; the next run uses another file", async () => {
+  // 3. A lock file replaced by a link (by a command of the first run) is never created or locked through in the next
+  // run. Without the jail the command can replace it; in the jail it cannot even do that.
+  test("a planted .aicsession.lock link is refused; the next run uses another file (no jail)", async () => {
     const cwd = scratch();
     const victim = `/var/tmp/aic-lock-${unique()}`;
     const first = fixtures.serve([
       bash(`rm -f .aicsession.lock && ln -s ${victim} .aicsession.lock && echo planted`),
       { content: "TASKCOMPLETE" },
     ]);
-    const one = await runAic([...headless(first.url), "--auto-approve", "--session", ".aicsession", "plant"], { cwd });
+    const env = { AIC_NO_NAMESPACES: "1" };
+    const one = await runAic([...headless(first.url), "--auto-approve", "--session", ".aicsession", "plant"], {
+      cwd,
+      env,
+    });
     expect(one.code).toBe(0);
     expect(lstatSync(join(cwd, ".aicsession.lock")).isSymbolicLink()).toBe(true);
     const second = fixtures.serve([{ content: "TASKCOMPLETE" }]);
-    const two = await runAic([...headless(second.url), "--session", ".aicsession", "again"], { cwd });
+    const two = await runAic([...headless(second.url), "--session", ".aicsession", "again"], { cwd, env });
     try {
       expect(two.code).toBe(0);
       expect(existsSync(victim)).toBe(false);

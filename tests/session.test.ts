@@ -17,6 +17,7 @@ import type { FakeServer, RecordedRequest, Turn } from "./fake-openai.ts";
 import {
   bash,
   groupAlive,
+  hostPid,
   has,
   headless,
   killGroup,
@@ -94,7 +95,8 @@ async function commandGroup(cwd: string): Promise<number> {
     const file = join(cwd, PID_FILE);
     return existsSync(file) && /^\d+\n/.test(readFileSync(file, "utf8")) && readFileSync(file, "utf8");
   });
-  const pgid = Number(text.trim());
+  // The command's shell leads its group; it wrote its pid as it sees it (in the jail, the jail's own numbering).
+  const pgid = hostPid(Number(text.trim()), cwd) ?? -1;
   groups.push(pgid);
   return pgid;
 }

@@ -159,6 +159,31 @@ describe("undo never reaches outside the project", () => {
     },
   );
 
+  // The root lies under /tmp, where commands may write: `mkdir ../.git` makes it look like a repository's top.
+  test.skipIf(!has.git)(
+    "a .git made above the project does not move the checkpoints: undo still restores",
+    async () => {
+      const { root, dir, env } = world();
+      writeFileSync(join(dir, "a.txt"), "one\n");
+      writeFileSync(join(dir, "b.txt"), "kept\n");
+      const session = join(dir, "s.json");
+      const first = fixtures.serve([bash("echo two > a.txt", "edit"), done]);
+      expect(
+        (await runAic([...headless(first.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env })).code,
+      ).toBe(0);
+      const second = fixtures.serve([bash("mkdir ../.git && echo three > a.txt", "plant"), done]);
+      expect(
+        (await runAic([...headless(second.url), "--auto-approve", "--session", session, "again"], { cwd: dir, env }))
+          .code,
+      ).toBe(0);
+      expect(existsSync(join(root, ".git"))).toBe(true);
+      const undo = await runAic(["undo", "2", "--session", session], { cwd: dir, env });
+      expect([undo.code, undo.stderr]).toEqual([0, ""]);
+      expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("one\n");
+      expect(readFileSync(join(dir, "b.txt"), "utf8")).toBe("kept\n");
+    },
+  );
+
   test.skipIf(!has.git)("a moved project: undo refuses and changes nothing", async () => {
     const { root, dir, env } = world();
     writeFileSync(join(dir, "a.txt"), "one\n");
@@ -205,6 +230,37 @@ describe("undo never reaches outside the project", () => {
     },
   );
 });
+
+// A job that keeps exchanging a directory of the project with a link to $HOME (renameat2 RENAME_EXCHANGE) tries to
+// make a snapshot, which aic takes unconfined, read home through the link. Its processes are stopped meanwhile.
+test.skipIf(!has.git || !existsSync("/usr/bin/python3"))(
+  "a job swapping a directory for a link while snapshots are taken never gets home into the store",
+  async () => {
+    const { dir, home, env, state } = world();
+    mkdirSync(join(dir, "real"));
+    writeFileSync(join(dir, "real", "f.txt"), "project file\n");
+    symlinkSync(home, join(dir, "swap"));
+    const swapper = [
+      "import ctypes, os",
+      "libc = ctypes.CDLL(None, use_errno=True)",
+      "while True: libc.syscall(316, -100, b'real', -100, b'swap', 2)",
+    ].join("\n");
+    const steps = Array.from({ length: 24 }, (_, i) => bash(`echo ${i} > step-${i}.txt`, `s${i}`));
+    const srv = fixtures.serve([
+      bash(`/usr/bin/python3 -c "${swapper}" > /dev/null 2>&1 & echo started`, "job"),
+      ...steps,
+      done,
+    ]);
+    const run = await runAic(
+      [...headless(srv.url), "--auto-approve", "--json", "--session", join(dir, "s.json"), "swap while snapshots run"],
+      { cwd: dir, env },
+    );
+    expect(run.code).toBe(0);
+    const changed = jsonLines(run.stdout).filter((e) => e.type === "command_result" && e.changed_files);
+    expect(changed.length).toBeGreaterThanOrEqual(24); // the snapshots were taken
+    expect(await storedObjects(state)).not.toContain("HOME-NOTES-4410");
+  },
+);
 
 describe("undo puts back what git does not record", () => {
   test.skipIf(!has.git)("empty directories, permission bits and links, exactly as they were", async () => {

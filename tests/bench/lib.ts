@@ -74,6 +74,8 @@ export interface TimedRunOptions {
   /** Keep at most this many characters of stdout (the byte count is always exact). */
   keepStdoutChars?: number;
   killAfterMs?: number;
+  /** Added to the clean environment. */
+  env?: Record<string, string>;
 }
 
 /**
@@ -88,7 +90,7 @@ export async function timeAic(args: string[], opts: TimedRunOptions = {}): Promi
   const started = performance.now();
   const proc = Bun.spawn([AIC, ...args], {
     cwd,
-    env: cleanEnv(),
+    env: cleanEnv(opts.env),
     stdin: "ignore",
     stdout: "pipe",
     stderr: "pipe",

@@ -37,7 +37,7 @@ const CASES: Case[] = [
   { label: "1-step run (baseline)", commands: (i) => (i < 1 ? "true" : undefined), requests: 2, flags: [] },
   {
     label: `${STEPS}-step run`,
-    commands: (i) => (i < STEPS ? "true" : undefined),
+    commands: (i) => (i < STEPS ? `true ${i}` : undefined), // the same line five times in a row is a stall
     requests: STEPS + 1,
     flags: [],
     target: STEP_TARGET_MB,

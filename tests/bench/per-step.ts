@@ -8,6 +8,7 @@
  * default configuration (sandbox on where the kernel offers it) carries the
  * target; the same figure with --disable-sandbox shows what confinement costs.
  */
+import { existsSync } from "node:fs";
 import { type Benchmark, type Metric, expectRun, median, scriptedCommands, timeAic, unattended } from "./lib.ts";
 
 const STEPS = 200;
@@ -29,10 +30,10 @@ interface StepRun {
   sandbox: string;
 }
 
-async function runSteps(steps: number, flags: string[]): Promise<StepRun> {
-  const srv = scriptedCommands((i) => (i < steps ? "true" : undefined));
+async function runSteps(steps: number, flags: string[], env?: Record<string, string>): Promise<StepRun> {
+  const srv = scriptedCommands((i) => (i < steps ? `true ${i}` : undefined)); // a different line each step: the same one five times is a stall
   try {
-    const run = await timeAic(unattended(srv.url, ...flags, `run true ${steps} times`));
+    const run = await timeAic(unattended(srv.url, ...flags, `run true ${steps} times`), { env });
     // One request per step plus the one answered with TASKCOMPLETE.
     expectRun(`${steps}-step run ${flags.join(" ")}`, run, srv, { code: 0, requests: steps + 1 });
     const at = srv.requests.map((r) => r.at);
@@ -50,13 +51,17 @@ async function runSteps(steps: number, flags: string[]): Promise<StepRun> {
 interface Variant {
   label: string;
   flags: string[];
+  env?: Record<string, string>;
   overheads: number[];
   short: StepRun[];
   long: StepRun[];
 }
 
+/** Commands run in bash (dash where bash is missing), so the floor is measured with it: bash starts ~0.5 ms slower. */
+const FLOOR_SHELL = existsSync("/bin/bash") ? "/bin/bash" : "/bin/sh";
+
 /**
- * The floor under each step's command: Bun's PTY spawning `/bin/sh -c true`
+ * The floor under each step's command: Bun's PTY spawning `bash -c true`
  * in this process, waited for as aic waits (exit, then end of PTY output).
  */
 async function commandFloor(times: number): Promise<number[]> {
@@ -65,7 +70,7 @@ async function commandFloor(times: number): Promise<number[]> {
     const started = performance.now();
     let ended!: () => void;
     const eof = new Promise<void>((resolve) => (ended = resolve));
-    const proc = Bun.spawn(["/bin/sh", "-c", "true"], {
+    const proc = Bun.spawn([FLOOR_SHELL, "-c", "true"], {
       terminal: { cols: 160, rows: 50, name: "xterm-256color", data() {}, exit: () => ended() },
     });
     await proc.exited;
@@ -82,7 +87,7 @@ async function sandboxRules(): Promise<number> {
   try {
     const run = await timeAic([...unattended(srv.url, "count rules"), "--json"]);
     const start = run.stdout.split("\n").find((l) => l.includes('"type":"start"'));
-    return start ? Number(JSON.parse(start).sandbox_rules) : NaN;
+    return start ? Number(JSON.parse(start).sandbox.rules) : NaN;
   } finally {
     srv.close();
   }
@@ -117,25 +122,39 @@ async function httpFloor(times: number): Promise<number[]> {
 
 export const perStep: Benchmark = {
   name: "per-step",
-  description: `(${STEPS}-step run − 1-step run) / ${STEPS - 1}, every step the command \`true\`, ${REPEATS} repeats, sandbox default and off`,
+  description: `(${STEPS}-step run − 1-step run) / ${STEPS - 1}, every step the command \`true\`, ${REPEATS} repeats, with and without snapshots, sandbox, jail`,
   async run(ctx) {
+    // Every variant but the first leaves out the two snapshots a step takes for the changed-files list, so the
+    // figures compare with the runs before checkpoints covered session-less runs (2.6 ms a step).
+    const variant = (label: string, flags: string[], env?: Record<string, string>): Variant => ({
+      label,
+      flags,
+      env,
+      overheads: [],
+      short: [],
+      long: [],
+    });
+    const NC = "--no-checkpoints";
     const variants: Variant[] = [
-      { label: "default", flags: [], overheads: [], short: [], long: [] },
-      { label: "--allow-read-secrets", flags: ["--allow-read-secrets"], overheads: [], short: [], long: [] },
-      { label: "--disable-sandbox", flags: ["--disable-sandbox"], overheads: [], short: [], long: [] },
+      variant("default", []),
+      variant(NC, [NC]),
+      variant(`${NC} --allow-read-secrets`, [NC, "--allow-read-secrets"]),
+      variant(`${NC} --disable-sandbox`, [NC, "--disable-sandbox"]),
+      // Landlock alone, as where the kernel refuses namespaces: what the jail itself costs.
+      variant(`${NC}, no jail`, [NC], { AIC_NO_NAMESPACES: "1" }),
     ];
     for (let r = 1; r <= REPEATS; r++) {
       // Interleaved so every size and variant sees the same background load.
       for (const v of variants) {
         ctx.log(`per-step: repeat ${r}/${REPEATS} (${v.label}): 1-step and ${STEPS}-step runs`);
-        const one = await runSteps(1, v.flags);
-        const many = await runSteps(STEPS, v.flags);
+        const one = await runSteps(1, v.flags, v.env);
+        const many = await runSteps(STEPS, v.flags, v.env);
         v.short.push(one);
         v.long.push(many);
         v.overheads.push((many.ms - one.ms) / (STEPS - 1));
       }
     }
-    ctx.log(`per-step: floors (${STEPS} PTY spawns of /bin/sh -c true, ${STEPS} fake-server requests)`);
+    ctx.log(`per-step: floors (${STEPS} PTY spawns of ${FLOOR_SHELL} -c true, ${STEPS} fake-server requests)`);
     const floor = median(await commandFloor(STEPS));
     const http = median(await httpFloor(STEPS));
 
@@ -150,7 +169,7 @@ export const perStep: Benchmark = {
           name: `${tag} per-step overhead`,
           value: overhead,
           unit: "ms",
-          target: v.flags.length === 0 ? TARGET_MS : undefined,
+          target: v.label === NC ? TARGET_MS : undefined,
           note: `median of ${v.overheads.map((x) => x.toFixed(1)).join(", ")} ms; sandbox ${v.long[0]!.sandbox.split(";")[0]}`,
         },
         { name: `${tag} ${STEPS}-step run total`, value: median(v.long.map((x) => x.ms)), unit: "ms" },
@@ -175,12 +194,32 @@ export const perStep: Benchmark = {
         },
       );
     }
-    const withSandbox = median(variants[0]!.overheads);
-    const writesOnly = median(variants[1]!.overheads);
-    const without = median(variants[2]!.overheads);
+    const withCheckpoints = median(variants[0]!.overheads);
+    const withSandbox = median(variants[1]!.overheads);
+    const writesOnly = median(variants[2]!.overheads);
+    const without = median(variants[3]!.overheads);
+    const noJail = median(variants[4]!.overheads);
     const firstRequest = (v: Variant) => median([...v.short, ...v.long].map((x) => x.firstRequestMs));
     metrics.push(
-      { name: "sandbox cost per step (default − disabled)", value: withSandbox - without, unit: "ms" },
+      {
+        name: "snapshots per step (default − --no-checkpoints)",
+        value: withCheckpoints - withSandbox,
+        unit: "ms",
+        note: "two git snapshots a step, for undo and the changed-files list",
+      },
+      { name: "sandbox cost per step (on − disabled)", value: withSandbox - without, unit: "ms" },
+      {
+        name: "jail cost per step (jail − no jail)",
+        value: withSandbox - noJail,
+        unit: "ms",
+        note: "the jail is built once per launcher; a step pays nothing for it but noise",
+      },
+      {
+        name: "jail start-up: 1-step run, jail − no jail",
+        value: median(variants[1]!.short.map((x) => x.ms)) - median(variants[4]!.short.map((x) => x.ms)),
+        unit: "ms",
+        note: "unshare, the jail's mounts, the socket list (paid before the first command)",
+      },
       {
         name: "per-step overhead, sandbox on / off",
         value: withSandbox / without,
@@ -189,19 +228,19 @@ export const perStep: Benchmark = {
         note: "ratio of the two medians above, measured in the same run",
       },
       {
-        name: "read rules: cost per step (default − --allow-read-secrets)",
+        name: "read rules: cost per step (on − --allow-read-secrets)",
         value: withSandbox - writesOnly,
         unit: "ms",
         note: `${await sandboxRules()} Landlock rules in the default ruleset; denying the secret stores means granting reads entry by entry`,
       },
       {
-        name: "read rules: set-up at start (default − --allow-read-secrets)",
-        value: firstRequest(variants[0]!) - firstRequest(variants[1]!),
+        name: "read rules: set-up at start (on − --allow-read-secrets)",
+        value: firstRequest(variants[1]!) - firstRequest(variants[2]!),
         unit: "ms",
         note: "spawn → first model request, difference of medians",
       },
       {
-        name: "floor: PTY spawn of /bin/sh -c true",
+        name: `floor: PTY spawn of ${FLOOR_SHELL} -c true`,
         value: floor,
         unit: "ms",
         note: "median, Bun.spawn with terminal in the bench process",
@@ -213,7 +252,7 @@ export const perStep: Benchmark = {
         note: "median, fetch from the bench process",
       },
       {
-        name: "[--disable-sandbox] overhead above both floors",
+        name: "[--no-checkpoints --disable-sandbox] overhead above both floors",
         value: without - floor - http,
         unit: "ms",
         note: "aic's own work per step",

@@ -236,7 +236,7 @@ interface StepRun {
 }
 
 async function stepRun(steps: number, mode: Mode, pollRss: boolean): Promise<StepRun> {
-  const srv = scriptedCommands((i) => (i < steps ? "true" : undefined));
+  const srv = scriptedCommands((i) => (i < steps ? `true ${i}` : undefined)); // a different line each step: the same one five times is a stall
   const cwd = scratch("aic-bench-");
   const session = join(cwd, "bench.aicsession");
   try {
