@@ -827,7 +827,7 @@ function buildSystemPrompt(f: PromptFacts): string {
   const s = f.sandbox;
   const caches = s.caches.length ? ` (the package-manager caches among them, so installing dependencies works)` : "";
   const secrets = s.secrets.length
-    ? ` Files in the usual secret stores (${s.secrets.join(", ")}) cannot be read at all.`
+    ? ` Files in the usual secret stores (${s.secrets.join(", ")}) cannot be read at all${s.jail === "namespaces" ? " (those directories look empty)" : ""}.`
     : "";
   const sandboxLine = s.enabled
     ? `Commands run inside a Landlock sandbox: they may read and execute almost anything, but may write only under ${s.writable.join(", ")}${caches}.${secrets} A "Permission denied" there comes from the sandbox; do not try to get around it. Installing works inside the project (npm install, a virtualenv: python3 -m venv .venv, then .venv/bin/pip install) and through the package caches; system-wide installs and pip install --user (~/.local) do not.${jailPromptLine(s)}`
@@ -2625,6 +2625,7 @@ function openLinuxLibc() {
     socket: { args: [FFIType.i32, FFIType.i32, FFIType.i32], returns: FFIType.i32 },
     ioctl: { args: [FFIType.i32, FFIType.u64, FFIType.ptr], returns: FFIType.i32 },
     __errno_location: { args: [], returns: FFIType.ptr },
+    signal: { args: [FFIType.i32, FFIType.u64], returns: FFIType.u64 },
   });
 }
 
@@ -2803,9 +2804,19 @@ class HeldDirectory {
     }
   }
 
-  /** A fresh private directory (0700) under the system's temporary directory. */
-  static createTemporary(prefix: string): HeldDirectory {
-    return HeldDirectory.open(fs.mkdtempSync(path.join(os.tmpdir(), prefix)));
+  /** `open`, or undefined when the directory is not there (or not one). */
+  static tryOpen(dir: string): HeldDirectory | undefined {
+    try {
+      return HeldDirectory.open(dir);
+    } catch {
+      return undefined;
+    }
+  }
+
+  /** A fresh private directory (0700) in `parent` (made, private, when missing). */
+  static createPrivate(parent: string, prefix: string): HeldDirectory {
+    fs.mkdirSync(parent, { recursive: true, mode: 0o700 });
+    return HeldDirectory.open(fs.mkdtempSync(path.join(parent, prefix)));
   }
 
   /** The path that reaches `name` through the held descriptor. */
@@ -3565,24 +3576,39 @@ const SESSION_KEYS = new Set([
 const MESSAGES_SLOT = "\u0000aic-messages\u0000";
 
 /**
+ * aic's state directory, `$XDG_STATE_HOME/aic` (`~/.local/state/aic`):
+ * checkpoint stores, session locks, saved outputs. Out of commands' reach
+ * (the jail covers it; Landlock alone grants no read there).
+ */
+function aicStateDir(): string | undefined {
+  const state = process.env.XDG_STATE_HOME;
+  const home = homeDirectory();
+  const base = state && path.isAbsolute(state) ? state : home ? path.join(home, ".local", "state") : undefined;
+  return base && path.join(base, "aic");
+}
+
+/**
  * A lock file for the session file `file` in aic's state directory
  * (`$XDG_STATE_HOME/aic/locks/<hash of its path>`), open; undefined where
  * that directory cannot be made (a read-only home): the lock beside the
  * session file is then all there is.
  */
 function stateLockFor(file: string): number | undefined {
-  const state = process.env.XDG_STATE_HOME;
-  const home = homeDirectory();
-  const base = state && path.isAbsolute(state) ? state : home ? path.join(home, ".local", "state") : undefined;
-  if (!base) return undefined;
+  const lock = sessionStateFile(file, "lock");
+  if (!lock) return undefined;
   try {
-    const dir = path.join(base, "aic", "locks");
-    fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
-    const hash = createHash("sha256").update(path.resolve(file)).digest("hex").slice(0, 24);
-    return openRegular(path.join(dir, `${hash}.lock`), O.O_WRONLY | O.O_CREAT | O.O_APPEND);
+    fs.mkdirSync(path.dirname(lock), { recursive: true, mode: 0o700 });
+    return openRegular(lock, O.O_WRONLY | O.O_CREAT | O.O_APPEND);
   } catch {
     return undefined;
   }
+}
+
+/** A file of aic's about the session file `file`, in its state directory: `locks/<hash of its path>.<kind>`. */
+function sessionStateFile(file: string, kind: "lock" | "written"): string | undefined {
+  const state = aicStateDir();
+  const hash = createHash("sha256").update(path.resolve(file)).digest("hex").slice(0, 24);
+  return state && path.join(state, "locks", `${hash}.${kind}`);
 }
 
 /**
@@ -3715,7 +3741,9 @@ class SessionStore {
       return this.unreadable(error);
     }
     try {
-      return this.loadFrom(fd, systemPrompt);
+      const loaded = this.loadFrom(fd, systemPrompt);
+      const changed = this.changedSinceWritten();
+      return changed ? { ...loaded, reports: [changed, ...loaded.reports] } : loaded;
     } finally {
       fs.closeSync(fd);
     }
@@ -3898,6 +3926,7 @@ class SessionStore {
       this.dir.replace(this.name, this.writer.pieces(doc, state.messages, steps), !durableAlready);
       if (!durableAlready) this.durable = signature;
       this.written = this.identityOnDisk();
+      this.recordWritten();
       return true;
     } catch (error) {
       if (!this.failureReported) {
@@ -3918,6 +3947,30 @@ class SessionStore {
   private linkReported = false;
   /** What aic last wrote (device, inode, size, time): anything else there now was put there by someone else. */
   private written: string | undefined;
+
+  /** Where aic keeps what it last wrote, so the next aic can tell whether the file changed since. */
+  private recordWritten(): void {
+    const record = sessionStateFile(this.path, "written");
+    try {
+      if (record && this.written) writeOwnFile(record, this.written);
+    } catch {
+      /* a read-only state directory: the next start simply cannot tell */
+    }
+  }
+
+  /** Said at load: the file is not what aic last wrote (a person's edit, or a command's while no aic ran). */
+  private changedSinceWritten(): string | undefined {
+    const record = sessionStateFile(this.path, "written");
+    let last: string;
+    try {
+      last = record ? readOwnFile(record, 4096).toString("utf8") : "";
+    } catch {
+      return undefined;
+    }
+    const now = this.identityOnDisk();
+    if (!last || now === undefined || now === last) return undefined;
+    return `${this.path} changed since aic last wrote it: by you, or by a command while aic was not running; if you did not edit it, read it before you go on`;
+  }
 
   private identityOnDisk(name = this.name): string | undefined {
     try {
@@ -4484,11 +4537,10 @@ interface OwnFiles {
   keepOutputs: string | undefined;
 }
 
-/** aic's own state a command could use: the checkpoint stores and locks, and the prompt history. */
+/** aic's own state a command could use: checkpoint stores, locks, saved outputs, and the prompt history. */
 function aicStatePaths(home: string | undefined): string[] {
-  const state = process.env.XDG_STATE_HOME;
-  const base = state && path.isAbsolute(state) ? state : home ? path.join(home, ".local", "state") : undefined;
-  return [...(base ? [path.join(base, "aic")] : []), ...(home ? [path.join(home, ".aic_history")] : [])];
+  const state = aicStateDir();
+  return [...(state ? [state] : []), ...(home ? [path.join(home, ".aic_history")] : [])];
 }
 
 /** aic's state, and the saved outputs of every other run: the jail covers them all. */
@@ -4597,8 +4649,18 @@ function setUpSandbox(config: Config, deniedPrograms: readonly string[] = []): S
     // command, so start-up never waits for it. It fails closed: when the kernel offers Landlock but the launcher
     // cannot confine itself, commands are refused with its reason.
     start(own) {
-      guard = new GitGuard(own.workDir);
-      commands = startLauncher({ self, plan, jail, own, home, secrets, onRefused: (why) => (jail.refused = why) });
+      guard = new GitGuard({ workDir: own.workDir, allowWrite: config.allowWrite, writable });
+      const gitDirs = guard.gitDirs;
+      commands = startLauncher({
+        self,
+        plan,
+        jail,
+        own,
+        home,
+        secrets,
+        gitDirs,
+        onRefused: (why) => (jail.refused = why),
+      });
     },
     auditRepositories: (deep) => guard?.audit(deep) ?? [],
     spawn: (argv, opts) => {
@@ -4616,9 +4678,16 @@ function startLauncher(o: {
   own: OwnFiles;
   home: string | undefined;
   secrets: string[];
+  gitDirs: string[];
   onRefused(why: string): void;
 }): SandboxLauncher {
-  const plain = [...o.self, SANDBOX_EXEC, JSON.stringify(o.plan), "--", ...o.self, SANDBOX_LAUNCHER];
+  // This run's saved outputs lie in aic's state directory, which commands may not read: the model reads them.
+  const outputs = o.own.keepOutputs ? identified(o.own.keepOutputs) : undefined;
+  const plan =
+    outputs && o.plan.confineReads
+      ? { ...o.plan, rules: [...o.plan.rules, { ...outputs, access: "r" as const }] }
+      : o.plan;
+  const plain = [...o.self, SANDBOX_EXEC, JSON.stringify(plan), "--", ...o.self, SANDBOX_LAUNCHER];
   if (o.jail.refused) {
     const launcher = new SandboxLauncher(plain, false);
     void launcher.start();
@@ -4634,10 +4703,12 @@ function startLauncher(o: {
     ownFiles: o.own.files,
     hiddenOwn: ownStatePaths(o.home, o.own.keepOutputs),
     keepSockets,
+    gitDirs: o.gitDirs,
+    reveal: outputs ? [outputs] : [],
   });
   const unshare = [UNSHARE, "--user", "--map-current-user", "--keep-caps", "--mount", "--pid", "--ipc", "--fork"];
   const argv = [...unshare, "--kill-child", ...(o.jail.net ? ["--net"] : []), ...o.self, JAIL];
-  const plans = JSON.stringify({ jail: jailPlan, sandbox: o.plan });
+  const plans = JSON.stringify({ jail: jailPlan, sandbox: plan });
   // Without its own network, commands have no fallback: they are refused rather than run on the network.
   const fallback = o.jail.net
     ? undefined
@@ -4721,6 +4792,8 @@ interface JailPlan {
   ownFiles: { path: string; dev: number; ino: number }[];
   /** Bound onto themselves as they are: git dirs, so that no command can move one aside and put its own in its place. */
   pinned: { path: string; dev: number; ino: number }[];
+  /** Shown read-only inside a hidden directory: this run's saved outputs, inside aic's state directory. */
+  reveal: { path: string; dev: number; ino: number }[];
 }
 
 /** Whether namespaces can be tried at all, from files only (microseconds); undefined: try (the attempt still decides). */
@@ -4762,304 +4835,107 @@ function directoryBehindLinks(dir: string): string | undefined {
 }
 
 /**
- * The pathname Unix sockets something listens on (the kernel's own list,
- * /proc/net/unix, so no directory is walked), and how to hide each: its
- * directory, unless commands must see that directory (a top-level one like
- * /tmp or $HOME, the start directory or one of its ancestors), when an empty
- * file covers the socket. Sockets under the start directory are the
- * project's own (a dev server's) and stay.
+ * The path of every pathname Unix socket something listens on, from the
+ * kernel's own lists (/proc/net/unix, one per network namespace aic can
+ * see: a container's or a sandboxed service's sockets are not in aic's own),
+ * so no directory is walked. A socket bound by a relative name is found
+ * through its owner's working directory.
+ */
+function listeningSockets(): string[] {
+  const tables = new Map<string, number | "self">([["self", "self"]]);
+  const own = (() => {
+    try {
+      return fs.readlinkSync("/proc/self/ns/net");
+    } catch {
+      return "";
+    }
+  })();
+  for (const entry of fs.readdirSync("/proc")) {
+    if (!/^\d+$/.test(entry)) continue;
+    try {
+      const ns = fs.readlinkSync(`/proc/${entry}/ns/net`);
+      if (ns !== own && !tables.has(ns)) tables.set(ns, Number(entry));
+    } catch {
+      /* gone, or not ours to look at */
+    }
+  }
+  const paths = new Set<string>();
+  const relative = new Map<string, string>(); // socket inode → the name it was bound by
+  for (const pid of tables.values()) {
+    let table: string;
+    try {
+      table = fs.readFileSync(`/proc/${pid}/net/unix`, "utf8");
+    } catch {
+      continue;
+    }
+    for (const line of table.split("\n").slice(1)) {
+      // Num RefCount Protocol Flags Type St Inode Path: the path is all that follows (spaces included).
+      const m = /^\s*\S+:\s+\S+\s+\S+\s+\S+\s+\S+\s+\S+\s+(\d+) (.+)$/.exec(line);
+      if (!m || m[2]!.startsWith("@")) continue; // unnamed, or abstract: Landlock's scope covers those
+      if (m[2]!.startsWith("/")) paths.add(m[2]!);
+      else relative.set(m[1]!, m[2]!);
+    }
+  }
+  for (const p of relativeSocketPaths(relative)) paths.add(p);
+  return [...paths];
+}
+
+/** Where sockets bound by a relative name are: the working directory of a process holding each, joined to its name. */
+function relativeSocketPaths(names: Map<string, string>): string[] {
+  if (names.size === 0) return [];
+  const found: string[] = [];
+  for (const entry of fs.readdirSync("/proc")) {
+    if (!/^\d+$/.test(entry)) continue;
+    let fds: string[];
+    try {
+      fds = fs.readdirSync(`/proc/${entry}/fd`);
+    } catch {
+      continue;
+    }
+    for (const fd of fds) {
+      try {
+        const inode = /^socket:\[(\d+)\]$/.exec(fs.readlinkSync(`/proc/${entry}/fd/${fd}`))?.[1];
+        const name = inode && names.get(inode);
+        if (!name) continue;
+        const candidate = path.join(fs.readlinkSync(`/proc/${entry}/cwd`), name);
+        if (fs.lstatSync(candidate, { throwIfNoEntry: false })?.isSocket()) found.push(candidate);
+        names.delete(inode);
+      } catch {
+        /* gone */
+      }
+    }
+    if (names.size === 0) break;
+  }
+  return found;
+}
+
+/**
+ * How to hide each listening socket: its directory, unless commands must see
+ * that directory (a top-level one like /tmp or $HOME, the start directory or
+ * one of its ancestors), when an empty file covers the socket. Sockets under
+ * the start directory are the project's own (a dev server's) and stay, unless
+ * the start directory is the home directory or above it: then every socket of
+ * the person's would be "the project's".
  */
 function socketHiding(
   home: string | undefined,
   cwd: string,
   keep: readonly string[],
 ): { dirs: string[]; files: string[] } {
-  let table = "";
-  try {
-    table = fs.readFileSync("/proc/net/unix", "utf8");
-  } catch {
-    return { dirs: [], files: [] };
-  }
   const visible = ["/", "/tmp", "/run", "/var/run", "/var/tmp", "/dev/shm", ...(home ? [home] : []), ...keep];
+  const projectOwnsSockets = !home || !(cwd === home || isBeneath(home, cwd));
   const dirs = new Set<string>();
   const files = new Set<string>();
-  for (const line of table.split("\n").slice(1)) {
-    const named = line.trim().split(/\s+/).slice(7).join(" ");
-    if (!named.startsWith("/")) continue; // abstract (@…) or unnamed: Landlock's scope covers those
+  for (const named of listeningSockets()) {
     const dir = directoryBehindLinks(path.dirname(named));
     if (!dir) continue; // gone, or in a mount namespace aic does not see
-    if (dir === cwd || isBeneath(dir, cwd) || keep.some((k) => dir === k || isBeneath(dir, k))) continue;
-    if (visible.includes(dir) || isBeneath(cwd, dir)) files.add(path.join(dir, path.basename(named)));
+    if (keep.some((k) => dir === k || isBeneath(dir, k))) continue;
+    if (projectOwnsSockets && (dir === cwd || isBeneath(dir, cwd))) continue;
+    if (visible.includes(dir) || dir === cwd || isBeneath(cwd, dir)) files.add(path.join(dir, path.basename(named)));
     else dirs.add(dir);
   }
   const list = [...dirs].filter((d) => ![...dirs].some((o) => o !== d && isBeneath(d, o)));
   return { dirs: list, files: [...files].filter((f) => !list.some((d) => isBeneath(f, d))) };
-}
-
-/**
- * Settings in a repository's config that make git run a program, or read
- * more settings from elsewhere: what a command must not leave for the
- * person's own git to find. (An alias runs code only when it starts with
- * `!`; core.fsmonitor only when it is not a boolean.)
- */
-const GIT_CONFIG_RUNS_CODE =
-  /^(core\.(fsmonitor|pager|editor|sshcommand|hookspath|askpass|gitproxy)|sequence\.editor|diff\.external|diff\..+\.(textconv|command)|difftool\..+\.(cmd|path)|merge\..+\.driver|mergetool\..+\.(cmd|path)|filter\..+\.(clean|smudge|process)|credential\.(.+\.)?helper|gpg\.(.+\.)?program|pager\..+|include\.path|includeif\..+\.path|remote\..+\.(uploadpack|receivepack|vcs)|uploadpack\.packobjectshook|init\.templatedir|hook\..+\.command|interactive\.difffilter|web\.browser|browser\..+\.(cmd|path)|protocol\..*allow|url\..+\.insteadof|extensions\.worktreeconfig)$/i;
-/** What git reads in a git dir, besides config and hooks, that points it at another repository's config. */
-const GIT_REDIRECTS = ["commondir"];
-/** A config larger than this is no person's: it is moved aside whole. */
-const MAX_GIT_CONFIG_BYTES = 1 << 20;
-/** How deep below the start directory repositories are looked for after each command (the end of a run looks further). */
-const REPOSITORY_DEPTH = 4;
-/** How many directories the end-of-run search visits at most. */
-const REPOSITORY_SEARCH_LIMIT = 20_000;
-
-/** One setting of a config as git lists it. */
-interface GitSetting {
-  key: string;
-  value: string | undefined;
-}
-
-/** A config's settings as git itself parses them (no includes followed, nothing run); undefined when git rejects it. */
-function gitSettings(text: Buffer): GitSetting[] | undefined {
-  const r = Bun.spawnSync(["git", "config", "--file", "-", "--list", "-z"], {
-    cwd: "/",
-    stdin: text,
-    env: {
-      PATH: process.env.PATH ?? "/usr/bin:/bin",
-      GIT_CONFIG_NOSYSTEM: "1",
-      GIT_CONFIG_GLOBAL: "/dev/null",
-      HOME: "/",
-    },
-    stdout: "pipe",
-    stderr: "ignore",
-  });
-  if (r.exitCode !== 0) return undefined;
-  return r.stdout
-    .toString("utf8")
-    .split("\0")
-    .filter(Boolean)
-    .map((entry) => {
-      const nl = entry.indexOf("\n");
-      return nl < 0 ? { key: entry, value: undefined } : { key: entry.slice(0, nl), value: entry.slice(nl + 1) };
-    });
-}
-
-function runsCode(s: GitSetting): boolean {
-  if (/^alias\./i.test(s.key)) return (s.value ?? "").trimStart().startsWith("!");
-  if (/^core\.fsmonitor$/i.test(s.key)) return !/^(true|false|yes|no|on|off|1|0|)$/i.test((s.value ?? "").trim());
-  return GIT_CONFIG_RUNS_CODE.test(s.key);
-}
-
-/** A config file's text holding `settings`, in git's syntax. */
-function gitConfigText(settings: readonly GitSetting[]): string {
-  const escape = (v: string) =>
-    v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n").replace(/\t/g, "\\t");
-  let out = "";
-  let section = "";
-  for (const { key, value } of settings) {
-    const first = key.indexOf(".");
-    const last = key.lastIndexOf(".");
-    const header =
-      first === last ? `[${key.slice(0, first)}]` : `[${key.slice(0, first)} "${escape(key.slice(first + 1, last))}"]`;
-    if (header !== section) out += `${(section = header)}\n`;
-    out += `\t${key.slice(last + 1)}${value === undefined ? "" : ` = "${escape(value)}"`}\n`;
-  }
-  return out;
-}
-
-/** Whether anything (a link included) is at `p`. */
-const somethingAt = (p: string) => fs.lstatSync(p, { throwIfNoEntry: false }) !== undefined;
-
-/** A file's size, change time and inode: it changed when these did. */
-function fileSignature(p: string): string | undefined {
-  const st = fs.lstatSync(p, { throwIfNoEntry: false });
-  return st && `${st.size}:${st.ctimeMs}:${st.ino}`;
-}
-
-/** What one git dir held at the last look. */
-interface GitDirBaseline {
-  config: Buffer | undefined;
-  /** Hook name → fileSignature. */
-  hooks: Map<string, string>;
-  redirects: Set<string>;
-}
-
-/** The hooks of a git dir (samples aside), with their signatures. */
-function hooksOf(gitDir: HeldDirectory): Map<string, string> {
-  const hooks = new Map<string, string>();
-  const dir = gitDir.child("hooks");
-  for (const e of dir?.entries() ?? []) {
-    const sig = e.name.endsWith(".sample") ? undefined : fileSignature(dir!.at(e.name));
-    if (sig) hooks.set(e.name, sig);
-  }
-  dir?.close();
-  return hooks;
-}
-
-/** A `.git` file or link (its directory held: the caller closes it). */
-interface GitPointer {
-  parent: HeldDirectory;
-  at: string;
-  display: string;
-}
-
-/** Where a `.git` file or link sends git. */
-function gitPointer(p: GitPointer): string | undefined {
-  try {
-    const st = fs.lstatSync(p.at);
-    if (st.isSymbolicLink()) return path.resolve(path.dirname(p.display), fs.readlinkSync(p.at));
-    if (!st.isFile() || st.size > 4096) return undefined;
-    const m = /^gitdir:\s*(.+?)\s*$/m.exec(readOwnFile(p.at, 4096).toString("utf8"));
-    return m ? path.resolve(path.dirname(p.display), m[1]!) : undefined;
-  } catch {
-    return undefined;
-  }
-}
-
-/**
- * Undoes what a command left for the person's own git to run outside the
- * jail. The jail keeps the config and hooks of the repositories that exist
- * when it starts read-only, but a command can still make a new repository
- * (`git init`, or a directory holding one moved aside and rebuilt), plant a
- * `.git` file or link that sends git elsewhere, or write `.git/commondir`,
- * which points git at another repository's config. After every command and
- * at the end of the run, what git would read below the start directory is
- * compared with what was there before: a setting that runs code and was not
- * there is taken out (the config as it was is kept as
- * `config.aic-disabled`); a hook that is new or changed, a new `commondir`,
- * a new `.git` file or link that leads out of the project's repositories
- * become `NAME.aic-disabled`. Each is reported, to the person and the model.
- * Without the jail this is the only protection, and it comes after the fact.
- */
-class GitGuard {
-  private readonly dirs = new Map<string, GitDirBaseline>();
-  private readonly pointers = new Set<string>();
-
-  constructor(private readonly workDir: HeldDirectory) {
-    const found = gitEntriesBelow(workDir, REPOSITORY_DEPTH);
-    for (const dir of found.dirs) this.dirs.set(dir.path, this.look(dir));
-    for (const p of found.pointers) this.pointers.add(p.display);
-    for (const held of [...found.dirs, ...found.pointers.map((p) => p.parent)]) held.close();
-  }
-
-  /** What was disarmed since the last audit, one line each; `deep` searches the whole tree (the end of a run). */
-  audit(deep = false): string[] {
-    const done: string[] = [];
-    const found = gitEntriesBelow(this.workDir, deep ? Number.MAX_SAFE_INTEGER : REPOSITORY_DEPTH);
-    const known = [...this.dirs.keys(), ...found.dirs.map((d) => d.path)];
-    for (const p of found.pointers) {
-      const target = this.pointers.has(p.display) ? undefined : gitPointer(p);
-      if (this.pointers.has(p.display) || (target && known.some((k) => isBeneath(target, k))))
-        this.pointers.add(p.display);
-      else done.push(...moveAside(p.at, p.display, `${p.display}, which sends git to ${target ?? "an unknown place"}`));
-      p.parent.close();
-    }
-    for (const dir of found.dirs) {
-      try {
-        done.push(...this.disarm(dir, this.dirs.get(dir.path)));
-        this.dirs.set(dir.path, this.look(dir));
-      } finally {
-        dir.close();
-      }
-    }
-    return done;
-  }
-
-  private look(dir: HeldDirectory): GitDirBaseline {
-    let config: Buffer | undefined;
-    try {
-      config = dir.read("config", MAX_GIT_CONFIG_BYTES);
-    } catch {
-      config = undefined;
-    }
-    return { config, hooks: hooksOf(dir), redirects: new Set(GIT_REDIRECTS.filter((n) => somethingAt(dir.at(n)))) };
-  }
-
-  private disarm(dir: HeldDirectory, before: GitDirBaseline | undefined): string[] {
-    const done: string[] = [];
-    for (const name of GIT_REDIRECTS)
-      if (!before?.redirects.has(name) && somethingAt(dir.at(name)))
-        done.push(...moveAside(dir.at(name), dir.display(name), `${dir.display(name)}, which points git elsewhere`));
-    const hooks = dir.child("hooks");
-    for (const [name, sig] of hooksOf(dir))
-      if (before?.hooks.get(name) !== sig)
-        done.push(...moveAside(hooks!.at(name), hooks!.display(name), `the hook ${hooks!.display(name)}`));
-    hooks?.close();
-    done.push(...this.disarmConfig(dir, before?.config));
-    return done;
-  }
-
-  private disarmConfig(dir: HeldDirectory, before: Buffer | undefined): string[] {
-    const where = dir.display("config");
-    let now: Buffer;
-    try {
-      now = dir.read("config", MAX_GIT_CONFIG_BYTES);
-    } catch (error) {
-      if (error instanceof OwnFileError && error.missing) return [];
-      // A link, a FIFO, a config too big to be a person's: git might read it, aic cannot judge it.
-      return moveAside(dir.at("config"), where, `${where} (${(error as Error).message})`);
-    }
-    if (before?.equals(now)) return [];
-    const settings = gitSettings(now);
-    if (settings === undefined) return []; // git refuses to work with it: nothing in it runs
-    const was = new Set((before ? (gitSettings(before) ?? []) : []).map((s) => `${s.key}\n${s.value}`));
-    const added = settings.filter((s) => runsCode(s) && !was.has(`${s.key}\n${s.value}`));
-    if (added.length === 0) return [];
-    try {
-      dir.replace("config.aic-disabled", now, true);
-      dir.replace("config", gitConfigText(settings.filter((s) => !added.includes(s))), true);
-      return [`${where}: ${added.map((s) => s.key).join(", ")} (as it was: ${dir.display("config.aic-disabled")})`];
-    } catch (error) {
-      return [
-        `${where}: ${added.map((s) => s.key).join(", ")}, which aic could not take out: ${(error as Error).message}`,
-      ];
-    }
-  }
-}
-
-/** Renames `at` to `at.aic-disabled`; the report line. */
-function moveAside(at: string, shown: string, what: string): string[] {
-  try {
-    fs.renameSync(at, `${at}.aic-disabled`);
-    return [`${what} (now ${shown}.aic-disabled)`];
-  } catch (error) {
-    return [`${what}, which aic could not move aside: ${(error as Error).message}`];
-  }
-}
-
-/**
- * The git dirs below `root` (and their submodules'), held (the caller
- * closes them), and the `.git` files and links, which send git elsewhere.
- * Hidden directories and node_modules are not searched.
- */
-function gitEntriesBelow(root: HeldDirectory, depth: number): { dirs: HeldDirectory[]; pointers: GitPointer[] } {
-  const dirs: HeldDirectory[] = [];
-  const pointers: GitPointer[] = [];
-  let budget = REPOSITORY_SEARCH_LIMIT;
-  const walk = (dir: HeldDirectory, left: number) => {
-    for (const e of dir.entries()) {
-      const parent = e.name === ".git" && !e.isDirectory() ? dir.child(".") : undefined;
-      if (parent) pointers.push({ parent, at: parent.at(".git"), display: parent.display(".git") });
-      if (!e.isDirectory() || e.name === "node_modules" || (e.name.startsWith(".") && e.name !== ".git")) continue;
-      if ((e.name !== ".git" && left <= 1) || budget-- <= 0) continue;
-      const sub = dir.child(e.name);
-      if (!sub) continue;
-      if (e.name !== ".git") {
-        walk(sub, left - 1);
-        sub.close();
-        continue;
-      }
-      dirs.push(sub);
-      const modules = sub.child("modules");
-      for (const m of modules?.entries() ?? []) {
-        const module = m.isDirectory() ? modules!.child(m.name) : undefined;
-        if (module) dirs.push(module);
-      }
-      modules?.close();
-    }
-  };
-  walk(root, depth);
-  return { dirs, pointers };
 }
 
 /** What a path is now, for a read-only bind that must not follow a link planted later. */
@@ -5085,6 +4961,9 @@ function planJail(o: {
   ownFiles: readonly string[];
   hiddenOwn: readonly string[];
   keepSockets: readonly string[];
+  /** The git dirs the repository guard found at start: each pinned, its config and hooks read-only. */
+  gitDirs: readonly string[];
+  reveal: JailPlan["reveal"];
 }): JailPlan {
   const runtime = process.env.XDG_RUNTIME_DIR;
   const sockets = socketHiding(o.home, o.cwd.path, o.keepSockets);
@@ -5104,16 +4983,14 @@ function planJail(o: {
   if (runtime && path.isAbsolute(runtime) && !o.keepSockets.some((k) => isBeneath(k, runtime))) add(runtime, true);
   for (const s of [...o.secrets, ...o.hiddenOwn]) add(s, false);
   hideFiles.push(...sockets.files.filter((f) => !hideFiles.includes(f)));
-  const found = gitEntriesBelow(o.cwd, REPOSITORY_DEPTH);
-  for (const p of found.pointers) p.parent.close();
-  const gitDirs = found.dirs.map((d) => (d.close(), d.path));
+  const gitDirs = o.gitDirs;
   const git = gitDirs.flatMap((g) => [path.join(g, "config"), path.join(g, "hooks")]);
   const readOnly = git.map(identified).filter((r) => r !== undefined);
   const ownFiles = o.ownFiles.map(identified).filter((r) => r !== undefined);
   const pinned = gitDirs.map(identified).filter((r) => r !== undefined);
   const outer = <T extends { path: string }>(list: T[]) =>
     list.filter((d) => !list.some((x) => x !== d && isBeneath(d.path, x.path)));
-  return { net: o.net, hideDirs: outer(hideDirs), hideFiles, readOnly, ownFiles, pinned };
+  return { net: o.net, hideDirs: outer(hideDirs), hideFiles, readOnly, ownFiles, pinned, reveal: o.reveal };
 }
 
 const MS_RDONLY = 1;
@@ -5252,20 +5129,43 @@ function loopbackUp(): void {
   }
 }
 
+/**
+ * Shows each of `reveals` (held) read-only at its place inside the tmpfs
+ * just mounted over `dir`: the directories on the way are made in the
+ * tmpfs, the held directory is bound there, and the tmpfs is made read-only.
+ */
+function revealInside(dir: string, reveals: { path: string; fd: number }[], readOnlyFlags: number): void {
+  for (const r of reveals) {
+    fs.mkdirSync(r.path, { recursive: true, mode: 0o755 });
+    const target = pinPath(r.path);
+    try {
+      bindReadOnly(r.fd, target, r.path);
+    } finally {
+      fs.closeSync(target);
+    }
+  }
+  mountOrThrow(null, dir, null, MS_REMOUNT | readOnlyFlags);
+}
+
 /** The mounts of the jail, in the fresh namespaces, as PID 1 with every capability there. */
 function buildJail(plan: JailPlan): void {
   freshDev();
   mountOrThrow("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC);
+  // What is shown inside a hidden directory is held before the directory is covered.
+  const reveals = plan.reveal.map((r) => ({ ...r, fd: pinPath(r.path, r) }));
   for (const d of plan.hideDirs) {
+    const inside = reveals.filter((r) => isBeneath(r.path, d.path));
     const fd = pinPath(d.path);
     try {
-      const options = d.writable ? "mode=0700,size=1m" : "mode=0555,size=4k,nr_inodes=2";
-      const flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | (d.writable ? 0 : MS_RDONLY);
+      const options = d.writable ? "mode=0700,size=1m" : `mode=0555,size=${inside.length ? "64k" : "4k,nr_inodes=2"}`;
+      const flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | (d.writable || inside.length ? 0 : MS_RDONLY);
       mountOrThrow("tmpfs", `/proc/self/fd/${fd}`, "tmpfs", flags, options);
+      if (inside.length) revealInside(d.path, inside, flags | MS_RDONLY);
     } finally {
       fs.closeSync(fd);
     }
   }
+  for (const r of reveals) fs.closeSync(r.fd);
   const empty = pinPath("/dev/.empty");
   try {
     for (const f of plan.hideFiles) {
@@ -5337,6 +5237,494 @@ function jailInit(plans: { jail: JailPlan; sandbox: SandboxPlan }, argv: string[
     for (const rule of plans.sandbox.rules) if (rule.path === fresh) Object.assign(rule, { dev: st.dev, ino: st.ino });
   }
   return sandboxExec(plans.sandbox, argv);
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Repository guard
+// Owns: keeping commands from leaving code for the person's own git to run
+// outside the sandbox. git runs programs named in a repository's config
+// (core.fsmonitor, a `!` alias, a filter…) and its hooks, in whatever
+// repository it finds, walking up from where the person types: the project's
+// own, a submodule it recurses into, a repository in a subdirectory, a
+// `.git` in a parent directory, a bare repository with a work tree set. The
+// jail keeps the config and hooks of the repositories there at start
+// read-only; the guard looks after each command, and once more over the
+// whole tree at the end, at every git dir below the start directory (hidden
+// directories included), at the repository the start directory is in, at
+// the gitlinks in its index, at the start directory's parents and at the
+// --allow-write trees, and takes out what is new: settings other than known
+// harmless ones, hooks, `commondir` redirects, `.git` pointers leading out of
+// the project.
+// ════════════════════════════════════════════════════════════════════════════
+
+/**
+ * Settings that run nothing and read nothing more: identity, remotes,
+ * branches, formatting, housekeeping. A setting a command adds that is not
+ * one of these is taken out, whatever it is (a list of dangerous keys would
+ * always miss one: gpg.ssh.defaultKeyCommand, submodule.*.update, …).
+ */
+const GIT_INERT_SETTING = new RegExp(
+  "^(" +
+    [
+      "core\\.(repositoryformatversion|filemode|bare|logallrefupdates|ignorecase|precomposeunicode|symlinks|autocrlf|eol|safecrlf|quotepath|compression|loosecompression|bigfilethreshold|sharedrepository|checkstat|trustctime|abbrev|commentchar|whitespace|untrackedcache|splitindex|preloadindex|packedgitlimit|packedgitwindowsize|deltabasecachelimit)",
+      "user\\.(name|email|signingkey|useconfigonly)",
+      "(author|committer)\\.(name|email)",
+      "remote\\..+\\.(url|pushurl|fetch|push|tagopt|prune|prunetags|mirror|skipdefaultupdate|skipfetchall|promisor|partialclonefilter)",
+      "branch\\..+\\.(remote|merge|rebase|pushremote|description)",
+      "init\\.defaultbranch",
+      "extensions\\.(objectformat|preciousobjects|partialclone|refstorage)",
+      "(color|advice|status|log|gc|pack|index|feature|i18n|rerere|fetch|transfer|receive\\.fsck)\\.[^.]+",
+      "color\\..+\\.[^.]+",
+      "pull\\.(rebase|ff|twohead|octopus)",
+      "push\\.(default|autosetupremote|followtags|recursesubmodules)",
+      "merge\\.(ff|conflictstyle|log|renamelimit|renormalize|stat|verbosity)",
+      "rebase\\.(autosquash|autostash|updaterefs|stat|missingcommitscheck|abbreviatecommands)",
+      "format\\.(pretty|signoff|numbered|suffix|thread)",
+      "commit\\.(verbose|cleanup|status)",
+      "tag\\.(sort|forcesignannotated)",
+      "submodule\\..+\\.(url|active|branch|ignore|shallow|fetchrecursesubmodules)",
+      "submodule\\.(recurse|fetchjobs|active)",
+      "diff\\.(renames|algorithm|mnemonicprefix|noprefix|context|colormoved|statgraphwidth|submodule|ignoresubmodules|interhunkcontext|indentheuristic|relative|orderfile)",
+      "help\\.(autocorrect|format)",
+      "maintenance\\.[^.]+\\.enabled",
+      "lfs\\.repositoryformatversion",
+      "alias\\.[^.]+",
+      "core\\.fsmonitor",
+    ].join("|") +
+    ")$",
+  "i",
+);
+/** A config larger than this is no person's: it is moved aside whole. */
+const MAX_GIT_CONFIG_BYTES = 1 << 20;
+/** How deep, and through how many directories, git dirs are searched for after each command. */
+const GIT_SEARCH_DEPTH = 6;
+const GIT_SEARCH_LIMIT = 3000;
+/** The end of a run searches the whole tree, up to this many directories. */
+const GIT_DEEP_SEARCH_LIMIT = 50_000;
+
+/** One setting of a config as git lists it. */
+interface GitSetting {
+  key: string;
+  value: string | undefined;
+}
+
+/** A config's settings as git itself parses them (no includes followed, nothing run); undefined when git rejects it. */
+function gitSettings(text: Buffer): GitSetting[] | undefined {
+  const r = Bun.spawnSync(["git", "config", "--file", "-", "--list", "-z"], {
+    cwd: "/",
+    stdin: text,
+    env: {
+      PATH: process.env.PATH ?? "/usr/bin:/bin",
+      GIT_CONFIG_NOSYSTEM: "1",
+      GIT_CONFIG_GLOBAL: "/dev/null",
+      HOME: "/",
+    },
+    stdout: "pipe",
+    stderr: "ignore",
+  });
+  if (r.exitCode !== 0) return undefined;
+  return r.stdout
+    .toString("utf8")
+    .split("\0")
+    .filter(Boolean)
+    .map((entry) => {
+      const nl = entry.indexOf("\n");
+      return nl < 0 ? { key: entry, value: undefined } : { key: entry.slice(0, nl), value: entry.slice(nl + 1) };
+    });
+}
+
+/** Whether a setting may make git run something (or read more settings): anything not known to be inert. */
+function runsCode(s: GitSetting): boolean {
+  if (/^alias\./i.test(s.key)) return (s.value ?? "").trimStart().startsWith("!");
+  if (/^core\.fsmonitor$/i.test(s.key)) return !/^(true|false|yes|no|on|off|1|0|)$/i.test((s.value ?? "").trim());
+  return !GIT_INERT_SETTING.test(s.key);
+}
+
+/** A config file's text holding `settings`, in git's syntax. */
+function gitConfigText(settings: readonly GitSetting[]): string {
+  const escape = (v: string) =>
+    v.replace(/\\/g, "\\\\").replace(/"/g, '\\"').replace(/\n/g, "\\n").replace(/\t/g, "\\t");
+  let out = "";
+  let section = "";
+  for (const { key, value } of settings) {
+    const first = key.indexOf(".");
+    const last = key.lastIndexOf(".");
+    const header =
+      first === last ? `[${key.slice(0, first)}]` : `[${key.slice(0, first)} "${escape(key.slice(first + 1, last))}"]`;
+    if (header !== section) out += `${(section = header)}\n`;
+    out += `\t${key.slice(last + 1)}${value === undefined ? "" : ` = "${escape(value)}"`}\n`;
+  }
+  return out;
+}
+
+/** Whether anything (a link included) is at `p`. */
+const somethingAt = (p: string) => fs.lstatSync(p, { throwIfNoEntry: false }) !== undefined;
+
+/** A file's size, change time and inode: it changed when these did. */
+function fileSignature(p: string): string | undefined {
+  const st = fs.lstatSync(p, { throwIfNoEntry: false });
+  return st && `${st.size}:${st.ctimeMs}:${st.ino}`;
+}
+
+/** Whether a directory holding these entries is one git would take for a git dir (HEAD, objects/, refs/). */
+function looksLikeGitDir(entries: readonly fs.Dirent[]): boolean {
+  const has = (name: string, dir: boolean) =>
+    entries.some((e) => e.name === name && (dir ? e.isDirectory() : e.isFile() || e.isSymbolicLink()));
+  return has("HEAD", false) && has("objects", true) && has("refs", true);
+}
+
+/** A `.git` file or link (its directory held: the caller closes it). */
+interface GitPointer {
+  parent: HeldDirectory;
+  at: string;
+  display: string;
+}
+
+/** Where a `.git` file or link sends git. */
+function gitPointer(p: GitPointer): string | undefined {
+  try {
+    const st = fs.lstatSync(p.at);
+    if (st.isSymbolicLink()) return path.resolve(path.dirname(p.display), fs.readlinkSync(p.at));
+    if (!st.isFile() || st.size > 4096) return undefined;
+    const m = /^gitdir:\s*(.+?)\s*$/m.exec(readOwnFile(p.at, 4096).toString("utf8"));
+    return m ? path.resolve(path.dirname(p.display), m[1]!) : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/** The git dirs and `.git` pointers a search found, held: `close` releases them. */
+class FoundGit {
+  readonly dirs: HeldDirectory[] = [];
+  readonly pointers: GitPointer[] = [];
+
+  close(): void {
+    for (const held of [...this.dirs, ...this.pointers.map((p) => p.parent)]) held.close();
+  }
+}
+
+/**
+ * Every git dir below `root` (root itself included when it is one): each
+ * `.git` directory, each directory that looks like a git dir (a bare
+ * repository), and every git dir under a git dir's `modules/` (submodule
+ * names may hold slashes, and submodules nest) and `worktrees/`; and each
+ * `.git` file or link. Hidden directories are searched; node_modules is not
+ * (its repositories matter as gitlinks, which the guard reads from the
+ * index). Links are never followed.
+ */
+function searchGitDirs(root: HeldDirectory, depth: number, limit: number): FoundGit {
+  const found = new FoundGit();
+  let budget = limit;
+  const take = (gitDir: HeldDirectory) => {
+    found.dirs.push(gitDir);
+    for (const name of ["modules", "worktrees"]) {
+      const sub = gitDir.child(name);
+      if (sub) inside(sub, 8);
+      sub?.close();
+    }
+  };
+  // Below modules/ and worktrees/: a directory with a HEAD is a git dir (a worktree's has no objects of its own).
+  const inside = (dir: HeldDirectory, left: number) => {
+    for (const e of dir.entries()) {
+      if (!e.isDirectory() || budget-- <= 0) continue;
+      const sub = dir.child(e.name);
+      if (!sub) continue;
+      if (somethingAt(sub.at("HEAD"))) take(sub);
+      else {
+        if (left > 1) inside(sub, left - 1);
+        sub.close();
+      }
+    }
+  };
+  const walk = (dir: HeldDirectory, left: number) => {
+    for (const e of dir.entries()) {
+      if (e.name === ".git" && !e.isDirectory()) {
+        const parent = dir.child(".");
+        if (parent) found.pointers.push({ parent, at: parent.at(".git"), display: parent.display(".git") });
+        continue;
+      }
+      if (!e.isDirectory() || e.name === "node_modules" || budget-- <= 0) continue;
+      if (e.name !== ".git" && left <= 1) continue;
+      const sub = dir.child(e.name);
+      if (!sub) continue;
+      if (e.name === ".git" || looksLikeGitDir(sub.entries())) take(sub);
+      else {
+        walk(sub, left - 1);
+        sub.close();
+      }
+    }
+  };
+  const self = looksLikeGitDir(root.entries()) ? root.child(".") : undefined;
+  if (self) take(self);
+  else walk(root, depth);
+  return found;
+}
+
+/** What one git dir held at the last look. */
+interface GitDirBaseline {
+  config: Buffer | undefined;
+  /** Hook name → fileSignature. */
+  hooks: Map<string, string>;
+  /** Where its `commondir` leads, if it has one. */
+  commondir: string | undefined;
+}
+
+/** The hooks of a git dir (samples aside), with their signatures. */
+function hooksOf(gitDir: HeldDirectory): Map<string, string> {
+  const hooks = new Map<string, string>();
+  const dir = gitDir.child("hooks");
+  for (const e of dir?.entries() ?? []) {
+    const sig = e.name.endsWith(".sample") ? undefined : fileSignature(dir!.at(e.name));
+    if (sig) hooks.set(e.name, sig);
+  }
+  dir?.close();
+  return hooks;
+}
+
+/** Where a git dir's `commondir` sends git, or undefined when it has none. */
+function commondirOf(gitDir: HeldDirectory): string | undefined {
+  if (!somethingAt(gitDir.at("commondir"))) return undefined;
+  try {
+    return path.resolve(gitDir.path, readOwnFile(gitDir.at("commondir"), 4096).toString("utf8").trim());
+  } catch {
+    return "(unreadable)";
+  }
+}
+
+/** Renames `at` to `at.aic-disabled`; the report line. */
+function moveAside(at: string, shown: string, what: string): string[] {
+  try {
+    fs.renameSync(at, `${at}.aic-disabled`);
+    return [`${what} (now ${shown}.aic-disabled)`];
+  } catch (error) {
+    return [`${what}, which aic could not move aside: ${(error as Error).message}`];
+  }
+}
+
+/** The repository a directory is in, when its `.git` lies above it: its git dir and its top. */
+function enclosingRepository(dir: string): { gitDir: string; top: string } | undefined {
+  for (let d = path.dirname(dir); ; d = path.dirname(d)) {
+    const st = fs.lstatSync(path.join(d, ".git"), { throwIfNoEntry: false });
+    if (st?.isDirectory()) return { gitDir: path.join(d, ".git"), top: d };
+    if (st) return undefined; // a pointer (a worktree, a submodule): its git dir lies elsewhere
+    if (path.dirname(d) === d) return undefined;
+  }
+}
+
+/** Where the guard looks: the start directory, the --allow-write trees; `writable`: where commands may write. */
+interface GuardRoots {
+  workDir: HeldDirectory;
+  allowWrite: readonly string[];
+  writable: readonly string[];
+}
+
+/** Whether `dir` holds a `.git`, or is itself laid out as a git dir (HEAD, objects/, refs/), by lstat alone. */
+function gitFindsRepositoryAt(dir: string): boolean {
+  const is = (name: string, kind: "dir" | "any") => {
+    const st = fs.lstatSync(path.join(dir, name), { throwIfNoEntry: false });
+    return st !== undefined && (kind === "any" || st.isDirectory());
+  };
+  return is(".git", "any") || (is("HEAD", "any") && is("objects", "dir") && is("refs", "dir"));
+}
+
+/**
+ * After each command, takes out what commands left for the person's git
+ * (see the section's header). Baselines are taken when the launcher starts:
+ * what was there then is the person's and stays as it is.
+ */
+class GitGuard {
+  private readonly dirs = new Map<string, GitDirBaseline>();
+  private readonly pointers = new Set<string>();
+  /** The start directory's parents, when it is in no repository: a `.git` made there would capture it. */
+  private readonly parents: { path: string; had: boolean }[] = [];
+  private readonly enclosing: { gitDir: string; top: string } | undefined;
+  private readonly roots: HeldDirectory[];
+  private indexSeen: string | undefined;
+
+  constructor(private readonly where: GuardRoots) {
+    this.enclosing = enclosingRepository(where.workDir.path);
+    this.roots = [
+      where.workDir,
+      ...where.allowWrite.map((p) => HeldDirectory.tryOpen(p)).filter((d) => d !== undefined),
+    ];
+    // Only parents commands may write to (under /tmp, say): git stops at the first repository it finds going up.
+    const cwdIsRepo = somethingAt(where.workDir.at(".git"));
+    if (!this.enclosing && !cwdIsRepo)
+      for (let d = path.dirname(where.workDir.path); ; d = path.dirname(d)) {
+        if (where.writable.some((w) => d === w || isBeneath(d, w)))
+          this.parents.push({ path: d, had: gitFindsRepositoryAt(d) });
+        if (path.dirname(d) === d) break;
+      }
+    const found = this.search(false);
+    for (const dir of found.dirs) this.dirs.set(dir.path, this.look(dir));
+    for (const p of found.pointers) this.pointers.add(p.display);
+    found.close();
+  }
+
+  /** The git dirs the jail keeps read-only: every one found at start. */
+  get gitDirs(): string[] {
+    return [...this.dirs.keys()];
+  }
+
+  /** What was taken out since the last audit, one line each; `deep` searches whole trees (the end of a run). */
+  audit(deep = false): string[] {
+    const done: string[] = [...this.auditParents()];
+    const found = this.search(deep);
+    try {
+      const known = [...this.dirs.keys(), ...found.dirs.map((d) => d.path)];
+      for (const p of found.pointers) done.push(...this.auditPointer(p, known));
+      for (const dir of found.dirs) {
+        done.push(...this.disarm(dir, this.dirs.get(dir.path)));
+        this.dirs.set(dir.path, this.look(dir));
+      }
+    } finally {
+      found.close();
+    }
+    return done;
+  }
+
+  /** Every git dir to look at: below each root, the enclosing repository's, and the index's gitlinks. */
+  private search(deep: boolean): FoundGit {
+    const all = new FoundGit();
+    for (const root of this.roots) {
+      const found = deep
+        ? searchGitDirs(root, Number.MAX_SAFE_INTEGER, GIT_DEEP_SEARCH_LIMIT)
+        : searchGitDirs(root, GIT_SEARCH_DEPTH, GIT_SEARCH_LIMIT);
+      all.dirs.push(...found.dirs);
+      all.pointers.push(...found.pointers);
+    }
+    const enclosing = this.enclosing && HeldDirectory.tryOpen(this.enclosing.gitDir);
+    if (enclosing) {
+      const inner = searchGitDirs(enclosing, 1, GIT_SEARCH_LIMIT);
+      enclosing.close();
+      all.dirs.push(...inner.dirs);
+    }
+    if (deep || this.gitlinksChanged()) {
+      for (const rel of this.gitlinks) {
+        const held = this.heldInProject(rel);
+        if (!held) continue;
+        const inner = searchGitDirs(held, 1, 10);
+        held.close();
+        all.dirs.push(...inner.dirs);
+        all.pointers.push(...inner.pointers);
+      }
+    }
+    return all;
+  }
+
+  private gitlinks: string[] = [];
+
+  /** Re-reads the gitlinks of the project's index when the index changed (git status recurses into them). */
+  private gitlinksChanged(): boolean {
+    const gitDir = this.enclosing?.gitDir ?? path.join(this.where.workDir.path, ".git");
+    const sig = fileSignature(path.join(gitDir, "index"));
+    if (sig === this.indexSeen) return false;
+    this.indexSeen = sig;
+    const top = this.enclosing?.top ?? this.where.workDir.path;
+    const r = Bun.spawnSync(["git", "--git-dir", gitDir, "--work-tree", top, "ls-files", "--stage", "-z"], {
+      cwd: "/",
+      env: { ...process.env, GIT_CONFIG_NOSYSTEM: "1", GIT_CONFIG_GLOBAL: "/dev/null", GIT_OPTIONAL_LOCKS: "0" },
+      stdout: "pipe",
+      stderr: "ignore",
+    });
+    if (r.exitCode !== 0) return ((this.gitlinks = []), true);
+    const inProject = (rel: string) => path.relative(this.where.workDir.path, path.join(top, rel));
+    this.gitlinks = r.stdout
+      .toString("utf8")
+      .split("\0")
+      .filter((line) => line.startsWith("160000 "))
+      .map((line) => inProject(line.slice(line.indexOf("\t") + 1)))
+      .filter((rel) => rel && !rel.startsWith(".."));
+    return true;
+  }
+
+  /** A directory below the start directory, reached one component at a time (no link followed). */
+  private heldInProject(rel: string): HeldDirectory | undefined {
+    let dir: HeldDirectory | undefined = this.where.workDir.child(".");
+    for (const part of rel.split("/")) {
+      const next: HeldDirectory | undefined = part && part !== "." ? dir?.child(part) : dir?.child(".");
+      dir?.close();
+      dir = next;
+    }
+    return dir;
+  }
+
+  /** A `.git` made in a parent of the start directory (say `/tmp/.git`) would make git read its config there. */
+  private auditParents(): string[] {
+    const done: string[] = [];
+    for (const p of this.parents) {
+      if (p.had || !gitFindsRepositoryAt(p.path)) continue;
+      const at = path.join(p.path, somethingAt(path.join(p.path, ".git")) ? ".git" : "HEAD");
+      done.push(...moveAside(at, at, `${at}, which would make git take ${p.path} for the project's repository`));
+    }
+    return done;
+  }
+
+  private auditPointer(p: GitPointer, known: string[]): string[] {
+    if (this.pointers.has(p.display)) return [];
+    const target = gitPointer(p);
+    // A pointer is the person's kind only when it leads to a git dir the guard watches (a submodule's, a worktree's).
+    if (target && known.includes(target)) return (this.pointers.add(p.display), []);
+    return moveAside(p.at, p.display, `${p.display}, which sends git to ${target ?? "an unknown place"}`);
+  }
+
+  private look(dir: HeldDirectory): GitDirBaseline {
+    let config: Buffer | undefined;
+    try {
+      config = dir.read("config", MAX_GIT_CONFIG_BYTES);
+    } catch {
+      config = undefined;
+    }
+    return { config, hooks: hooksOf(dir), commondir: commondirOf(dir) };
+  }
+
+  private disarm(dir: HeldDirectory, before: GitDirBaseline | undefined): string[] {
+    const done: string[] = [];
+    const commondir = commondirOf(dir);
+    // A worktree's commondir leads to its repository; any other (new) one could lead git to any config at all.
+    if (commondir !== undefined && commondir !== before?.commondir && !this.dirs.has(commondir))
+      done.push(
+        ...moveAside(
+          dir.at("commondir"),
+          dir.display("commondir"),
+          `${dir.display("commondir")}, which points git at ${commondir}`,
+        ),
+      );
+    const hooks = dir.child("hooks");
+    for (const [name, sig] of hooksOf(dir))
+      if (before?.hooks.get(name) !== sig)
+        done.push(...moveAside(hooks!.at(name), hooks!.display(name), `the hook ${hooks!.display(name)}`));
+    hooks?.close();
+    done.push(...this.disarmConfig(dir, before?.config));
+    return done;
+  }
+
+  private disarmConfig(dir: HeldDirectory, before: Buffer | undefined): string[] {
+    const where = dir.display("config");
+    let now: Buffer;
+    try {
+      now = dir.read("config", MAX_GIT_CONFIG_BYTES);
+    } catch (error) {
+      if (error instanceof OwnFileError && error.missing) return [];
+      // A link, a FIFO, a config too big to be a person's: git might read it, aic cannot judge it.
+      return moveAside(dir.at("config"), where, `${where} (${(error as Error).message})`);
+    }
+    if (before?.equals(now)) return [];
+    const settings = gitSettings(now);
+    if (settings === undefined) return []; // git refuses to work with it: nothing in it runs
+    const was = new Set((before ? (gitSettings(before) ?? []) : []).map((s) => `${s.key}\n${s.value}`));
+    const added = settings.filter((s) => runsCode(s) && !was.has(`${s.key}\n${s.value}`));
+    if (added.length === 0) return [];
+    try {
+      dir.replace("config.aic-disabled", now, true);
+      dir.replace("config", gitConfigText(settings.filter((s) => !added.includes(s))), true);
+      return [`${where}: ${added.map((s) => s.key).join(", ")} (as it was: ${dir.display("config.aic-disabled")})`];
+    } catch (error) {
+      return [
+        `${where}: ${added.map((s) => s.key).join(", ")}, which aic could not take out: ${(error as Error).message}`,
+      ];
+    }
+  }
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -5771,6 +6159,16 @@ const frameInt = (payload: Uint8Array) =>
   payload.length === 4 ? new DataView(payload.buffer, payload.byteOffset, 4).getInt32(0, true) : undefined;
 
 /**
+ * SIGILL, SIGTRAP, SIGABRT, SIGBUS, SIGFPE, SIGSEGV: Bun handles them (for
+ * its crash report), so a command could send them to init and end it. Bun
+ * also handles SIGPWR and signal 33, which the JavaScript engine itself uses
+ * (to stop threads for the collector): those stay, and a command that sends
+ * them can at most wedge the launcher, which aic replaces.
+ */
+const INIT_IGNORED_SIGNALS = [4, 5, 6, 7, 8, 11];
+const SIG_IGN = 1;
+
+/**
  * The launcher's whole life, in the confined process: say ready, then start
  * what aic asks for until aic closes the pipe.
  */
@@ -5783,6 +6181,9 @@ async function runSandboxLauncher(): Promise<number> {
     /* started without it */
   }
   const send = (frame: Uint8Array) => writeOut(1, frame);
+  // A namespace's init gets from inside only the signals it handles, and Bun handles crash signals: ignored here, a
+  // `kill -SEGV 1` from a command does nothing (a real fault still ends the process, as the kernel forces it).
+  if (process.pid === 1) for (const sig of INIT_IGNORED_SIGNALS) libc()?.symbols.signal(sig, SIG_IGN);
   // As the jail's init, every orphan of every command becomes the launcher's child: reaped here, and its exit code
   // told to aic (a background job's leader is such an orphan once its command's shell has exited).
   if (process.pid === 1)
@@ -6126,6 +6527,16 @@ function tailBytes(text: string, max: number): string {
 }
 
 const OUTPUT_DIR_PREFIX = "aic-out-";
+
+/**
+ * Where saved outputs live: `outputs/` in aic's state directory, out of
+ * every command's reach (the jail shows a run only its own), or the
+ * temporary directory where there is no state directory.
+ */
+function outputsHome(): string {
+  const state = aicStateDir();
+  return state ? path.join(state, "outputs") : path.resolve(os.tmpdir());
+}
 /** The saved output file is written in batches of this size, not line by line. */
 const OUTPUT_FILE_WRITE_BYTES = 64 * 1024;
 /** Rendering a flood leaves short-lived garbage behind; the collector is nudged after this much parsed output. */
@@ -6152,6 +6563,7 @@ class OutputStore {
   ) {
     this.tag = tag;
     if (remembered) this.dir = OutputStore.adopt(remembered);
+    this.announced = this.dir !== undefined;
     this.onDirectory(this.dir?.path);
   }
 
@@ -6167,8 +6579,9 @@ class OutputStore {
    * where commands can write, so it must not steer aic's writes elsewhere.
    */
   private static adopt(dir: string): HeldDirectory | undefined {
-    if (path.dirname(dir) !== path.resolve(os.tmpdir()) || !path.basename(dir).startsWith(OUTPUT_DIR_PREFIX))
-      return undefined;
+    // (Sessions of older aic versions name a directory directly in /tmp.)
+    const parents = [outputsHome(), path.resolve(os.tmpdir())];
+    if (!parents.includes(path.dirname(dir)) || !path.basename(dir).startsWith(OUTPUT_DIR_PREFIX)) return undefined;
     try {
       const st = fs.lstatSync(dir);
       if (!st.isDirectory() || st.uid !== process.getuid?.() || (st.mode & 0o077) !== 0) return undefined;
@@ -6185,19 +6598,42 @@ class OutputStore {
     if (this.dir && !this.dir.isStillAtPath()) {
       this.dir.close();
       this.dir = undefined;
+      this.announced = false;
     }
-    if (!this.dir) {
-      this.dir = HeldDirectory.createTemporary(`${OUTPUT_DIR_PREFIX}${this.tag}-`);
-      this.onDirectory(this.dir.path);
+    const dir = this.ensure();
+    // The session names the directory once something is in it.
+    if (!this.announced) {
+      this.announced = true;
+      this.onDirectory(dir.path);
     }
     const name = `${kind}-${Date.now()}-${randomName()}.${kind === "job" ? "log" : "txt"}`;
-    return { fd: this.dir.createExclusive(name), path: this.dir.display(name) };
+    return { fd: dir.createExclusive(name), path: dir.display(name) };
+  }
+
+  private announced = false;
+
+  /**
+   * The directory, made now if there is none yet (the jail shows commands
+   * this one, so it is made before the jail starts). In the temporary
+   * directory when aic's state directory cannot be made (a read-only home).
+   */
+  ensure(): HeldDirectory {
+    if (!this.dir) {
+      const prefix = `${OUTPUT_DIR_PREFIX}${this.tag}-`;
+      try {
+        this.dir = HeldDirectory.createPrivate(outputsHome(), prefix);
+      } catch {
+        this.dir = HeldDirectory.createPrivate(path.resolve(os.tmpdir()), prefix);
+      }
+    }
+    return this.dir;
   }
 
   /** Forgets every saved output (/clear); later outputs go to a new directory. */
   clear(newTag: string): void {
     this.dir?.remove();
     this.dir = undefined;
+    this.announced = false;
     this.tag = newTag;
     this.onDirectory(undefined);
   }
@@ -6211,17 +6647,21 @@ class OutputStore {
 
   /** Removes this user's output directories left unused for a week (their sessions are long over). */
   static pruneOld(now = Date.now()): void {
+    for (const parent of [outputsHome(), os.tmpdir()]) OutputStore.pruneIn(parent, now);
+  }
+
+  private static pruneIn(parent: string, now: number): void {
     let names: string[];
     try {
-      const tmp = HeldDirectory.open(os.tmpdir());
-      names = fs.readdirSync(tmp.at());
-      tmp.close();
+      const held = HeldDirectory.open(parent);
+      names = fs.readdirSync(held.at());
+      held.close();
     } catch {
       return;
     }
     for (const name of names) {
       if (!name.startsWith(OUTPUT_DIR_PREFIX)) continue;
-      const dir = path.join(os.tmpdir(), name);
+      const dir = path.join(parent, name);
       try {
         const st = fs.lstatSync(dir);
         if (st.isDirectory() && st.uid === process.getuid?.() && now - st.mtimeMs > OUTPUT_DIR_MAX_AGE_MS)
@@ -7554,12 +7994,11 @@ class ShadowRepository {
       }
       if (path.dirname(d) === d) break;
     }
-    const state = process.env.XDG_STATE_HOME;
-    const base = state && path.isAbsolute(state) ? state : path.join(os.homedir(), ".local", "state");
+    const state = aicStateDir() ?? path.join(os.homedir(), ".local", "state", "aic");
     const hash = createHash("sha256").update(real).digest("hex").slice(0, 16);
     const home = ephemeral
-      ? path.join(base, "aic", "runs", `${process.pid}-${randomName()}`)
-      : path.join(base, "aic", "checkpoints", hash);
+      ? path.join(state, "runs", `${process.pid}-${randomName()}`)
+      : path.join(state, "checkpoints", hash);
     // The store's snapshots are relative to the work tree it was made with: a `.git` a command made above the
     // project (`mkdir ../.git`) must not move them, or a restore would read every path under another prefix.
     const recorded = recordedWorkTree(home);
@@ -7697,7 +8136,8 @@ class ShadowRepository {
   private writeExcludes(): void {
     const anchored = (p: string) => `/${this.prefix}${p}`;
     const lines = ["# aic's own files", ...this.ownFiles.map(anchored)];
-    const inside = path.relative(this.workTree, this.home);
+    // aic's whole state directory (this store, locks, saved outputs), should it lie inside the tree.
+    const inside = path.relative(this.workTree, aicStateDir() ?? this.home);
     if (inside && !inside.startsWith("..") && !path.isAbsolute(inside)) lines.push(`/${inside}/`);
     const read = (file: string) => {
       try {
@@ -11909,7 +12349,9 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     },
   );
   const workDir = HeldDirectory.open(process.cwd());
-  // The jail keeps the session's lock file (and those of other aic instances here) read-only: it starts once they exist.
+  // The jail keeps the session's lock file (and those of other aic instances here) read-only, and shows commands this
+  // run's saved outputs: it starts once they exist.
+  if (prepared.sandbox.enabled) outputs.ensure();
   prepared.sandbox.start({ workDir, files: ownSessionFiles(session?.path, workDir), keepOutputs: outputs.path });
   // Before the first command: a daemon it double-forks must become aic's, to be found and stopped later.
   becomeSubreaper();

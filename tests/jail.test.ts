@@ -26,6 +26,7 @@ import {
   perTestFixtures,
   runCommand,
   sandboxLine,
+  scratch,
   startCommand,
   toolResults,
   unique,
@@ -369,12 +370,22 @@ describe.skipIf(!jailUsable)("the jail", () => {
           const other = mkdtempSync("/tmp/aic-out-jailtest-");
           cleanups.push(() => Bun.spawnSync(["rm", "-rf", other]));
           writeFileSync(join(other, "out.txt"), "OUTMARK\n");
+          // Another run's outputs where aic keeps them now, beside this run's.
+          mkdirSync(join(where.state, "aic", "outputs", "aic-out-another-run"), { recursive: true });
+          writeFileSync(join(where.state, "aic", "outputs", "aic-out-another-run", "output-1.txt"), "OUTMARK2\n");
           where.own();
           if (user.uid !== process.getuid?.()) Bun.spawnSync(["chown", "-R", `${user.uid}:${user.uid}`, other]);
+          const state = '"$XDG_STATE_HOME/aic"';
           const srv = fixtures.serve([
-            bash("echo one > f.txt"),
+            bash("seq 1 30000"),
             bash(
-              `cat ~/.aic_history; cat ${other}/out.txt; echo state=$(find "$XDG_STATE_HOME/aic" -mindepth 1 2>/dev/null | wc -l); echo done`,
+              [
+                `cat ~/.aic_history ${other}/out.txt ${state}/outputs/aic-out-another-run/output-1.txt`,
+                `echo state=$(find ${state} -mindepth 1 2>/dev/null | grep -vc '/outputs')`,
+                `echo runs=$(ls ${state}/outputs | wc -l)`,
+                `echo last=$(tail -1 ${state}/outputs/*/output-*.txt)`,
+                "echo done",
+              ].join("; "),
             ),
             { content: "TASKCOMPLETE" },
           ]);
@@ -385,6 +396,10 @@ describe.skipIf(!jailUsable)("the jail", () => {
           expect(result).not.toContain("HISTMARK");
           expect(result).not.toContain("OUTMARK");
           expect(result).toContain("state=0");
+          // This run's saved output, and only this run's, is there to read.
+          expect(toolResults(srv)[0]).toContain("saved in");
+          expect(result).toContain("runs=1");
+          expect(result).toContain("last=30000");
           // They exist: aic itself has its checkpoints there.
           expect(readdirSync(join(where.state, "aic")).length).toBeGreaterThan(0);
         },
@@ -416,6 +431,164 @@ describe.skipIf(!jailUsable)("the jail", () => {
       );
     });
   }
+
+  // Sockets the kernel lists oddly: bound by a relative name, with runs of spaces in the path, in another network
+  // namespace (a container's); and, started in the home directory, the person's sockets under it.
+  test.skipIf(!has.root || !hasPython)(
+    "sockets listed oddly, and those under a home directory aic starts in",
+    async () => {
+      const where = place(USERS[0]!);
+      const listen = (cwd: string, sock: string, wrap: string[] = []) => {
+        const server = Bun.spawn(
+          [
+            ...wrap,
+            PYTHON,
+            "-c",
+            `import socket,sys,time\ns=socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(5)\ntime.sleep(600)`,
+            sock,
+          ],
+          { cwd, stdout: "ignore", stderr: "ignore", env: cleanEnv() },
+        );
+        cleanups.push(() => server.kill("SIGKILL"));
+      };
+      const rel = join(where.base, "reldir");
+      const spaced = join(where.base, "sp  ace");
+      const netns = join(where.base, "netns");
+      const docker = join(where.home, ".docker", "desktop");
+      for (const d of [rel, spaced, netns, docker]) mkdirSync(d, { recursive: true });
+      listen(rel, "rel.sock");
+      listen(spaced, join(spaced, "s.sock"));
+      listen(netns, join(netns, "ns.sock"), ["unshare", "-n"]);
+      listen(docker, join(docker, "docker.sock"));
+      const socks = [
+        join(rel, "rel.sock"),
+        join(spaced, "s.sock"),
+        join(netns, "ns.sock"),
+        join(docker, "docker.sock"),
+      ];
+      await waitFor("the four sockets", () => socks.every((s) => existsSync(s)));
+      const probe = socks
+        .map(
+          (s, n) =>
+            `${PYTHON} -c 'import socket,sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])' "${s}" 2>/dev/null; echo s${n}=$?`,
+        )
+        .join("; ");
+      const srv = fixtures.serve([bash(probe), { content: "TASKCOMPLETE" }]);
+      // Started in the home directory: its sockets are no project's own.
+      const run = await runCommand([AIC, ...headless(srv.url), "--auto-approve", "probe"], {
+        cwd: where.home,
+        env: where.env,
+      });
+      expect(run.code).toBe(0);
+      const result = toolResults(srv)[0]!;
+      for (let n = 0; n < socks.length; n++) expect(result).toMatch(new RegExp(`s${n}=[1-9]`));
+      // The control: the same probe without the jail reaches every one.
+      const open = fixtures.serve([bash(probe), { content: "TASKCOMPLETE" }]);
+      const control = await runCommand([AIC, ...headless(open.url), "--auto-approve", "probe"], {
+        cwd: where.home,
+        env: { ...where.env, AIC_NO_NAMESPACES: "1" },
+      });
+      expect(control.code).toBe(0);
+      for (let n = 0; n < socks.length; n++) expect(toolResults(open)[0]).toContain(`s${n}=0`);
+    },
+  );
+
+  // Where git looks besides the project's own .git: what a command plants there is taken out after it, so the
+  // person's git outside finds nothing to run. Each PWN file would be made by the person's git running planted code.
+  describe.skipIf(!has.git || !hasPython)("the repository guard", () => {
+    const person = (dir: string, ...args: string[]) =>
+      Bun.spawnSync(["git", ...args], {
+        cwd: dir,
+        env: cleanEnv({
+          GIT_AUTHOR_NAME: "p",
+          GIT_AUTHOR_EMAIL: "p@p",
+          GIT_COMMITTER_NAME: "p",
+          GIT_COMMITTER_EMAIL: "p@p",
+        }),
+        stdout: "ignore",
+        stderr: "ignore",
+      });
+    const fsmonitor = (mark: string) => `"sh -c 'touch ${mark}'; false"`;
+
+    test("bare repositories, new settings, hidden gitlinks, git dirs planted in .git, node_modules gitlinks", async () => {
+      const where = place(USERS[0]!);
+      const pwn = (name: string) => join(where.base, `PWN-${name}`);
+      for (const args of [
+        ["init", "-q"],
+        ["commit", "-q", "--allow-empty", "-m", "init"],
+      ])
+        expect(person(where.cwd, ...args).exitCode).toBe(0);
+      const srv = fixtures.serve([
+        bash(
+          `git init -q --bare evilbare && git -C evilbare config core.bare false && git -C evilbare config core.worktree .. && git -C evilbare config core.fsmonitor ${fsmonitor(pwn("bare"))}; echo made`,
+        ),
+        bash(
+          `git init -q newrepo && git -C newrepo config gpg.format ssh && git -C newrepo config commit.gpgsign true && git -C newrepo config gpg.ssh.defaultKeyCommand 'touch ${pwn("defkey")}' && git -C newrepo config submodule.x.update '!touch ${pwn("subupd")}'; echo made`,
+        ),
+        bash(
+          `mkdir -p .hidden/h && git init -q .hidden/h && git -C .hidden/h commit -q --allow-empty -m s && git -C .hidden/h config core.fsmonitor ${fsmonitor(pwn("hidden"))} && git update-index --add --cacheinfo 160000,$(git -C .hidden/h rev-parse HEAD),.hidden/h; echo made`,
+        ),
+        bash(
+          `git init -q --separate-git-dir=.git/info/evil x && git -C x config core.fsmonitor ${fsmonitor(pwn("info"))}; echo made`,
+        ),
+        bash(
+          `mkdir -p node_modules/nm && git init -q node_modules/nm && git -C node_modules/nm commit -q --allow-empty -m s && git -C node_modules/nm config core.fsmonitor ${fsmonitor(pwn("nm"))} && git update-index --add --cacheinfo 160000,$(git -C node_modules/nm rev-parse HEAD),node_modules/nm; echo made`,
+        ),
+        { content: "TASKCOMPLETE" },
+      ]);
+      const run = await aicAs(USERS[0]!, srv.url, ["plant"], where, {
+        GIT_AUTHOR_NAME: "m",
+        GIT_AUTHOR_EMAIL: "m@m",
+        GIT_COMMITTER_NAME: "m",
+        GIT_COMMITTER_EMAIL: "m@m",
+      });
+      expect(run.code).toBe(0);
+      const results = toolResults(srv);
+      for (const r of results) expect(r).toContain("made");
+      for (const r of results) expect(r).toContain("aic took out");
+      for (const dir of ["", "evilbare", "newrepo", ".hidden/h", "x", "node_modules/nm"])
+        person(join(where.cwd, dir), "status");
+      person(join(where.cwd, "newrepo"), "commit", "-q", "--allow-empty", "-m", "p");
+      person(join(where.cwd, "newrepo"), "submodule", "update");
+      expect(readdirSync(where.base).filter((n) => n.startsWith("PWN"))).toEqual([]);
+    });
+
+    test("a .git made in a writable parent of a project that is no repository", async () => {
+      const parent = scratch("aic-jail-parent-");
+      const cwd = join(parent, "proj");
+      mkdirSync(cwd);
+      const mark = join(parent, "..", `${parent.split("/").at(-1)}-PWN`);
+      cleanups.push(() => Bun.spawnSync(["rm", "-f", mark]));
+      const srv = fixtures.serve([
+        bash(`git init -q .. && git -C .. config core.fsmonitor ${fsmonitor(mark)}; echo made`),
+        { content: "TASKCOMPLETE" },
+      ]);
+      const run = await runCommand([AIC, ...headless(srv.url), "--auto-approve", "plant"], { cwd });
+      expect(run.code).toBe(0);
+      expect(toolResults(srv)[0]).toContain("aic took out");
+      person(cwd, "status");
+      expect(existsSync(mark)).toBe(false);
+      expect(existsSync(join(parent, ".git.aic-disabled"))).toBe(true);
+    });
+
+    test("the repository the start directory is in, when it lies above it: read-only in the jail", async () => {
+      const top = scratch("aic-jail-mono-");
+      const cwd = join(top, "pkg");
+      mkdirSync(cwd);
+      expect(person(top, "init", "-q").exitCode).toBe(0);
+      const config = readFileSync(join(top, ".git", "config"), "utf8");
+      const srv = fixtures.serve([
+        bash(`git config core.fsmonitor ${fsmonitor(join(top, "PWN"))}; echo cfg=$?`),
+        { content: "TASKCOMPLETE" },
+      ]);
+      const run = await runCommand([AIC, ...headless(srv.url), "--auto-approve", "plant"], { cwd });
+      expect(run.code).toBe(0);
+      expect(toolResults(srv)[0]).toMatch(/cfg=[1-9]/);
+      expect(readFileSync(join(top, ".git", "config"), "utf8")).toBe(config);
+      person(cwd, "status");
+      expect(existsSync(join(top, "PWN"))).toBe(false);
+    });
+  });
 
   test("a session made during the run and deleted by a command is written again", async () => {
     const where = place(USERS[0]!);

@@ -20,6 +20,7 @@ import {
   perTestFixtures,
   runAic,
   scratch,
+  testStateHome,
   startAic,
   toolAnswer,
   waitFor,
@@ -115,7 +116,9 @@ describe("background jobs", () => {
     ]);
     const aic = startAic([...headless(srv.url), "--auto-approve", "--json", "print later"], { cwd });
     const started = await aic.waitForEvent("the job", (e) => e.type === "job_started");
-    expect(started.log).toMatch(/^\/tmp\/aic-out-.*\/job-.*\.log$/);
+    // In aic's state directory (the tests' own $XDG_STATE_HOME), out of other commands' reach.
+    expect(started.log).toStartWith(`${testStateHome()}/aic/outputs/aic-out-`);
+    expect(started.log).toMatch(/\/job-.*\.log$/);
     writeFileSync(join(cwd, "print-now"), "");
     await waitFor("the job's line in its log", () => readFileSync(started.log, "utf8").includes("late-line-from-job"));
     aic.proc.kill("SIGTERM");

@@ -61,15 +61,16 @@ function runAsNobody(args: string[], cwd: string, env: Record<string, string> = 
 
 // These attacks are stopped by the sandbox, which needs a kernel with Landlock: skipped without it.
 describe.skipIf(!has.landlock)("escapes through aic's own files (sandbox on)", () => {
-  // 1. The output directory is renamed and replaced by a link to /var/tmp between two cut outputs.
-  test("a swapped output directory never makes aic write outside the sandbox", async () => {
+  // 1. The output directory is renamed and replaced by a link to /var/tmp between two cut outputs. It lies in aic's
+  // state directory, out of reach in the jail; the tests' state directory is under /tmp, so without the jail a
+  // command can reach it.
+  test("a swapped output directory never makes aic write outside the sandbox (no jail)", async () => {
     const cwd = scratch();
-    const tmp = join(cwd, "tmp");
-    mkdirSync(tmp);
     const marker = `swap-${unique()}`;
+    const outputs = '"$XDG_STATE_HOME"/aic/outputs';
     const srv = fixtures.serve([
       bash("seq 1 20000 | tail -c 20000; echo"),
-      bash(`for x in "$TMPDIR"/aic-*; do mv "$x" "$x.moved" && ln -s /var/tmp "$x"; done; ls -l "$TMPDIR"`),
+      bash(`for x in ${outputs}/aic-*; do mv "$x" "$x.moved" && ln -s /var/tmp "$x"; done; ls -l ${outputs}`),
       bash(`seq 1 3000 | sed 's/^/${marker}-/'`),
       bash(`touch /var/tmp/${marker}-direct; echo rc=$?`),
       { content: "TASKCOMPLETE" },
@@ -77,7 +78,7 @@ describe.skipIf(!has.landlock)("escapes through aic's own files (sandbox on)", (
     // With a session file the outputs live as long as the session, so the file can be checked after the run.
     const run = await runAic([...headless(srv.url), "--auto-approve", "--session", "s.json", "attack"], {
       cwd,
-      env: { TMPDIR: tmp },
+      env: { AIC_NO_NAMESPACES: "1" },
     });
     try {
       expect(run.code).toBe(0);
@@ -403,6 +404,26 @@ describe("what aic must not lose or hide", () => {
     const sent = srv.requests[0]!.body.messages;
     expect(sent[1].content).toBe("123");
     expect(sent[2].content).toBe("[1,2]");
+  });
+
+  // A command may rewrite the session while no aic runs (after kill -9): the next start says the file is not what
+  // aic last wrote, so a person reads it before trusting it; an untouched file raises nothing.
+  test("a session changed since aic last wrote it is pointed out at the next start", async () => {
+    const cwd = scratch();
+    const file = join(cwd, ".aicsession");
+    const first = fixtures.serve([{ content: "TASKCOMPLETE" }]);
+    expect((await runAic([...headless(first.url), "--session", ".aicsession", "one"], { cwd })).code).toBe(0);
+    const again = fixtures.serve([{ content: "TASKCOMPLETE" }]);
+    const quiet = await runAic([...headless(again.url), "--session", ".aicsession", "two"], { cwd });
+    expect(quiet.code).toBe(0);
+    expect(quiet.stderr).not.toContain("changed since aic last wrote it");
+    const doc = JSON.parse(readFileSync(file, "utf8"));
+    doc.messages.push({ role: "user", content: "planted while aic was not running" });
+    writeFileSync(file, JSON.stringify(doc, null, 2));
+    const third = fixtures.serve([{ content: "TASKCOMPLETE" }]);
+    const told = await runAic([...headless(third.url), "--session", ".aicsession", "three"], { cwd });
+    expect(told.code).toBe(0);
+    expect(told.stderr).toContain(`${file} changed since aic last wrote it`);
   });
 
   test("a session written by a newer aic is neither read nor rewritten", async () => {

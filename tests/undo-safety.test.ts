@@ -159,7 +159,8 @@ describe("undo never reaches outside the project", () => {
     },
   );
 
-  // The root lies under /tmp, where commands may write: `mkdir ../.git` makes it look like a repository's top.
+  // The root lies under /tmp, where commands may write: a `.git` there makes it look like a repository's top. (One a
+  // command makes is moved aside by the repository guard; this one appears between runs, as by anyone else.)
   test.skipIf(!has.git)(
     "a .git made above the project does not move the checkpoints: undo still restores",
     async () => {
@@ -171,7 +172,8 @@ describe("undo never reaches outside the project", () => {
       expect(
         (await runAic([...headless(first.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env })).code,
       ).toBe(0);
-      const second = fixtures.serve([bash("mkdir ../.git && echo three > a.txt", "plant"), done]);
+      mkdirSync(join(root, ".git"));
+      const second = fixtures.serve([bash("echo three > a.txt", "edit"), done]);
       expect(
         (await runAic([...headless(second.url), "--auto-approve", "--session", session, "again"], { cwd: dir, env }))
           .code,
