@@ -138,9 +138,10 @@ const COMMAND_ENV: Record<string, string> = {
 };
 
 // ════════════════════════════════════════════════════════════════════════════
-// CLI and configuration
-// Owns: turning argv and the environment into a validated Config, or one
-// clear line and exit code 2. Flags live in a table, not an if-chain.
+// CLI: the configuration and its flags
+// Owns: the Config every part reads (with what is derived from it once: the
+// command limits, the session file), and the table of flags, held to Config
+// by the compiler. Flags live in a table, not an if-chain.
 // ════════════════════════════════════════════════════════════════════════════
 
 type CompressAlg = "context-compressor-llm" | "truncate";
@@ -192,33 +193,105 @@ interface Config {
   request: string | undefined;
   /** Warnings found while parsing that are not errors (an unknown algorithm name). */
   warnings: string[];
+  /** Derived once from the flags: what bounds each command. */
+  limits: CommandLimits;
+  /** Derived once from the flags: the session file this run uses (--session, else .aicsession in the TUI, else none). */
+  sessionPath: string | undefined;
 }
 
-type FlagKind = "bool" | "string" | "url" | "int" | "fraction" | "header" | "paths";
+/** What bounds one command, derived once from the flags. */
+interface CommandLimits {
+  timeoutSec: number;
+  /** Most bytes of a command's output the model is handed. */
+  maxOutputBytes: number;
+  /** Output past which a command is stopped as a runaway. */
+  runawayBytes: number;
+  /** Commands see CI=true (off with --no-ci-env). */
+  ciEnv: boolean;
+  /** Commands may use the person's ssh-agent (--allow-ssh-agent). */
+  sshAgent: boolean;
+}
 
-interface FlagSpec {
+/** The session file a run uses when the TUI is given none. */
+const DEFAULT_SESSION_FILE = ".aicsession";
+
+/**
+ * What each kind of flag yields, and so the type of the Config field it may
+ * fill: the table below is checked against Config by the compiler (a `bool`
+ * flag on a number field, or a choice outside the field's values, does not
+ * compile).
+ */
+interface FlagValues {
+  bool: boolean;
+  /** Optional text. */
+  text: string | undefined;
+  /** Text that must be given (an error names the flag when it is not). */
+  required: string;
+  /** An http(s) URL that must be given. */
+  url: string;
+  /** A positive whole number with a default. */
+  count: number;
+  /** A positive whole number, or nothing (no limit). */
+  limit: number | undefined;
+  /** A number strictly between 0 and 1, with a default. */
+  fraction: number;
+  header: Record<string, string>;
+  paths: string[];
+}
+
+/** The Config fields whose type is exactly `V`. */
+type FieldsOf<V> = {
+  [K in keyof Config]-?: [V] extends [Config[K]] ? ([Config[K]] extends [V] ? K : never) : never;
+}[keyof Config];
+
+/** The Config fields that hold one of a fixed set of words. */
+type ChoiceFields = {
+  [K in keyof Config]-?: Config[K] extends string ? (string extends Config[K] ? never : K) : never;
+}[keyof Config];
+
+interface FlagBase {
   name: string;
-  kind: FlagKind;
-  key: keyof Config;
   env?: string[];
   default?: string;
   /** The largest value a number may take: beyond it a timer, a buffer or a budget would be absurd. */
   max?: number;
+  /** For a flag that must be given: what is missing without it ("the model name"). */
+  missing?: string;
   help: string;
 }
+
+type FlagSpec =
+  | { [Kind in keyof FlagValues]: FlagBase & { kind: Kind; key: FieldsOf<FlagValues[Kind]> } }[keyof FlagValues]
+  | {
+      [K in ChoiceFields]: FlagBase & {
+        kind: "choice";
+        key: K;
+        choices: readonly Config[K][];
+        /** Used, with a warning, for a word outside `choices`; without it such a word is a usage error. */
+        fallback?: Config[K];
+      };
+    }[ChoiceFields];
 
 const FLAGS: readonly FlagSpec[] = [
   {
     name: "--api-base",
     kind: "url",
     key: "apiBase",
+    missing: "the model endpoint",
     env: ["AIC_API_BASE", "OPENAI_BASE_URL"],
     help: "OpenAI-compatible base URL, http(s)://…/v1. Required.",
   },
-  { name: "--model", kind: "string", key: "model", env: ["AIC_MODEL"], help: "Model name. Required." },
+  {
+    name: "--model",
+    kind: "required",
+    key: "model",
+    env: ["AIC_MODEL"],
+    missing: "the model name",
+    help: "Model name. Required.",
+  },
   {
     name: "--api-key",
-    kind: "string",
+    kind: "text",
     key: "apiKey",
     env: ["AIC_API_KEY", "OPENAI_API_KEY"],
     help: "API key (local servers need none). Never written to any file.",
@@ -234,7 +307,7 @@ const FLAGS: readonly FlagSpec[] = [
   { name: "--no-thinking", kind: "bool", key: "noThinking", help: "Do not show reasoning tokens." },
   {
     name: "--timeout",
-    kind: "int",
+    kind: "count",
     key: "timeoutSec",
     default: "120",
     max: MAX_TIMEOUT_SEC,
@@ -242,7 +315,7 @@ const FLAGS: readonly FlagSpec[] = [
   },
   {
     name: "--max-prompt-len",
-    kind: "int",
+    kind: "count",
     key: "maxPromptLen",
     default: "80000",
     max: 10_000_000,
@@ -250,7 +323,7 @@ const FLAGS: readonly FlagSpec[] = [
   },
   {
     name: "--max-output-bytes",
-    kind: "int",
+    kind: "count",
     key: "maxOutputBytes",
     default: "10240",
     max: 16 * 1024 * 1024,
@@ -258,7 +331,7 @@ const FLAGS: readonly FlagSpec[] = [
   },
   {
     name: "--max-steps",
-    kind: "int",
+    kind: "count",
     key: "maxSteps",
     default: "500",
     max: 1_000_000,
@@ -276,7 +349,7 @@ const FLAGS: readonly FlagSpec[] = [
     key: "nogui",
     help: "Plain output, no TUI. No session file unless --session is given.",
   },
-  { name: "--session", kind: "string", key: "session", help: "Session file (TUI default: ./.aicsession)." },
+  { name: "--session", kind: "text", key: "session", help: "Session file (TUI default: ./.aicsession)." },
   { name: "--no-session", kind: "bool", key: "noSession", help: "No session file at all." },
   { name: "--disable-sandbox", kind: "bool", key: "disableSandbox", help: "Do not confine commands with Landlock." },
   {
@@ -294,8 +367,10 @@ const FLAGS: readonly FlagSpec[] = [
   },
   {
     name: "--compress-alg",
-    kind: "string",
+    kind: "choice",
     key: "compressAlg",
+    choices: ["context-compressor-llm", "truncate"],
+    fallback: "truncate",
     default: "context-compressor-llm",
     help: "context-compressor-llm (anchored LLM summary) or truncate.",
   },
@@ -307,11 +382,11 @@ const FLAGS: readonly FlagSpec[] = [
     help: "Fraction of the budget kept after compression, 0 < F < 1.",
   },
   { name: "--fast", kind: "bool", key: "fast", help: "Force truncate and the short system prompt." },
-  { name: "--reasoning-effort", kind: "string", key: "reasoningEffort", help: "Passed through as reasoning_effort." },
+  { name: "--reasoning-effort", kind: "text", key: "reasoningEffort", help: "Passed through as reasoning_effort." },
   { name: "--json", kind: "bool", key: "json", help: "With --nogui: JSON Lines events on stdout." },
   {
     name: "--done-when",
-    kind: "string",
+    kind: "text",
     key: "doneWhen",
     env: ["AIC_DONE_WHEN"],
     help: "Shell command that must exit 0 for a claim of completion to count (exit 6 after 5 refusals).",
@@ -324,8 +399,9 @@ const FLAGS: readonly FlagSpec[] = [
   },
   {
     name: "--network",
-    kind: "string",
+    kind: "choice",
     key: "network",
+    choices: ["on", "off"],
     default: "on",
     help: "off: commands get a network of their own with only loopback (needs the jail).",
   },
@@ -349,13 +425,13 @@ const FLAGS: readonly FlagSpec[] = [
   },
   {
     name: "--rules",
-    kind: "string",
+    kind: "text",
     key: "rules",
     help: "Command rules file: allow / ask / deny lines (default ./.aicrules when it exists).",
   },
   {
     name: "--max-time",
-    kind: "int",
+    kind: "limit",
     key: "maxTime",
     env: ["AIC_MAX_TIME"],
     max: MAX_TIMEOUT_SEC,
@@ -369,13 +445,20 @@ const FLAGS: readonly FlagSpec[] = [
   },
   {
     name: "--max-tokens",
-    kind: "int",
+    kind: "limit",
     key: "maxTokens",
     env: ["AIC_MAX_TOKENS"],
     max: 1_000_000_000_000,
     help: "Token budget for all model calls, input plus output (exit 5 when the next call would pass it).",
   },
 ];
+
+// ════════════════════════════════════════════════════════════════════════════
+// CLI: reading the command line
+// Owns: the command line and the environment into a Config (or help, version,
+// search, undo, redo, diff), every bad value refused with one line naming its
+// flag; and the model profile and prompt budget derived from it.
+// ════════════════════════════════════════════════════════════════════════════
 
 class UsageError extends Error {}
 
@@ -395,7 +478,14 @@ function helpText(): string {
     "Options:",
   ];
   for (const f of FLAGS) {
-    const arg = f.kind === "bool" ? "" : f.kind === "int" || f.kind === "fraction" ? " N" : " VALUE";
+    const arg =
+      f.kind === "bool"
+        ? ""
+        : ["count", "limit", "fraction"].includes(f.kind)
+          ? " N"
+          : f.kind === "choice"
+            ? ` ${f.choices.join("|")}`
+            : " VALUE";
     const extras = [f.default ? `default ${f.default}` : "", f.env ? `env ${f.env.join(", then ")}` : ""].filter(
       Boolean,
     );
@@ -424,11 +514,9 @@ function describeFlag(f: FlagSpec): string {
   return f.env ? `${f.name} (or ${f.env.join(" / ")})` : f.name;
 }
 
-const flag = (name: string): FlagSpec => FLAGS.find((f) => f.name === name)!;
-
 /** Whole numbers in plain decimal only: " 5", "0x10", "1e3" and "+5" are typing mistakes, not numbers. */
 function parseNumberFlag(f: FlagSpec, raw: string): number {
-  if (f.kind === "int") {
+  if (f.kind === "count" || f.kind === "limit") {
     if (!/^[0-9]+$/.test(raw) || Number(raw) <= 0)
       throw new UsageError(`${describeFlag(f)} needs a positive whole number, got '${raw}'`);
     const value = Number(raw);
@@ -529,30 +617,7 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
     if (value === undefined) throw new UsageError(`${name} needs a value`);
     given.set(spec, spec.kind === "header" || spec.kind === "paths" ? [...(given.get(spec) ?? []), value] : [value]);
   }
-  const fromEnv = (f: FlagSpec): string | undefined => (f.env ?? []).map((name) => env[name]).find((v) => v);
-  const config: Record<string, unknown> = { warnings: [] as string[] };
-  for (const f of FLAGS) {
-    if (f.kind === "header") {
-      // Headers from the environment first, then the flags (a flag overrides the same name).
-      const lines = [...(fromEnv(f) ?? "").split("\n").filter((l) => l.trim()), ...(given.get(f) ?? [])];
-      config[f.key] = parseHeaders(f, lines);
-      continue;
-    }
-    if (f.kind === "paths") {
-      const paths = [...(fromEnv(f) ?? "").split(":").filter(Boolean), ...(given.get(f) ?? [])];
-      config[f.key] = paths.map((p) => parseWritablePath(f, p));
-      continue;
-    }
-    const raw = given.get(f)?.[0] ?? fromEnv(f) ?? f.default;
-    if (f.kind === "bool") config[f.key] = raw !== undefined;
-    else if (raw === undefined) config[f.key] = undefined;
-    else if (f.kind === "string") config[f.key] = raw;
-    else if (f.kind === "url") config[f.key] = parseUrlFlag(f, raw);
-    else config[f.key] = parseNumberFlag(f, raw);
-  }
-  const c = config as unknown as Config;
-  if (!c.apiBase) throw new UsageError(`missing the model endpoint: give ${describeFlag(flag("--api-base"))}`);
-  if (!c.model) throw new UsageError(`missing the model name: give ${describeFlag(flag("--model"))}`);
+  const c = configFromFlags(given, env);
   if (c.json && !c.nogui) throw new UsageError("--json needs --nogui");
   if (c.session !== undefined && c.noSession) throw new UsageError("--session and --no-session contradict each other");
   if (c.session === "") throw new UsageError("--session needs a file path");
@@ -561,16 +626,83 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
     if (!fs.statSync(dir, { throwIfNoEntry: false })?.isDirectory())
       throw new UsageError(`--session ${c.session}: the directory ${dir} does not exist`);
   }
-  if (c.compressAlg !== "context-compressor-llm" && c.compressAlg !== "truncate") {
-    c.warnings.push(`unknown --compress-alg '${c.compressAlg}', using truncate`);
-    c.compressAlg = "truncate";
-  }
   if (c.fast) c.compressAlg = "truncate";
   if (c.doneWhen !== undefined && !c.doneWhen.trim()) throw new UsageError("--done-when needs a command");
-  if (c.network !== "on" && c.network !== "off") throw new UsageError(`--network takes on or off, got '${c.network}'`);
+  c.sessionPath = c.noSession ? undefined : (c.session ?? (c.nogui ? undefined : DEFAULT_SESSION_FILE));
+  c.limits = {
+    timeoutSec: c.timeoutSec,
+    maxOutputBytes: c.maxOutputBytes,
+    runawayBytes: RUNAWAY_FACTOR * c.maxOutputBytes,
+    ciEnv: !c.noCiEnv,
+    sshAgent: c.allowSshAgent,
+  };
   c.request = words.length ? words.join(" ") : undefined;
   if (c.nogui && !c.request) throw new UsageError("--nogui needs a request (the task), or - to read it from stdin");
   return { kind: "run", config: c };
+}
+
+/**
+ * Every flag's value from the command line (`given`), else the environment,
+ * else its default, parsed by its kind. The compiler holds each kind to the
+ * type of its Config field; what is not a flag (the request, warnings) is
+ * filled in here too and set by the caller.
+ */
+function configFromFlags(given: Map<FlagSpec, string[]>, env: Record<string, string | undefined>): Config {
+  const fromEnv = (f: FlagSpec): string | undefined => (f.env ?? []).map((name) => env[name]).find((v) => v);
+  const config = { warnings: [] as string[], request: undefined } as Partial<Config> & Pick<Config, "warnings">;
+  const set = <K extends keyof Config>(key: K, value: Config[K]) => {
+    config[key] = value;
+  };
+  for (const f of FLAGS) {
+    const raw = given.get(f)?.[0] ?? fromEnv(f) ?? f.default;
+    switch (f.kind) {
+      case "header": // from the environment first, then the flags (a flag overrides the same name)
+        set(
+          f.key,
+          parseHeaders(f, [...(fromEnv(f) ?? "").split("\n").filter((l) => l.trim()), ...(given.get(f) ?? [])]),
+        );
+        break;
+      case "paths":
+        set(
+          f.key,
+          [...(fromEnv(f) ?? "").split(":").filter(Boolean), ...(given.get(f) ?? [])].map((p) =>
+            parseWritablePath(f, p),
+          ),
+        );
+        break;
+      case "bool":
+        set(f.key, raw !== undefined);
+        break;
+      case "text":
+        set(f.key, raw);
+        break;
+      case "required":
+      case "url":
+        if (!raw) throw new UsageError(`missing ${f.missing}: give ${describeFlag(f)}`);
+        set(f.key, f.kind === "url" ? parseUrlFlag(f, raw) : raw);
+        break;
+      case "limit":
+        set(f.key, raw === undefined ? undefined : parseNumberFlag(f, raw));
+        break;
+      case "count":
+      case "fraction":
+        set(f.key, parseNumberFlag(f, raw ?? ""));
+        break;
+      case "choice":
+        setChoice(f, raw, config);
+    }
+  }
+  return config as Config;
+}
+
+/** A choice flag's word, or its fallback (with a warning) when it names none of the choices. */
+function setChoice(f: Extract<FlagSpec, { kind: "choice" }>, raw: string | undefined, config: Partial<Config>): void {
+  const choices: readonly string[] = f.choices;
+  const word = raw ?? f.default ?? "";
+  if (choices.includes(word)) return void Object.assign(config, { [f.key]: word });
+  if (f.fallback === undefined) throw new UsageError(`${f.name} takes ${choices.join(" or ")}, got '${word}'`);
+  config.warnings!.push(`unknown ${f.name} '${word}', using ${f.fallback}`);
+  Object.assign(config, { [f.key]: f.fallback });
 }
 
 function parseSearchArgs(argv: string[]): ParsedArgs {
@@ -596,7 +728,7 @@ function parseSearchArgs(argv: string[]): ParsedArgs {
 
 /** `aic undo [N] [--session PATH]`, `aic redo [--session PATH]`, `aic diff [N] [--session PATH]`. */
 function parseUndoArgs(kind: "undo" | "redo" | "diff", argv: string[]): ParsedArgs {
-  let session = ".aicsession";
+  let session = DEFAULT_SESSION_FILE;
   let count = 1;
   let counted = false;
   for (let i = 0; i < argv.length; i++) {
@@ -1043,8 +1175,53 @@ const disarmedMessage = (lines: readonly string[]) =>
 const droppedOutputNote = (bytes: number) =>
   `[… ${bytes} bytes arrived faster than they could be rendered and were left out …]`;
 
+function jobStateText(job: Job): string {
+  const code = job.exitCode === null ? "exit code unknown" : `exit code ${job.exitCode}`;
+  const took = waitText((job.endedAt ?? Date.now()) - job.startedAt);
+  switch (job.state) {
+    case "running":
+      return `running for ${took}`;
+    case "killed":
+      return `stopped by the person after ${took}`;
+    case "stopped_at_exit":
+      return `stopped when aic exited, after ${took}`;
+    case "refused":
+      return `stopped at once: too many jobs`;
+    default:
+      return `ended after ${took}, ${code}`;
+  }
+}
+
+/**
+ * `[job 1] running for 12 s: process group 4242 (python3 -m http.server 8123); stop it with: kill -- -4242; its
+ * terminal is logged to /tmp/…/job-….log`. A job is its process group (a dev server's children included), so the
+ * line names the one command that stops all of it; `kill %1` would mean nothing to the next command's fresh shell.
+ */
+function jobLine(job: Job, group = jobGroup(job)): string {
+  const running =
+    job.state === "running" ? `; stop it with: kill -- -${group}; its terminal is logged to ${job.terminal.path}` : "";
+  return `[job ${job.id}] ${jobStateText(job)}: process group ${group} (${job.command})${running}`;
+}
+
+/** The line a tool result ends with when the command left more jobs than may run: they were stopped. */
+function refusedJobsNote(refused: readonly { command: string }[]): string {
+  return `This command left ${refused.length} more process group(s) running, but at most ${MAX_JOBS} background jobs run at once, so aic stopped them: ${refused.map((j) => j.command).join("; ")}. Stop a job you no longer need (kill its pid) before starting another.`;
+}
+
+/** What the model is told when the --done-when check refuses its claim of completion. */
+function completionRefusal(command: string, result: CommandResult): string {
+  const how = result.status === "exited" ? "" : ` (${result.status.replace(/_/g, " ")})`;
+  const code = result.exitCode ?? "without an exit code";
+  return `[Completion check failed] ${command} exited ${code}${how}:\n${result.output.trim() ? result.output : "(no output)"}\nThe task is not finished: keep working, and claim completion again only once this check would pass.`;
+}
+
+/** Added to the conversation when the person undid a command whose turn was compressed away. */
+const undoneNote = (what: string) =>
+  `[aic] The person undid ${what}: the files are back as they were before it ran. Do not rely on what it did.`;
+
 /** The tool message for one finished command: its exit code and what a person would have seen, or why it ended early. */
-function describeCommandResult(r: CommandResult, timeoutSec: number, maxOutputBytes: number): string {
+function describeCommandResult(r: CommandResult, limits: CommandLimits): string {
+  const { timeoutSec } = limits;
   switch (r.status) {
     case "exited":
       return `Command executed with exit code ${r.exitCode}.\nOutput:\n${r.output}`;
@@ -1053,7 +1230,7 @@ function describeCommandResult(r: CommandResult, timeoutSec: number, maxOutputBy
     case "waiting_for_input":
       return `Command stopped: it was waiting for input from the terminal and nobody can answer it (exit code ${r.exitCode}). Re-run it non-interactively: use flags such as -y/--yes/--non-interactive, pipe answers with yes |, or feed a here-document.\nOutput before it was stopped:\n${r.output}`;
     case "runaway":
-      return `Command stopped: it printed more than ${RUNAWAY_FACTOR * maxOutputBytes} bytes, the runaway-output limit (exit code ${r.exitCode}). Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`;
+      return `Command stopped: it printed more than ${limits.runawayBytes} bytes, the runaway-output limit (exit code ${r.exitCode}). Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`;
     case "not_started":
       return `Command could not be started: ${r.output}. Nothing ran.`;
     case "interrupted":
@@ -1062,6 +1239,48 @@ function describeCommandResult(r: CommandResult, timeoutSec: number, maxOutputBy
       return `Command stopped before it finished because the run was stopped (exit code ${r.exitCode}).\nOutput before it was stopped:\n${r.output}`;
   }
 }
+
+/**
+ * Every text of this section by name, for the snapshot test that shows each
+ * one as the model reads it (tests/model-texts.test.ts): a change to any of
+ * them is a change to what every model is told, and shows in review.
+ */
+const MODEL_TEXTS = {
+  TRUNCATION_SENTINEL,
+  CONDENSED_TOOL_OUTPUT,
+  SUMMARY_HEADING,
+  SUMMARY_UNAVAILABLE,
+  CONTINUE_FALLBACK,
+  SESSION_RECOVERED_NOTICE,
+  SKIPPED_BY_USER,
+  NOT_EXECUTED_STOPPED,
+  NOT_EXECUTED_INTERRUPTED,
+  EXECUTE_BASH_TOOL,
+  buildSystemPrompt,
+  invalidArgumentsMessage,
+  cutOffMessage,
+  deniedByRuleMessage,
+  unseenCommandMessage,
+  needsPersonMessage,
+  CONTINUE_MESSAGE,
+  SUMMARISER_SYSTEM,
+  summariserRequest,
+  systemContent,
+  SKIPPED_AFTER_SUGGESTION,
+  NO_ARGUMENTS_MESSAGE,
+  unknownFunctionMessage,
+  steeringMessage,
+  suggestionInsteadMessage,
+  truncationNote,
+  changedFilesNote,
+  disarmedMessage,
+  droppedOutputNote,
+  jobLine,
+  refusedJobsNote,
+  completionRefusal,
+  undoneNote,
+  describeCommandResult,
+} as const;
 
 // ════════════════════════════════════════════════════════════════════════════
 // Events
@@ -1266,6 +1485,71 @@ class MarkerFilter {
   }
 }
 
+/** What a front end draws as a turn's answer streams: the reducer's output, rendered by each in its own way. */
+type AnswerAction =
+  | { kind: "thinking_start" }
+  | { kind: "thinking"; text: string }
+  /** Reasoning ended: `announced` when the model said so, otherwise the answer simply began. */
+  | { kind: "thinking_end"; announced: boolean }
+  /** More of the answer: `text` is new, `whole` all of it so far (control characters shown, the marker left out). */
+  | { kind: "text"; text: string; whole: string }
+  /** The answer is final: `text` is what was still held back. */
+  | { kind: "done"; text: string; whole: string }
+  /** The attempt failed and its answer is thrown away (a retry follows). */
+  | { kind: "discarded" };
+
+/**
+ * The streamed answer as one state machine for every front end: reasoning
+ * banners, the completion marker kept from view even split across chunks,
+ * the answer so far, and an attempt's answer thrown away on a retry. A
+ * front end feeds it events and draws the actions it returns.
+ */
+class AnswerStream {
+  private marker = new MarkerFilter();
+  private thinking = false;
+  private whole = "";
+
+  constructor(private readonly showThinking: boolean) {}
+
+  reduce(e: AgentEvent): AnswerAction[] {
+    switch (e.type) {
+      case "reasoning_delta": {
+        if (!this.showThinking) return [];
+        const start: AnswerAction[] = this.thinking ? [] : [{ kind: "thinking_start" }];
+        this.thinking = true;
+        return [...start, { kind: "thinking", text: visibleControls(e.text) }];
+      }
+      case "thinking_complete":
+        this.thinking = false;
+        return this.showThinking ? [{ kind: "thinking_end", announced: true }] : [];
+      case "assistant_delta": {
+        const ended: AnswerAction[] = this.thinking ? [{ kind: "thinking_end", announced: false }] : [];
+        this.thinking = false;
+        const text = visibleControls(this.marker.push(e.text));
+        this.whole += text;
+        return [...ended, { kind: "text", text, whole: this.whole }];
+      }
+      case "assistant": {
+        const text = visibleControls(this.marker.flush());
+        const done: AnswerAction = { kind: "done", text, whole: this.whole + text };
+        this.reset();
+        return [done];
+      }
+      case "discarded":
+        this.reset();
+        return [{ kind: "discarded" }];
+      default:
+        return [];
+    }
+  }
+
+  private reset(): void {
+    this.marker = new MarkerFilter();
+    this.thinking = false;
+    this.whole = "";
+  }
+}
+
 /** How a line should look; each sink maps a tone to its colours (or to none). */
 type Tone = "dim" | "info" | "warning" | "error" | "command" | "ok" | "bad" | "summary";
 /** Where a line belongs: the agent's own account (stderr without the TUI) or the commands' console (stdout). */
@@ -1385,6 +1669,18 @@ const paint = (on: boolean, code: string, text: string) => (on ? `\x1b[${code}m$
 const TRAILING_ESCAPE = /\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*|\x1b?)?$/;
 
 /**
+ * `text` split where an escape sequence may still be incomplete: the rest is
+ * held for the next chunk (at most 256 characters: beyond that it was never a
+ * sequence). Every front end that shows a command's output holds it so.
+ */
+function holdTrailingEscape(text: string): { ready: string; held: string } {
+  const cut = text.search(TRAILING_ESCAPE);
+  return cut >= 0 && text.length - cut <= 256
+    ? { ready: text.slice(0, cut), held: text.slice(cut) }
+    : { ready: text, held: "" };
+}
+
+/**
  * A command's output bound for a log or a pipe rather than a terminal:
  * escape sequences and control characters removed, CR LF and lone CR as LF.
  * A sequence or a CR LF split across two chunks is held until the next one.
@@ -1394,12 +1690,11 @@ class LogText {
   private held = "";
 
   push(bytes: Uint8Array): string {
-    let text = this.held + this.decoder.decode(bytes, { stream: true });
-    const cut = text.search(TRAILING_ESCAPE);
-    const hold = cut >= 0 && text.length - cut <= 256 ? cut : text.endsWith("\r") ? text.length - 1 : text.length;
-    this.held = text.slice(hold);
-    text = text.slice(0, hold);
-    return Bun.stripANSI(text).replace(/\r\n?/g, "\n").replace(CONTROL_CHARACTERS, "");
+    let { ready, held } = holdTrailingEscape(this.held + this.decoder.decode(bytes, { stream: true }));
+    // A CR may be the first half of a CR LF.
+    if (!held && ready.endsWith("\r")) [ready, held] = [ready.slice(0, -1), "\r"];
+    this.held = held;
+    return Bun.stripANSI(ready).replace(/\r\n?/g, "\n").replace(CONTROL_CHARACTERS, "");
   }
 
   /** The rest, at the end of a command. */
@@ -1455,15 +1750,16 @@ class PlainSink implements EventSink {
   private readonly outIsTerminal = Boolean(process.stdout.isTTY);
   private readonly log = new LogText();
   private readonly err = useColor(process.stderr);
-  private marker = new MarkerFilter();
+  private readonly stream: AnswerStream;
   private midLine = false;
-  private thinking = false;
   /**
    * Off a terminal, the answer of an attempt waits here until the attempt is
    * known good: an answer a retry discards never reaches a log unmarked.
    */
   private answer: string[] = [];
-  constructor(private readonly showThinking: boolean) {}
+  constructor(showThinking: boolean) {
+    this.stream = new AnswerStream(showThinking);
+  }
 
   private stdout(text: string) {
     if (!text) return;
@@ -1483,38 +1779,39 @@ class PlainSink implements EventSink {
     this.stdout(paint(this.out, ANSI_TONES[tone], text) + "\n");
   }
 
-  emit(e: AgentEvent): void {
-    switch (e.type) {
-      case "reasoning_delta":
-        if (!this.showThinking) return;
-        if (!this.thinking) {
-          this.stderr(paint(this.err, ANSI_TONES.dim, "[THINKING]"));
-          this.thinking = true;
-        }
-        writeOut(2, paint(this.err, ANSI_TONES.dim, visibleControls(e.text)));
+  /** Reasoning on stderr; the answer on stdout, live on a terminal, held until it is final otherwise. */
+  private draw(a: AnswerAction): void {
+    const dim = (text: string) => paint(this.err, ANSI_TONES.dim, text);
+    switch (a.kind) {
+      case "thinking_start":
+        return this.stderr(dim("[THINKING]"));
+      case "thinking":
+        return writeOut(2, dim(a.text));
+      case "thinking_end":
+        return a.announced ? this.stderr(dim("\n[THINKING COMPLETE]")) : undefined;
+      case "text":
+        if (this.outIsTerminal) this.stdout(a.text);
+        else this.answer.push(a.text);
         return;
-      case "thinking_complete":
-        if (this.showThinking) this.stderr(paint(this.err, ANSI_TONES.dim, "\n[THINKING COMPLETE]"));
-        this.thinking = false;
-        return;
-      case "assistant_delta": {
-        const text = visibleControls(this.marker.push(e.text));
-        if (this.outIsTerminal) return this.stdout(text);
-        this.answer.push(text);
-        return;
-      }
-      case "assistant":
-        this.stdout(this.answer.splice(0).join("") + visibleControls(this.marker.flush()));
+      case "done":
+        this.stdout(this.answer.splice(0).join("") + a.text);
         if (this.midLine) this.stdout("\n");
-        this.thinking = false;
         return;
       case "discarded":
-        this.marker = new MarkerFilter();
         this.answer = [];
-        this.thinking = false;
         if (this.outIsTerminal && this.midLine)
           this.stdout(`\n${paint(this.out, ANSI_TONES.warning, "[the answer above was discarded; asking again]")}\n`);
-        break;
+    }
+  }
+
+  emit(e: AgentEvent): void {
+    for (const action of this.stream.reduce(e)) this.draw(action);
+    switch (e.type) {
+      case "reasoning_delta":
+      case "thinking_complete":
+      case "assistant_delta":
+      case "assistant":
+        return;
       case "command_output": {
         const text = this.outIsTerminal ? e.data : this.log.push(e.data);
         if (!text.length) return;
@@ -2205,10 +2502,28 @@ interface CompletionRequest {
 }
 
 /**
+ * What the loop needs of a model: one streamed completion (retried as the
+ * port sees fit, each wait told to the sink), and the news that a new run
+ * starts. Production passes a ModelClient speaking to the endpoint; tests can
+ * pass a scripted model and run the whole loop in-process.
+ */
+interface ModelPort {
+  newRun(): void;
+  completeWithRetries(
+    request: () => CompletionRequest,
+    signal: AbortSignal,
+    on: StreamCallbacks & { onDiscard?(reason: string): void },
+  ): Promise<AssistantTurn>;
+}
+
+/** How a retry waits: a real sleep that the run's stop can cut short (tests pass one that records and returns). */
+type RetryWait = (ms: number, signal: AbortSignal) => Promise<void>;
+
+/**
  * One model endpoint. `complete` streams a single attempt; `completeWithRetries`
  * wraps it in the retry policy and reports every wait to the sink.
  */
-class ModelClient {
+class ModelClient implements ModelPort {
   private clientPromise: Promise<import("openai").OpenAI> | undefined;
   /** Whether the current attempt's stream carried `data: [DONE]` (seen on the wire: the SDK hides it). */
   private sawDone = false;
@@ -2217,6 +2532,7 @@ class ModelClient {
   constructor(
     private readonly config: Config,
     private readonly sink: EventSink,
+    private readonly wait: RetryWait = abortableSleep,
   ) {}
 
   private client(): Promise<import("openai").OpenAI> {
@@ -2390,7 +2706,7 @@ class ModelClient {
             : Math.min(BACKOFF_CAP_MS, 1000 * 2 ** (attempt - 1));
         const wait = Math.min(BACKOFF_CAP_MS, error.retryAfterMs ?? backoff);
         this.sink.emit({ type: "retry", attempt, wait_ms: wait, reason: error.message });
-        await abortableSleep(wait, signal);
+        await this.wait(wait, signal);
       }
     }
   }
@@ -2573,6 +2889,90 @@ async function compressAnchored(
     detail += `; then ${squeezed.detail}`;
   }
   return { messages: out, summary, detail, removed: evicted.length };
+}
+
+/**
+ * When the history is compressed and how far: at the start of a step once it
+ * passes the budget, down to `target` of the budget; when the server says a
+ * prompt is too long, `OVERFLOW_SHRINK` of the last target below the
+ * server's own figure, up to MAX_CONTEXT_RETRIES times.
+ */
+class CompressionPolicy {
+  /** Each "prompt too long" from the server halves the target. */
+  static readonly OVERFLOW_SHRINK = 0.5;
+
+  constructor(
+    readonly algorithm: CompressAlg,
+    /** The fraction of the budget a compression aims at (--compress-target). */
+    readonly target: number,
+    /** The prompt budget in the server's tokens. */
+    readonly budget: number,
+  ) {}
+
+  /** The target after the server refused a prompt aimed at `fraction`. */
+  afterOverflow(fraction: number): number {
+    return fraction * CompressionPolicy.OVERFLOW_SHRINK;
+  }
+
+  /** How many raw (tiktoken) tokens to aim at: `fraction` of the budget, or of `ceiling` when the server set a lower one. */
+  targetRaw(fraction: number, ratio: number, ceiling = Infinity): number {
+    return Math.floor(Math.floor(Math.min(this.budget, ceiling) * fraction) / ratio);
+  }
+}
+
+/** The history and what stays beside it that compression may change. */
+interface History {
+  messages: Message[];
+  /** The anchored summary of what was evicted so far. */
+  summary: string | undefined;
+}
+
+/**
+ * The history's size in the server's tokens. It is counted from the newest
+ * message back and only until `limit` is passed (unless `whole`): a long
+ * history resumed far over the budget is never encoded whole. The part left
+ * uncounted enters the figure as a guess, at the counted part's tokens per byte.
+ */
+async function measureHistory(
+  messages: Message[],
+  counter: TokenCounter,
+  limit: number,
+  whole: boolean,
+): Promise<number> {
+  const counted = await counter.countRawNewest(messages, whole ? Infinity : limit / counter.ratio);
+  const rest = messages.slice(0, counted.from);
+  const uncounted = rest.length
+    ? Math.ceil((tokenUpperBound(rest) * counted.raw) / tokenUpperBound(messages.slice(counted.from)))
+    : 0;
+  return Math.ceil((counted.raw + uncounted) * counter.ratio);
+}
+
+/** Compresses `history` down to `targetRaw` with the policy's algorithm; the new history and what happened. */
+async function compressHistory(
+  history: History,
+  policy: CompressionPolicy,
+  o: {
+    counter: TokenCounter;
+    targetRaw: number;
+    basePrompt: string;
+    summarise: (request: Message[]) => Promise<string | undefined>;
+  },
+): Promise<History & { result: CompressionResult }> {
+  if (policy.algorithm === "truncate") {
+    const result = compressTruncate(history.messages, o.counter, o.targetRaw);
+    return { messages: result.messages, summary: history.summary, result };
+  }
+  const budgetRaw = Math.floor(policy.budget / o.counter.ratio);
+  const anchored = await compressAnchored(
+    history.messages,
+    o.basePrompt,
+    history.summary,
+    o.counter,
+    o.targetRaw,
+    o.summarise,
+    budgetRaw,
+  );
+  return { messages: anchored.messages, summary: anchored.summary, result: anchored };
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -3045,6 +3445,19 @@ function isSendableContent(content: unknown): boolean {
  */
 function repairMessages(raw: unknown[], systemPrompt: string): { messages: Message[]; reports: string[] } {
   const reports: string[] = [];
+  let messages = onlyMessages(raw, reports);
+  messages = withSendableContent(messages, reports);
+  messages = withWellFormedCalls(messages, reports);
+  if (messages[0]?.role !== "system") {
+    messages.unshift({ role: "system", content: systemPrompt });
+    reports.push("added the missing system prompt");
+  }
+  // A trailing assistant message without tool calls is the model's last answer: it stays, so a resumed model remembers its conclusion.
+  return { messages: withAnswersAfterCalls(messages, reports), reports };
+}
+
+/** The entries that are messages (an object with a role) of a role the API knows. */
+function onlyMessages(raw: unknown[], reports: string[]): Message[] {
   let messages = raw.filter(
     (m): m is Message =>
       typeof m === "object" && m !== null && !Array.isArray(m) && typeof (m as Message).role === "string",
@@ -3060,8 +3473,13 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
       `dropped ${unknownRoles.length} message(s) with an unknown role (${[...new Set(unknownRoles.map((m) => JSON.stringify(m.role)))].join(", ")})`,
     );
   }
+  return messages;
+}
+
+/** Content the API takes: text or a list of content parts; anything else becomes its JSON text. */
+function withSendableContent(messages: Message[], reports: string[]): Message[] {
   let retyped = 0;
-  messages = messages.map((m) => {
+  const out = messages.map((m) => {
     if (isSendableContent(m.content)) return m;
     retyped++;
     return { ...m, content: typeof m.content === "string" ? m.content : JSON.stringify(m.content) };
@@ -3070,8 +3488,13 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
     reports.push(
       `turned the content of ${retyped} message(s) into text (it was neither text nor a list of content parts)`,
     );
+  return out;
+}
+
+/** Tool calls with an id and a function name, their arguments as JSON text; the others dropped. */
+function withWellFormedCalls(messages: Message[], reports: string[]): Message[] {
   let badCalls = 0;
-  messages = messages.map((m) => {
+  const out = messages.map((m) => {
     if (!("tool_calls" in m)) return m;
     const raw = m.tool_calls as unknown;
     const calls = (Array.isArray(raw) ? raw : []).filter(
@@ -3097,11 +3520,15 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
   });
   if (badCalls)
     reports.push(`dropped ${badCalls} malformed tool call(s) (not an object with an id and a function name)`);
-  if (messages[0]?.role !== "system") {
-    messages.unshift({ role: "system", content: systemPrompt });
-    reports.push("added the missing system prompt");
-  }
-  // Tool answers must follow the assistant call they answer.
+  return out;
+}
+
+/**
+ * Tool answers right after the assistant call they answer: an answer to no
+ * open call is dropped, a call left unanswered (aic ended while it ran) is
+ * closed with the SESSION RECOVERED notice.
+ */
+function withAnswersAfterCalls(messages: Message[], reports: string[]): Message[] {
   const kept: Message[] = [];
   let open = new Set<string>();
   let orphans = 0;
@@ -3132,8 +3559,7 @@ function repairMessages(raw: unknown[], systemPrompt: string): { messages: Messa
     reports.push(
       `closed ${recovered} unanswered tool call(s) with a ${SESSION_RECOVERED} notice (the command was not re-run)`,
     );
-  // A trailing assistant message without tool calls is the model's last answer: it stays, so a resumed model remembers its conclusion.
-  return { messages: kept, reports };
+  return kept;
 }
 
 /** Decodes a session file's bytes; invalid UTF-8 and a byte-order mark are repairs to report. */
@@ -3512,7 +3938,7 @@ function writeDebugDump(dir: HeldDirectory, messages: readonly Message[], estima
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Session store
+// Session store: ids, state and locks
 // Owns: `.aicsession`, the hand-editable mirror of the conversation: claiming a
 // file with a kernel flock (released when the process dies, so no lock goes
 // stale), atomic writes, and repairing whatever a crash or a person left in it.
@@ -3610,6 +4036,13 @@ function sessionStateFile(file: string, kind: "lock" | "written"): string | unde
   const hash = createHash("sha256").update(path.resolve(file)).digest("hex").slice(0, 24);
   return state && path.join(state, "locks", `${hash}.${kind}`);
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Session store
+// Owns: one claimed session file: claiming it (the first free instance, locked
+// in aic's state directory), loading and repairing it, saving it atomically at
+// each named moment, and noticing what others did to it.
+// ════════════════════════════════════════════════════════════════════════════
 
 /**
  * One claimed session file and its checkpoints. The file sits where commands
@@ -4073,7 +4506,7 @@ class SessionStore {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Sandbox
+// Sandbox: what commands may touch
 // Owns: confining the commands the agent runs with Landlock, through bun:ffi
 // since no library does this for Bun.
 //
@@ -4359,6 +4792,13 @@ function tildePath(p: string, home: string | undefined): string {
   return home && isBeneath(p, home) ? `~${p.slice(home.length)}` : p;
 }
 
+// ════════════════════════════════════════════════════════════════════════════
+// Sandbox: Landlock and capabilities
+// Owns: the syscalls that confine a process for good: capabilities dropped, no
+// new privileges, a Landlock ruleset with its scopes, then execve of the
+// launcher (`aic __sandbox-exec PLAN -- …`).
+// ════════════════════════════════════════════════════════════════════════════
+
 /** Landlock filesystem rights (linux/landlock.h), with the ABI that introduced each. */
 const LANDLOCK_FS = {
   WRITE_FILE: [1n << 1n, 1],
@@ -4530,6 +4970,14 @@ function selfCommand(): string {
 }
 
 /** What aic keeps of its own that no command may read: the checkpoint store, the prompt history, other runs' outputs. */
+
+// ════════════════════════════════════════════════════════════════════════════
+// Sandbox: a run's sandbox
+// Owns: what one run sets up: the paths and plan, the jail or the reason for
+// none, the launcher started once the session is claimed, the repository
+// guard, and the start line that says all of it.
+// ════════════════════════════════════════════════════════════════════════════
+
 /** What the jail is told of aic's own files when it starts: the start directory (held), session files to keep read-only, this run's outputs. */
 interface OwnFiles {
   workDir: HeldDirectory;
@@ -4576,30 +5024,12 @@ function setUpSandbox(config: Config, deniedPrograms: readonly string[] = []): S
     return sandboxOff(abi);
   }
   const home = homeDirectory();
-  const caches = home ? prepareCaches(home) : [];
-  // Real paths, so the launcher can open each without following a link (a command may plant one later).
-  const real = (dir: string) => (fs.lstatSync(dir).isSymbolicLink() ? fs.realpathSync(dir) : dir);
-  const writable = [...new Set([process.cwd(), "/tmp", "/dev", ...caches, ...config.allowWrite].map(real))];
-  const stores =
-    home && !config.allowReadSecrets
-      ? SECRET_STORES.flatMap((s) =>
-          s === ".ssh" && config.allowSshAgent ? sshPrivateFiles(home) : [path.join(home, s)],
-        )
-      : [];
-  // A secret store inside a writable tree (aic started in ~) cannot be kept unreadable: commands may rewrite it
-  // anyway, and files they create there later must be readable. It is said at start instead of half-protected.
-  const exposed = stores.filter((s) => writable.some((w) => s === w || isBeneath(s, w)));
-  const secrets = stores.filter((s) => !exposed.includes(s));
-  // A program a deny rule forbids outright cannot be executed, nor read (so it cannot be copied and run).
-  const binaries = deniedPrograms.flatMap(programFiles).filter((f) => !writable.some((w) => isBeneath(f, w)));
-  // aic's own state is unreadable under Landlock alone too, where it is not in a writable tree (the jail hides it all).
-  const state = aicStatePaths(home).filter((p) => !writable.some((w) => p === w || isBeneath(p, w)));
-  const plan = planSandbox(writable, [...secrets, ...state], binaries);
+  const paths = sandboxPaths(config, home, deniedPrograms);
   // The launcher must be something a confined command cannot swap out: aic's own binary by descriptor (fd 3 of
   // the child, opened from /proc/self/exe when it starts), the very inode running now.
   const launcher = selfArgv();
   const script = launcher[1];
-  if (script && writable.some((dir) => script === dir || isBeneath(script, dir)))
+  if (script && paths.writable.some((dir) => script === dir || isBeneath(script, dir)))
     return sandboxOff(
       `the aic script ${script} lives where commands may write, so they could change the sandbox launcher; run the compiled binary`,
     );
@@ -4609,19 +5039,54 @@ function setUpSandbox(config: Config, deniedPrograms: readonly string[] = []): S
     allowSshAgent: config.allowSshAgent,
   };
   if (jail.net && jail.refused) throw noNetwork(jail.refused);
-  const self = ["/proc/self/fd/3", ...launcher.slice(1)];
+  return liveSandbox(config, { abi, home, paths, self: ["/proc/self/fd/3", ...launcher.slice(1)], jail });
+}
+
+/** Where commands may write and read, as the Landlock plan holds it, and what the start line says of it. */
+interface SandboxPaths {
+  caches: string[];
+  writable: string[];
+  secrets: string[];
+  /** Secret stores inside a writable tree: said at start instead of half-protected. */
+  exposed: string[];
+  /** Programs deny rules forbid outright whose files commands cannot execute or read. */
+  enforced: string[];
+  plan: SandboxPlan;
+}
+
+function sandboxPaths(config: Config, home: string | undefined, deniedPrograms: readonly string[]): SandboxPaths {
+  const caches = home ? prepareCaches(home) : [];
+  // Real paths, so the launcher can open each without following a link (a command may plant one later).
+  const real = (dir: string) => (fs.lstatSync(dir).isSymbolicLink() ? fs.realpathSync(dir) : dir);
+  const writable = [...new Set([process.cwd(), "/tmp", "/dev", ...caches, ...config.allowWrite].map(real))];
+  const inWritable = (p: string) => writable.some((w) => p === w || isBeneath(p, w));
+  const stores =
+    home && !config.allowReadSecrets
+      ? SECRET_STORES.flatMap((s) =>
+          s === ".ssh" && config.allowSshAgent ? sshPrivateFiles(home) : [path.join(home, s)],
+        )
+      : [];
+  // A secret store inside a writable tree (aic started in ~) cannot be kept unreadable: commands may rewrite it
+  // anyway, and files they create there later must be readable.
+  const exposed = stores.filter(inWritable);
+  const secrets = stores.filter((s) => !exposed.includes(s));
+  // A program a deny rule forbids outright cannot be executed, nor read (so it cannot be copied and run).
+  const binaries = deniedPrograms.flatMap(programFiles).filter((f) => !writable.some((w) => isBeneath(f, w)));
+  // aic's own state is unreadable under Landlock alone too, where it is not in a writable tree (the jail hides it all).
+  const state = aicStatePaths(home).filter((p) => !inWritable(p));
   const enforced = deniedPrograms.filter((name) => programFiles(name).some((f) => binaries.includes(f)));
-  const status = sandboxStatus({
-    abi,
-    home,
-    writable,
-    caches: caches.map(real),
-    secrets,
-    exposed,
-    enforced,
-    jail,
-    config,
-  });
+  const plan = planSandbox(writable, [...secrets, ...state], binaries);
+  return { caches: caches.map(real), writable, secrets, exposed, enforced, plan };
+}
+
+/** The sandbox of a run: its facts for the start line and the JSON, and the launcher started once the session is claimed. */
+function liveSandbox(
+  config: Config,
+  o: { abi: number; home: string | undefined; paths: SandboxPaths; self: string[]; jail: JailChoice },
+): Sandbox {
+  const { abi, home, self, jail } = o;
+  const { caches, writable, secrets, exposed, enforced, plan } = o.paths;
+  const status = sandboxStatus({ abi, home, writable, caches, secrets, exposed, enforced, jail, config });
   let commands: SandboxLauncher | undefined;
   let guard: GitGuard | undefined;
   const facts = {
@@ -4992,6 +5457,12 @@ function planJail(o: {
     list.filter((d) => !list.some((x) => x !== d && isBeneath(d.path, x.path)));
   return { net: o.net, hideDirs: outer(hideDirs), hideFiles, readOnly, ownFiles, pinned, reveal: o.reveal };
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// The jail: building it
+// Owns: the mounts PID 1 of the jail makes before it confines itself: a fresh
+// /dev and /proc, tmpfs over what is hidden, read-only binds, loopback up.
+// ════════════════════════════════════════════════════════════════════════════
 
 const MS_RDONLY = 1;
 const MS_NOSUID = 2;
@@ -5526,6 +5997,12 @@ function gitFindsRepositoryAt(dir: string): boolean {
   };
   return is(".git", "any") || (is("HEAD", "any") && is("objects", "dir") && is("refs", "dir"));
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Repository guard: the audit
+// Owns: the baselines taken when the launcher starts and the audit after each
+// command and at the end of a run: what changed is taken out and reported.
+// ════════════════════════════════════════════════════════════════════════════
 
 /**
  * After each command, takes out what commands left for the person's git
@@ -7060,12 +7537,7 @@ function groupsWaitForTerminalInput(pgids: readonly number[]): boolean {
 interface RunOptions {
   command: string;
   cwd: string;
-  /** Whether the command sees CI=true (off with --no-ci-env). */
-  ciEnv: boolean;
-  /** Whether it may use the person's ssh-agent (--allow-ssh-agent). */
-  sshAgent?: boolean;
-  timeoutSec: number;
-  maxOutputBytes: number;
+  limits: CommandLimits;
   /** False when nobody can type an answer: then a command stuck on input is stopped. */
   canAnswerInput: boolean;
   signal: AbortSignal;
@@ -7128,116 +7600,159 @@ function commandRequest(
   return { argv: [o.shell, "-c", commandPreamble() + command], env, cols: COMMAND_COLUMNS, rows: COMMAND_ROWS };
 }
 
+/** Runs one command to its result (see CommandRun). */
 async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: JobsLeft }> {
-  const Terminal = await loadXterm();
-  const rendered = new RenderedOutput(opts.maxOutputBytes, opts.outputs);
-  // Made on the first byte: most commands print nothing and need no emulator.
-  let renderer: TerminalRenderer | undefined;
-  const runawayLimit = RUNAWAY_FACTOR * opts.maxOutputBytes;
-  let rawBytes = 0;
-  let lastOutputAt = Date.now();
-  let status: CommandStatus = "exited";
-  let stopping: Promise<void> | undefined;
+  return (await CommandRun.start(opts)).result();
+}
 
-  const marker = opts.jobs?.nextMarker() ?? "";
-  const request = commandRequest(opts.command, {
-    marker,
-    ciEnv: opts.ciEnv,
-    shell: commandShell(),
-    environment: commandEnvironment({ sshAgent: opts.sshAgent }),
-  });
-  // Output that arrives before the process is known waits here (the launcher may report both in one read).
-  let early: Uint8Array[] | undefined = [];
-  let deliver: (bytes: Uint8Array) => void = (bytes) => {
-    early?.push(bytes);
-  };
-  const child = await opts.sandbox.spawn(request.argv, {
-    cwd: opts.cwd,
-    env: request.env,
-    cols: request.cols,
-    rows: request.rows,
-    onData: (bytes) => deliver(bytes),
-  });
-  const shell = child.pid;
-  const stop = (why: CommandStatus) => {
-    if (stopping) return;
-    status = why;
-    stopping = killGroups(foregroundGroups(shell));
-  };
-  // Back-pressure pauses what runs in the foreground; a background job writing to the same terminal is not held.
-  // A shell with job control that saw its foreground job stop would give up on it and go on (exit 128+19), so the
-  // shell is stopped first and resumed last: it never sees the job stopped.
-  let paused: number[] = [];
-  const flow = {
+/**
+ * One command on its terminal, from spawn to result. It owns the terminal's
+ * output (rendered for the model, counted against the runaway limit, the
+ * foreground paused when rendering falls behind), what stops it (the
+ * timeout, the run's stop, a prompt nobody can answer), and where its bytes
+ * go: held until the process is known, rendered while it runs, handed to a
+ * background job's log when the shell exits and leaves jobs behind.
+ */
+class CommandRun {
+  private readonly rendered: RenderedOutput;
+  /** Made on the first byte: most commands print nothing and need no emulator. */
+  private renderer: TerminalRenderer | undefined;
+  private rawBytes = 0;
+  private lastOutputAt = Date.now();
+  private status: CommandStatus = "exited";
+  private stopping: Promise<void> | undefined;
+  /** Output that arrives before the process is known (the launcher may report both in one read). */
+  private early: Uint8Array[] | undefined = [];
+  private route: (bytes: Uint8Array) => void = (bytes) => this.early?.push(bytes);
+  /** The foreground groups stopped for back-pressure, to resume. */
+  private paused: number[] = [];
+  private child!: CommandProcess;
+  private readonly marker: string;
+
+  private constructor(
+    private readonly opts: RunOptions,
+    private readonly Terminal: XTermClass,
+  ) {
+    this.rendered = new RenderedOutput(opts.limits.maxOutputBytes, opts.outputs);
+    this.marker = opts.jobs?.nextMarker() ?? "";
+  }
+
+  static async start(opts: RunOptions): Promise<CommandRun> {
+    const run = new CommandRun(opts, await loadXterm());
+    const request = commandRequest(opts.command, {
+      marker: run.marker,
+      ciEnv: opts.limits.ciEnv,
+      shell: commandShell(),
+      environment: commandEnvironment({ sshAgent: opts.limits.sshAgent }),
+    });
+    run.child = await opts.sandbox.spawn(request.argv, {
+      cwd: opts.cwd,
+      env: request.env,
+      cols: request.cols,
+      rows: request.rows,
+      onData: (bytes) => run.route(bytes),
+    });
+    run.route = (bytes) => run.receive(bytes);
+    for (const bytes of run.early!.splice(0)) run.receive(bytes);
+    run.early = undefined;
+    return run;
+  }
+
+  private get shell(): number {
+    return this.child.pid;
+  }
+
+  private receive(bytes: Uint8Array): void {
+    if (this.stopping && this.status === "runaway") return;
+    this.lastOutputAt = Date.now();
+    this.rawBytes += bytes.length;
+    (this.renderer ??= new TerminalRenderer(this.Terminal, this.rendered, this.flow)).write(bytes);
+    this.opts.onData(bytes);
+    if (this.rawBytes > this.opts.limits.runawayBytes) this.stop("runaway");
+  }
+
+  private stop(why: CommandStatus): void {
+    if (this.stopping) return;
+    this.status = why;
+    this.stopping = killGroups(foregroundGroups(this.shell));
+  }
+
+  /**
+   * Back-pressure pauses what runs in the foreground; a background job writing
+   * to the same terminal is not held. A shell with job control that saw its
+   * foreground job stop would give up on it and go on (exit 128+19), so the
+   * shell is stopped first and resumed last: it never sees the job stopped.
+   */
+  private readonly flow = {
     pause: () => {
-      paused = foregroundGroups(shell).filter((g) => g !== shell);
-      signalGroup(shell, "SIGSTOP");
-      if (paused.length && untilStopped(shell)) for (const g of paused) signalGroup(g, "SIGSTOP");
+      this.paused = foregroundGroups(this.shell).filter((g) => g !== this.shell);
+      signalGroup(this.shell, "SIGSTOP");
+      if (this.paused.length && untilStopped(this.shell)) for (const g of this.paused) signalGroup(g, "SIGSTOP");
     },
     resume: () => {
-      for (const g of paused) signalGroup(g, "SIGCONT");
-      signalGroup(shell, "SIGCONT");
-      paused = [];
+      for (const g of this.paused) signalGroup(g, "SIGCONT");
+      signalGroup(this.shell, "SIGCONT");
+      this.paused = [];
     },
   };
 
-  deliver = (bytes: Uint8Array) => {
-    if (stopping && status === "runaway") return;
-    lastOutputAt = Date.now();
-    rawBytes += bytes.length;
-    (renderer ??= new TerminalRenderer(Terminal, rendered, flow)).write(bytes);
-    opts.onData(bytes);
-    if (rawBytes > runawayLimit) stop("runaway");
-  };
-  for (const bytes of early.splice(0)) deliver(bytes);
-  early = undefined;
-
-  const timeout = setTimeout(() => stop("timed_out"), opts.timeoutSec * 1000);
-  const onAbort = () => stop(opts.signal.reason === USER_INTERRUPT ? "interrupted" : "stopped");
-  opts.signal.addEventListener("abort", onAbort, { once: true });
-  if (opts.signal.aborted) onAbort();
-  // Nobody to answer: a command stuck on input is stopped. A person who can answer is told once, and types to it.
-  let told = false;
-  const silence = inputWaitSilenceMs();
-  const watcher = setInterval(
-    () => {
-      if (stopping || told || Date.now() - lastOutputAt < silence) return;
-      if (!groupsWaitForTerminalInput(foregroundGroups(shell))) return;
-      if (!opts.canAnswerInput) return stop("waiting_for_input");
-      told = true;
-      opts.onWaitingForInput?.();
-    },
-    Math.min(INPUT_WAIT_POLL_MS, silence),
-  );
-  const detachInput = opts.attachInput?.((data) => child.write(data));
-
-  let jobs: JobsLeft | undefined;
-  let exitCode: number | null = null;
-  try {
-    exitCode = await child.exited;
-    if (stopping) await stopping;
-    jobs = opts.jobs?.adopt({
-      command: opts.command,
-      session: shell,
-      marker,
-      terminal: child,
-      eof: child.eof,
-      redirect: (sink) => (deliver = sink),
-    });
-  } finally {
-    clearTimeout(timeout);
-    clearInterval(watcher);
-    opts.signal.removeEventListener("abort", onAbort);
-    detachInput?.();
-    if (!jobs) child.close();
+  /** The timeout, the run's stop, and the watch for a prompt; returns what undoes them. */
+  private watch(): () => void {
+    const { opts } = this;
+    const timeout = setTimeout(() => this.stop("timed_out"), opts.limits.timeoutSec * 1000);
+    const onAbort = () => this.stop(opts.signal.reason === USER_INTERRUPT ? "interrupted" : "stopped");
+    opts.signal.addEventListener("abort", onAbort, { once: true });
+    if (opts.signal.aborted) onAbort();
+    // Nobody to answer: a command stuck on input is stopped. A person who can answer is told once, and types to it.
+    let told = false;
+    const silence = inputWaitSilenceMs();
+    const watcher = setInterval(
+      () => {
+        if (this.stopping || told || Date.now() - this.lastOutputAt < silence) return;
+        if (!groupsWaitForTerminalInput(foregroundGroups(this.shell))) return;
+        if (!opts.canAnswerInput) return this.stop("waiting_for_input");
+        told = true;
+        opts.onWaitingForInput?.();
+      },
+      Math.min(INPUT_WAIT_POLL_MS, silence),
+    );
+    const detachInput = opts.attachInput?.((data) => this.child.write(data));
+    return () => {
+      clearTimeout(timeout);
+      clearInterval(watcher);
+      opts.signal.removeEventListener("abort", onAbort);
+      detachInput?.();
+    };
   }
-  await renderer?.finish();
-  const { text, savedTo } = rendered.finish();
-  return { exitCode, status, output: text, savedTo, jobs };
+
+  /** Waits for the shell to end; what it left running becomes jobs, which take the terminal over. */
+  async result(): Promise<CommandResult & { jobs?: JobsLeft }> {
+    const unwatch = this.watch();
+    let jobs: JobsLeft | undefined;
+    let exitCode: number | null = null;
+    try {
+      exitCode = await this.child.exited;
+      if (this.stopping) await this.stopping;
+      jobs = this.opts.jobs?.adopt({
+        command: this.opts.command,
+        session: this.shell,
+        marker: this.marker,
+        terminal: this.child,
+        eof: this.child.eof,
+        redirect: (sink) => (this.route = sink),
+      });
+    } finally {
+      unwatch();
+      if (!jobs) this.child.close();
+    }
+    await this.renderer?.finish();
+    const { text, savedTo } = this.rendered.finish();
+    return { exitCode, status: this.status, output: text, savedTo, jobs };
+  }
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Background jobs
+// Background jobs: finding them
 // Owns: what a command leaves running when its shell exits (a dev server, a
 // build started with `&`, a double-forked daemon): found, kept alive, its
 // terminal drained to a log, reported on every later tool result, and
@@ -7328,6 +7843,13 @@ function commandLineOf(pid: number): string {
     return `pid ${pid}`;
   }
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Background jobs: the job table
+// Owns: the jobs themselves: their terminals drained to logs, their state
+// polled, their lines for every tool result, and stopping them on every way
+// out of aic but kill -9.
+// ════════════════════════════════════════════════════════════════════════════
 
 /**
  * The terminal of a command whose jobs outlived it: aic keeps reading it (a
@@ -7735,47 +8257,19 @@ function groupExists(pgid: number): boolean {
   }
 }
 
-function jobStateText(job: Job): string {
-  const code = job.exitCode === null ? "exit code unknown" : `exit code ${job.exitCode}`;
-  const took = waitText((job.endedAt ?? Date.now()) - job.startedAt);
-  switch (job.state) {
-    case "running":
-      return `running for ${took}`;
-    case "killed":
-      return `stopped by the person after ${took}`;
-    case "stopped_at_exit":
-      return `stopped when aic exited, after ${took}`;
-    case "refused":
-      return `stopped at once: too many jobs`;
-    default:
-      return `ended after ${took}, ${code}`;
-  }
-}
-
-/**
- * `[job 1] running for 12 s: process group 4242 (python3 -m http.server 8123); stop it with: kill -- -4242; its
- * terminal is logged to /tmp/…/job-….log`. A job is its process group (a dev server's children included), so the
- * line names the one command that stops all of it; `kill %1` would mean nothing to the next command's fresh shell.
- */
-function jobLine(job: Job, group = jobGroup(job)): string {
-  const running =
-    job.state === "running" ? `; stop it with: kill -- -${group}; its terminal is logged to ${job.terminal.path}` : "";
-  return `[job ${job.id}] ${jobStateText(job)}: process group ${group} (${job.command})${running}`;
-}
-
 /** The process group that is the job (its leader's), as the model's commands see it. */
 function jobGroup(job: Job): number {
   return job.group;
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Checkpoints: the shadow repository
-// Owns: snapshots of the start directory's tree in a git repository of aic's
-// own under $XDG_STATE_HOME/aic (never the project's .git), made with the
-// `git` executable and an environment that shuts out every setting of the
-// person's or the project's git that could run code, prompt, rewrite bytes
-// or slow a snapshot down. One snapshot is `add -A`, `write-tree` and, only
-// when the tree changed, a parentless commit with a ref of its own.
+// Checkpoints: snapshot settings and manifests
+// Owns: what snapshots of the start directory's tree are made with: a git
+// repository of aic's own under $XDG_STATE_HOME/aic (never the project's
+// .git), the `git` executable, and a configuration that shuts out every
+// setting of the person's or the project's git that could run code, prompt,
+// rewrite bytes or slow a snapshot down; and the manifest of what git does not
+// record (modes, empty directories).
 // ════════════════════════════════════════════════════════════════════════════
 
 /** Files to stop snapshotting at: past this a tree is not a project worth checkpointing (node_modules is ignored anyway). */
@@ -7923,94 +8417,28 @@ interface GitResult {
   stderr: string;
   timedOut: boolean;
 }
+/** How one git call of the shadow repository runs. */
+interface GitOptions {
+  input?: string;
+  limitMs?: number;
+  env?: Record<string, string>;
+}
 
 /**
- * A git repository of aic's own that snapshots `workTree` (the project's
- * top when aic starts inside a repository, so every .gitignore applies as git
- * applies it; `prefix` then limits every snapshot to the start directory).
+ * Runs git for a shadow repository: the shut-out environment, stdin closed
+ * (or fed), in the work tree, under a time limit, its output captured in
+ * files of aic's own rather than pipes.
  */
-class ShadowRepository {
-  readonly gitDir: string;
-  /** The start directory relative to the work tree, "" or "a/b/". */
-  readonly prefix: string;
-  private readonly env: Record<string, string>;
-  /** The newest checkpoint, its tree and manifest, so an unchanged tree costs no commit. */
-  private last: Snapshot | undefined;
-  /**
-   * The index file's identity (inode, size, times) when `last.tree` was
-   * written from it. git replaces the index by rename whenever it changes
-   * anything, so an `add -A` that leaves it identical staged nothing, and
-   * the tree is `last.tree` without asking `write-tree`.
-   */
-  private indexAtLast: string | undefined;
-
+class ShadowGit {
   constructor(
-    /** The start directory, held open: every snapshot and restore first checks that its path still leads there. */
-    readonly project: HeldDirectory,
-    readonly workTree: string,
-    readonly home: string,
-    private readonly ownFiles: string[],
-  ) {
-    this.gitDir = path.join(home, "git");
-    const directory = project.path;
-    this.prefix = workTree === directory ? "" : `${path.relative(workTree, directory).split(path.sep).join("/")}/`;
-    this.env = shadowGitEnvironment(this.gitDir, workTree);
-  }
-
-  get directory(): string {
-    return this.project.path;
-  }
-
-  /** Removes a run's own store (see `of`), and those of runs that died without removing theirs. */
-  removeIfEphemeral(): void {
-    const runs = path.dirname(this.home);
-    if (path.basename(runs) !== "runs") return;
-    try {
-      fs.rmSync(this.home, { recursive: true, force: true });
-      for (const name of fs.readdirSync(runs)) {
-        const pid = Number(name.split("-")[0]);
-        if (pid > 0 && pid !== process.pid && !fs.existsSync(`/proc/${pid}`))
-          fs.rmSync(path.join(runs, name), { recursive: true, force: true });
-      }
-    } catch {
-      /* no runs directory, or one aic may not write: nothing of this run's is there */
-    }
-  }
-
-  /**
-   * The shadow repository of the held start directory:
-   * `$XDG_STATE_HOME/aic/checkpoints/<hash of its real path>`, or, for a run
-   * nobody can undo later (no session file), one of its own under
-   * `…/aic/runs/`, removed when the run ends.
-   */
-  static of(project: HeldDirectory, ownFiles: string[], ephemeral = false): ShadowRepository {
-    // The start directory comes from getcwd (or the session file's own directory), so it is already a real path.
-    const real = path.resolve(project.path);
-    let top: string | undefined;
-    for (let d = real; ; d = path.dirname(d)) {
-      if (fs.existsSync(path.join(d, ".git"))) {
-        top = d;
-        break;
-      }
-      if (path.dirname(d) === d) break;
-    }
-    const state = aicStateDir() ?? path.join(os.homedir(), ".local", "state", "aic");
-    const hash = createHash("sha256").update(real).digest("hex").slice(0, 16);
-    const home = ephemeral
-      ? path.join(state, "runs", `${process.pid}-${randomName()}`)
-      : path.join(state, "checkpoints", hash);
-    // The store's snapshots are relative to the work tree it was made with: a `.git` a command made above the
-    // project (`mkdir ../.git`) must not move them, or a restore would read every path under another prefix.
-    const recorded = recordedWorkTree(home);
-    if (recorded && (recorded === real || isBeneath(real, recorded))) top = recorded;
-    return new ShadowRepository(project, top ?? real, home, ownFiles);
-  }
+    private readonly workTree: string,
+    /** aic's own directory for the repository: capture files are made here. */
+    private readonly home: string,
+    private readonly env: Record<string, string>,
+  ) {}
 
   /** `git` with the shut-out environment, stdin closed (or fed), in the work tree, under a time limit. */
-  async git(
-    args: string[],
-    opts: { input?: string; limitMs?: number; env?: Record<string, string> } = {},
-  ): Promise<GitResult> {
+  async git(args: string[], opts: GitOptions = {}): Promise<GitResult> {
     // git writes into files, read once it has exited: a pipe costs a read buffer of a quarter megabyte
     // per stream, held until the garbage collector finalises the process object (half a megabyte per
     // call, measured: the bulk of what checkpoints added to the peak resident set of a long run).
@@ -8041,7 +8469,7 @@ class ShadowRepository {
 
   private async spawnGit(
     args: string[],
-    opts: { input?: string; limitMs?: number; env?: Record<string, string> },
+    opts: GitOptions,
     stdout: number,
     stderr: number | "ignore",
   ): Promise<{ code: number; timedOut: boolean }> {
@@ -8095,12 +8523,120 @@ class ShadowRepository {
   }
 
   /** The same, throwing with git's own words when it fails. */
-  async gitOk(args: string[], opts: Parameters<ShadowRepository["git"]>[1] = {}): Promise<string> {
+  async gitOk(args: string[], opts: GitOptions = {}): Promise<string> {
     const r = await this.git(args, opts);
     if (r.timedOut) throw new Error(`git ${args[0]} took longer than ${(opts.limitMs ?? GIT_TIME_LIMIT_MS) / 1000} s`);
     if (r.code !== 0)
       throw new Error(`git ${args[0]} failed: ${r.stderr.trim().split("\n").at(-1) ?? `exit ${r.code}`}`);
     return r.stdout.toString("utf8");
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: the shadow repository
+// Owns: the git repository of aic's own that snapshots the start directory:
+// made once, its excludes, a snapshot (add, write-tree, commit only when the
+// tree changed), pruning, and reading a checkpoint back.
+// ════════════════════════════════════════════════════════════════════════════
+
+/**
+ * A git repository of aic's own that snapshots `workTree` (the project's
+ * top when aic starts inside a repository, so every .gitignore applies as git
+ * applies it; `prefix` then limits every snapshot to the start directory).
+ */
+class ShadowRepository {
+  readonly gitDir: string;
+  /** The start directory relative to the work tree, "" or "a/b/". */
+  readonly prefix: string;
+  private readonly env: Record<string, string>;
+  /** The newest checkpoint, its tree and manifest, so an unchanged tree costs no commit. */
+  private last: Snapshot | undefined;
+  /**
+   * The index file's identity (inode, size, times) when `last.tree` was
+   * written from it. git replaces the index by rename whenever it changes
+   * anything, so an `add -A` that leaves it identical staged nothing, and
+   * the tree is `last.tree` without asking `write-tree`.
+   */
+  private indexAtLast: string | undefined;
+
+  constructor(
+    /** The start directory, held open: every snapshot and restore first checks that its path still leads there. */
+    readonly project: HeldDirectory,
+    readonly workTree: string,
+    readonly home: string,
+    private readonly ownFiles: string[],
+  ) {
+    this.gitDir = path.join(home, "git");
+    const directory = project.path;
+    this.prefix = workTree === directory ? "" : `${path.relative(workTree, directory).split(path.sep).join("/")}/`;
+    this.env = shadowGitEnvironment(this.gitDir, workTree);
+    this.runner = new ShadowGit(workTree, home, this.env);
+  }
+
+  private readonly runner: ShadowGit;
+
+  get directory(): string {
+    return this.project.path;
+  }
+
+  /** Removes a run's own store (see `of`), and those of runs that died without removing theirs. */
+  removeIfEphemeral(): void {
+    const runs = path.dirname(this.home);
+    if (path.basename(runs) !== "runs") return;
+    try {
+      fs.rmSync(this.home, { recursive: true, force: true });
+      for (const name of fs.readdirSync(runs)) {
+        const pid = Number(name.split("-")[0]);
+        if (pid > 0 && pid !== process.pid && !fs.existsSync(`/proc/${pid}`))
+          fs.rmSync(path.join(runs, name), { recursive: true, force: true });
+      }
+    } catch {
+      /* no runs directory, or one aic may not write: nothing of this run's is there */
+    }
+  }
+
+  /**
+   * The shadow repository of the held start directory:
+   * `$XDG_STATE_HOME/aic/checkpoints/<hash of its real path>`, or, for a run
+   * nobody can undo later (no session file), one of its own under
+   * `…/aic/runs/`, removed when the run ends.
+   */
+  static of(project: HeldDirectory, ownFiles: string[], ephemeral = false): ShadowRepository {
+    // The start directory comes from getcwd (or the session file's own directory), so it is already a real path.
+    const real = path.resolve(project.path);
+    let top: string | undefined;
+    for (let d = real; ; d = path.dirname(d)) {
+      if (fs.existsSync(path.join(d, ".git"))) {
+        top = d;
+        break;
+      }
+      if (path.dirname(d) === d) break;
+    }
+    const state = aicStateDir() ?? path.join(os.homedir(), ".local", "state", "aic");
+    const hash = createHash("sha256").update(real).digest("hex").slice(0, 16);
+    const home = ephemeral
+      ? path.join(state, "runs", `${process.pid}-${randomName()}`)
+      : path.join(state, "checkpoints", hash);
+    // The store's snapshots are relative to the work tree it was made with: a `.git` a command made above the
+    // project (`mkdir ../.git`) must not move them, or a restore would read every path under another prefix.
+    const recorded = recordedWorkTree(home);
+    if (recorded && (recorded === real || isBeneath(real, recorded))) top = recorded;
+    return new ShadowRepository(project, top ?? real, home, ownFiles);
+  }
+
+  /** `git` with the shut-out environment, stdin closed (or fed), in the work tree, under a time limit. */
+  git(args: string[], opts: GitOptions = {}): Promise<GitResult> {
+    return this.runner.git(args, opts);
+  }
+
+  /** `git` whose output stays in an unnamed file of aic's own, read from its descriptor (the caller closes it). */
+  gitToFile(args: string[], input: string): Promise<number> {
+    return this.runner.gitToFile(args, input);
+  }
+
+  /** The same as `git`, throwing with git's own words when it fails. */
+  gitOk(args: string[], opts: GitOptions = {}): Promise<string> {
+    return this.runner.gitOk(args, opts);
   }
 
   /** Limits a command to the start directory (nothing when it is the work tree's top). */
@@ -8807,6 +9343,13 @@ class Checkpoints {
   }
 }
 
+// ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: putting files back
+// Owns: restoring a checkpoint's tree through the held start directory (no
+// link followed, modes and empty directories as recorded), and the
+// command-line undo, redo and diff.
+// ════════════════════════════════════════════════════════════════════════════
+
 /** One entry of `git diff-tree --raw`: modes and blobs on each side, and the path relative to the start directory. */
 interface TreeChange {
   fromMode: string;
@@ -9085,11 +9628,7 @@ async function undoCommands(
     at > 0
       ? `The conversation is cut back to before the turn that proposed ${what} (${cut.length} message(s) set aside; redo puts them back).`
       : "The turn that proposed it is no longer in the conversation (compressed away), so the conversation is left as it is.";
-  if (at <= 0)
-    conversation.messages.push({
-      role: "user",
-      content: `[aic] The person undid ${what}: the files are back as they were before it ran. Do not rely on what it did.`,
-    });
+  if (at <= 0) conversation.messages.push({ role: "user", content: undoneNote(what) });
   return [
     `Undid ${what}: the files are as they were before it ran.`,
     ...restoreLines(report, checkpoints.shadow.directory),
@@ -9648,6 +10187,12 @@ const SUDO_SYNTAX: OptionSyntax = {
     ].map((n) => [n, "argument" as const]),
   ]),
 };
+
+// ════════════════════════════════════════════════════════════════════════════
+// Command rules: wrappers and interpreters
+// Owns: the programs that only wrap another (nice, timeout, sudo …) and the
+// interpreters that run code given in a string, as the rules see through them.
+// ════════════════════════════════════════════════════════════════════════════
 
 /** Wrappers that run their operands as a command, after options of this syntax (and `skip` operands: timeout's duration). */
 const SIMPLE_WRAPPERS: Record<string, OptionSyntax & { skip?: number; noCommandWith?: string }> = {
@@ -10453,7 +10998,7 @@ function sedEffects(script: string): CommandPart[] {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Command rules: the rules file and the verdict
+// Command rules: the verdict
 // Owns: `.aicrules` (or --rules FILE): reading it as hostile ground (it sits
 // where commands write), its lines and what is wrong with them, the verdict
 // for a command (deny beats ask beats allow; a part no rule allows is asked),
@@ -10649,6 +11194,13 @@ function unsureAbout(judged: { part: CommandPart; verdict: RuleAction; rule?: Co
   }
   return undefined;
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Command rules: read-only programs and always-allow
+// Owns: which command lines only read (they run without asking) and the rule
+// lines an "always allow" answer may add (a program and subcommand, never a
+// literal argument).
+// ════════════════════════════════════════════════════════════════════════════
 
 /** A read-only program's check of its words (after the program): true when this use of it only reads. */
 type ReadOnlyCheck = (args: ShellWord[]) => boolean;
@@ -10905,6 +11457,13 @@ function allowLineFor(part: CommandPart): string | undefined {
   return `allow ${program.value} ${word(sub)}${script ? ` ${script}` : ""} *`;
 }
 
+// ════════════════════════════════════════════════════════════════════════════
+// Command rules: the rules file
+// Owns: reading .aicrules (or --rules FILE) as hostile ground, its problems
+// reported by line, noticing that it changed on disk, and adding the lines a
+// person approves.
+// ════════════════════════════════════════════════════════════════════════════
+
 /** What identifies the rules file's content on disk, to notice a change ("absent" when there is none). */
 function fileIdentity(file: string): string {
   try {
@@ -11135,6 +11694,8 @@ interface AgentOptions {
   sessionId(): string;
   /** A person sits at the keyboard: a reply without a tool call hands the turn back instead of being nudged. */
   attended: boolean;
+  /** The model (default: a ModelClient for the configured endpoint). */
+  model?: ModelPort;
 }
 
 /** What answering one tool call came to: a tool message, a rejection with the person's suggestion, or no one to ask. */
@@ -11218,15 +11779,14 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
   });
   const durationMs = Math.round(performance.now() - startedAt);
   const changed = await ctx.afterRun(call.id);
-  let content = describeCommandResult(result, o.config.timeoutSec, o.config.maxOutputBytes);
+  let content = describeCommandResult(result, o.config.limits);
   if (changed && changedFilesNote(changed)) content += `\n${changedFilesNote(changed)}`;
   const disarmed = o.sandbox.auditRepositories();
   if (disarmed.length) {
     content += `\n${disarmedMessage(disarmed)}`;
     emit({ type: "warning", text: disarmedMessage(disarmed) });
   }
-  if (result.jobs?.refused.length)
-    content += `\nThis command left ${result.jobs.refused.length} more process group(s) running, but at most ${MAX_JOBS} background jobs run at once, so aic stopped them: ${result.jobs.refused.map((j) => j.command).join("; ")}. Stop a job you no longer need (kill its pid) before starting another.`;
+  if (result.jobs?.refused.length) content += `\n${refusedJobsNote(result.jobs.refused)}`;
   emit({
     type: "command_result",
     id: call.id,
@@ -11342,10 +11902,7 @@ async function runForAgent(
     return await runCommand({
       command,
       cwd,
-      timeoutSec: o.config.timeoutSec,
-      maxOutputBytes: o.config.maxOutputBytes,
-      ciEnv: !o.config.noCiEnv,
-      sshAgent: o.config.allowSshAgent,
+      limits: o.config.limits,
       signal,
       sandbox: o.sandbox,
       outputs: o.outputs,
@@ -11379,12 +11936,7 @@ async function checkCompletion(
     passed,
     output: result.output,
   });
-  const how = result.status === "exited" ? "" : ` (${result.status.replace(/_/g, " ")})`;
-  const code = result.exitCode ?? "without an exit code";
-  return {
-    passed,
-    refusal: `[Completion check failed] ${command} exited ${code}${how}:\n${result.output.trim() ? result.output : "(no output)"}\nThe task is not finished: keep working, and claim completion again only once this check would pass.`,
-  };
+  return { passed, refusal: completionRefusal(command, result) };
 }
 
 /** The abort reason of a run the person interrupted (rather than one stopped by a signal or /stop). */
@@ -11520,13 +12072,12 @@ class ModelCalls {
   private counterLoading: Promise<TokenCounter> | undefined;
   /** The last estimate of the prompt, in the server's tokens; every change is told to the sink as a `context` event. */
   private context = 0;
-  private readonly client: ModelClient;
 
   constructor(
     private readonly config: Config,
     private readonly sink: EventSink,
+    private readonly client: ModelPort = new ModelClient(config, sink),
   ) {
-    this.client = new ModelClient(config, sink);
     this.ledger = new TokenLedger(config, (e) => sink.emit(e));
   }
 
@@ -11636,11 +12187,9 @@ class ModelCalls {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Agent loop
-// Owns: the ralph loop — history, steering suggestions, compression at the start
-// of each step, one streamed model turn, the approval gate and the commands —
-// and the checkpoints a session store hooks into. It talks to the outside only
-// through the sink and `approve`, and is moved only through its methods.
+// Agent loop: stalls
+// Owns: telling that a model is going round in circles: replies without a tool
+// call in a row, the same command with the same result again and again.
 // ════════════════════════════════════════════════════════════════════════════
 
 /** Tool-less replies in a row after which an unattended run is stalled (each got the nudge). */
@@ -11680,6 +12229,15 @@ class StallWatch {
   }
 }
 
+// ════════════════════════════════════════════════════════════════════════════
+// Agent loop: the agent
+// Owns: the ralph loop — history, steering suggestions, compression at the start
+// of each step, one streamed model turn, the approval gate and the commands —
+// and the checkpoints a session store hooks into. It talks to the outside only
+// through the sink, `approve` and its model port, and is moved only through its
+// methods.
+// ════════════════════════════════════════════════════════════════════════════
+
 /**
  * The ralph loop: one run per request, step after step until the model
  * marks the task complete, the step limit, a stop or a failure. It owns the
@@ -11706,11 +12264,13 @@ class Agent {
   private refused = 0;
   /** Whether the model is going round in circles (tool-less replies, the same command and result again). */
   private stall = new StallWatch();
+  private readonly compression: CompressionPolicy;
 
   constructor(private readonly o: AgentOptions) {
     this.autoApprove = o.config.autoApprove;
     this.fixedPrompt = o.systemPrompt;
-    this.model = new ModelCalls(o.config, o.sink);
+    this.model = new ModelCalls(o.config, o.sink, o.model);
+    this.compression = new CompressionPolicy(o.config.compressAlg, o.config.compressTarget, promptBudget(o.config));
   }
 
   get budget(): number {
@@ -11931,7 +12491,7 @@ class Agent {
   private async step(step: number, signal: AbortSignal): Promise<RunStatus | undefined> {
     this.emit({ type: "step", step, max_steps: this.o.config.maxSteps });
     for (const text of this.suggestions.splice(0)) this.messages.push({ role: "user", content: steeringMessage(text) });
-    await this.compressIfNeeded(signal, this.o.config.compressTarget);
+    await this.compressIfNeeded(signal, this.compression.target);
     if (validateOutgoing(this.messages).terminal) return "terminal";
     const turn = await this.callModel(signal);
     return this.handleTurn(turn, signal);
@@ -11979,7 +12539,7 @@ class Agent {
 
   /** Streams one model turn; a context overflow compresses harder and tries again. */
   private async callModel(signal: AbortSignal): Promise<AssistantTurn> {
-    let fraction = this.o.config.compressTarget;
+    let fraction = this.compression.target;
     for (let overflow = 0; ; overflow++) {
       const { messages } = validateOutgoing(this.messages);
       try {
@@ -11989,7 +12549,7 @@ class Agent {
         });
       } catch (error) {
         if (!(error instanceof ModelError) || error.kind !== "context" || overflow >= MAX_CONTEXT_RETRIES) throw error;
-        fraction /= 2;
+        fraction = this.compression.afterOverflow(fraction);
         this.emit({
           type: "warning",
           text: `${error.message}; compressing harder (target ${(fraction * 100).toFixed(0)}% of the budget) and retrying`,
@@ -12120,40 +12680,27 @@ class Agent {
     // Before tiktoken is loaded, a byte count bounds the tokens: a short history needs no counting at all.
     if (!force && !this.model.counter && tokenUpperBound(this.messages) <= this.budget) return;
     const counter = await this.tokenCounter();
-    // Counted from the newest message back and only until the budget is passed: a long history resumed
-    // far over it is never encoded whole (50 MB of tool output is seconds of tiktoken for one comparison).
-    // The part left uncounted then enters the figure shown as a guess, at the counted part's tokens per byte.
-    const counted = await counter.countRawNewest(this.messages, force ? Infinity : this.budget / counter.ratio);
-    const rest = this.messages.slice(0, counted.from);
-    const uncounted = rest.length
-      ? Math.ceil((tokenUpperBound(rest) * counted.raw) / tokenUpperBound(this.messages.slice(counted.from)))
-      : 0;
-    const before = Math.ceil((counted.raw + uncounted) * counter.ratio);
+    const before = await measureHistory(this.messages, counter, this.budget, force);
     this.contextEstimate = before;
     if (!force && before <= this.budget) return;
-    const targetRaw = Math.floor(Math.floor(Math.min(this.budget, ceiling) * fraction) / counter.ratio);
-    const alg = this.o.config.compressAlg;
-    let result: CompressionResult;
-    if (alg === "truncate") result = compressTruncate(this.messages, counter, targetRaw);
-    else {
-      const anchored = await compressAnchored(
-        this.messages,
-        this.basePrompt,
-        this.summary,
+    const policy = this.compression;
+    const { messages, summary, result } = await compressHistory(
+      { messages: this.messages, summary: this.summary },
+      policy,
+      {
         counter,
-        targetRaw,
-        (request) => this.model.summarise(request, signal),
-        Math.floor(this.budget / counter.ratio),
-      );
-      this.summary = anchored.summary;
-      result = anchored;
-    }
-    this.messages = result.messages;
+        targetRaw: policy.targetRaw(fraction, counter.ratio, ceiling),
+        basePrompt: this.basePrompt,
+        summarise: (request) => this.model.summarise(request, signal),
+      },
+    );
+    this.messages = messages;
+    this.summary = summary;
     const after = counter.estimate(this.messages);
     this.contextEstimate = after;
     this.emit({
       type: "compression",
-      algorithm: alg,
+      algorithm: policy.algorithm,
       before_tokens: before,
       after_tokens: after,
       removed: result.removed,
@@ -12291,6 +12838,8 @@ interface FrontEnd {
   attachInput?: RunOptions["attachInput"];
   /** Runs right before each command starts (the TUI checks where its shell went). */
   beforeCommand?(): void;
+  /** The model (default: a ModelClient for the configured endpoint; tests script one). */
+  model?: ModelPort;
 }
 
 /** One run of aic, built the same way for both front ends. */
@@ -12311,8 +12860,67 @@ interface Run {
  * goes out once the session file is claimed (its instance number is known);
  * what loading it repaired follows.
  */
+/** The `start` event: what this run is, and the rules file's own reports. */
+function announceStart(
+  sink: EventSink,
+  o: { config: Config; prepared: PreparedRun; sessionId: string; session: string | undefined; request: string },
+): void {
+  const { config, prepared } = o;
+  sink.emit({
+    type: "start",
+    aic_version: VERSION,
+    schema: JSON_SCHEMA,
+    session_id: o.sessionId,
+    model: config.model,
+    model_profile: modelProfile(config).name,
+    api_base: config.apiBase,
+    cwd: process.cwd(),
+    sandbox: sandboxFacts(prepared.sandbox),
+    rules: prepared.rules.present ? prepared.rules.path : null,
+    session: o.session ?? null,
+    request: o.request,
+  });
+  for (const report of prepared.rules.reports) sink.emit({ type: "warning", text: report });
+}
+
+/**
+ * The run's checkpoints (none with --no-checkpoints). Without a session file
+ * nobody can undo later, but each command's changed files are still shown:
+ * its snapshots then go to a store of the run's own, removed when it ends.
+ */
+function runCheckpoints(
+  config: Config,
+  workDir: HeldDirectory,
+  session: SessionStore | undefined,
+  jobs: JobTable,
+  sink: EventSink,
+): Checkpoints | undefined {
+  if (config.noCheckpoints) return undefined;
+  const checkpoints = Checkpoints.forDirectory(
+    workDir,
+    session?.path,
+    (text) => sink.emit({ type: "warning", text }),
+    !session,
+  );
+  // A job must not swap a directory for a link while a snapshot reads the tree: its processes wait meanwhile.
+  checkpoints.freeze = () => jobs.freeze();
+  return checkpoints;
+}
+
+/** Where the run's cut outputs are saved: the session's directory (recorded in it), or one of the run's own. */
+function runOutputs(session: SessionStore | undefined): OutputStore {
+  return new OutputStore(
+    session !== undefined,
+    session?.sessionId ?? String(process.pid),
+    session?.outputDir,
+    (dir) => {
+      if (session) session.outputDir = dir;
+    },
+  );
+}
+
 function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, request: string): Run {
-  const sessionPath = config.noSession ? undefined : (config.session ?? (config.nogui ? undefined : ".aicsession"));
+  const sessionPath = config.sessionPath;
   OutputStore.pruneOld();
   const session = sessionPath
     ? SessionStore.claim(sessionPath, { model: config.model, apiBase: config.apiBase }, front.sink)
@@ -12321,33 +12929,12 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   // A run without a session file still has an id: the JSON events and the end line name it.
   const runId = newSessionId();
   const sessionId = () => session?.sessionId ?? runId;
-  front.sink.emit({
-    type: "start",
-    aic_version: VERSION,
-    schema: JSON_SCHEMA,
-    session_id: sessionId(),
-    model: config.model,
-    model_profile: modelProfile(config).name,
-    api_base: config.apiBase,
-    cwd: process.cwd(),
-    sandbox: sandboxFacts(prepared.sandbox),
-    rules: prepared.rules.present ? prepared.rules.path : null,
-    session: session?.path ?? null,
-    request,
-  });
-  for (const report of prepared.rules.reports) front.sink.emit({ type: "warning", text: report });
+  announceStart(front.sink, { config, prepared, sessionId: sessionId(), session: session?.path, request });
   // What reading a long session left (the last of its texts; for a file read whole, its bytes and their
   // decoded text) is garbage once it is parsed: collected now, before the first checkpoint allocates
   // again, so the peak is not their sum.
   if (session && session.loadedBytes >= COLLECT_EVERY_BYTES) Bun.gc(true);
-  const outputs = new OutputStore(
-    session !== undefined,
-    session?.sessionId ?? String(process.pid),
-    session?.outputDir,
-    (dir) => {
-      if (session) session.outputDir = dir;
-    },
-  );
+  const outputs = runOutputs(session);
   const workDir = HeldDirectory.open(process.cwd());
   // The jail keeps the session's lock file (and those of other aic instances here) read-only, and shows commands this
   // run's saved outputs: it starts once they exist.
@@ -12358,16 +12945,10 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   const jobs = new JobTable(
     (e) => front.sink.emit(e),
     outputs,
-    RUNAWAY_FACTOR * config.maxOutputBytes,
+    config.limits.runawayBytes,
     () => prepared.sandbox.reaper,
   );
-  // Without a session file nobody can undo later, but each command's changed files are still shown: its
-  // snapshots then go to a store of the run's own, removed when it ends.
-  const checkpoints = config.noCheckpoints
-    ? undefined
-    : Checkpoints.forDirectory(workDir, session?.path, (text) => front.sink.emit({ type: "warning", text }), !session);
-  // A job must not swap a directory for a link while a snapshot reads the tree: its processes wait meanwhile.
-  if (checkpoints) checkpoints.freeze = () => jobs.freeze();
+  const checkpoints = runCheckpoints(config, workDir, session, jobs, front.sink);
   const agent = new Agent({
     config,
     sink: front.sink,
@@ -12385,6 +12966,7 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     jobs,
     sessionId,
     attended: front.attended,
+    model: front.model,
   });
   if (loaded) {
     for (const line of loaded.reports) front.sink.emit({ type: "info", text: `[SESSION] ${line}` });
@@ -13420,13 +14002,11 @@ class ConsoleStream {
   flush(): void {
     this.scheduled = false;
     if (!this.incoming.length) return;
-    let text = this.held + this.incoming.map((c) => c.text).join("");
+    const { ready, held } = holdTrailingEscape(this.held + this.incoming.map((c) => c.text).join(""));
     this.incoming = [];
     this.incomingBytes = 0;
-    const cut = text.search(TRAILING_ESCAPE);
-    this.held = cut >= 0 && text.length - cut <= 256 ? text.slice(cut) : "";
-    if (this.held) text = text.slice(0, cut);
-    text = text.replace(/\r\n/g, "\n");
+    this.held = held;
+    let text = ready.replace(/\r\n/g, "\n");
     // More finished lines than the pane keeps: only the last ones can be seen, so only they are parsed.
     let newlines = 0;
     let from = text.length;
@@ -13518,15 +14098,7 @@ function xtermPalette(): string[] {
  * frame just copies that buffer (painting every cell every frame is slow).
  */
 function defineTerminalView(ot: OpenTui) {
-  const palette = xtermPalette().map((h) => ot.RGBA.fromHex(h));
-  const defaultFg = ot.RGBA.fromHex("#d0d0d0");
-  const defaultBg = ot.RGBA.fromHex("#101010");
-  const rgbCache = new Map<number, RGBA>();
-  const rgb = (n: number) => {
-    let c = rgbCache.get(n);
-    if (!c) rgbCache.set(n, (c = ot.RGBA.fromInts((n >> 16) & 255, (n >> 8) & 255, n & 255, 255)));
-    return c;
-  };
+  const colors = terminalColors(ot);
   return class TerminalView extends ot.Renderable {
     showCursor = true;
     private cache: OptimizedBuffer | null = null;
@@ -13565,7 +14137,7 @@ function defineTerminalView(ot: OpenTui) {
         this.stale = true;
       }
       if (this.stale) {
-        this.paint(this.cache);
+        paintTerminal(this.term, this.cache, colors, this.showCursor);
         this.stale = false;
       }
       target.drawFrameBuffer(this.x, this.y, this.cache);
@@ -13576,64 +14148,100 @@ function defineTerminalView(ot: OpenTui) {
       this.cache = null;
       super.destroySelf();
     }
-    private paint(buffer: OptimizedBuffer): void {
-      const active = this.term.buffer.active;
-      const cell = active.getNullCell();
-      const rows = Math.min(buffer.height, this.term.rows);
-      const cols = Math.min(buffer.width, this.term.cols);
-      buffer.clear(defaultBg);
-      for (let y = 0; y < rows; y++) {
-        const line = active.getLine(active.viewportY + y);
-        if (!line) continue;
-        let run = "";
-        let runX = 0;
-        let runFg = defaultFg;
-        let runBg = defaultBg;
-        let runAttr = 0;
-        const flush = () => {
-          if (run) buffer.drawText(run, runX, y, runFg, runBg, runAttr);
-          run = "";
-        };
-        for (let x = 0; x < cols; x++) {
-          line.getCell(x, cell);
-          if (cell.getWidth() === 0) continue;
-          let fg = cell.isFgDefault()
-            ? defaultFg
-            : cell.isFgRGB()
-              ? rgb(cell.getFgColor())
-              : palette[cell.getFgColor()]!;
-          let bg = cell.isBgDefault()
-            ? defaultBg
-            : cell.isBgRGB()
-              ? rgb(cell.getBgColor())
-              : palette[cell.getBgColor()]!;
-          let attr = 0;
-          if (cell.isBold()) attr |= ot.TextAttributes.BOLD;
-          if (cell.isDim()) attr |= ot.TextAttributes.DIM;
-          if (cell.isItalic()) attr |= ot.TextAttributes.ITALIC;
-          if (cell.isUnderline()) attr |= ot.TextAttributes.UNDERLINE;
-          if (cell.isInverse()) [fg, bg] = [bg, fg];
-          if (fg !== runFg || bg !== runBg || attr !== runAttr) {
-            flush();
-            runX = x;
-            runFg = fg;
-            runBg = bg;
-            runAttr = attr;
-          } else if (!run) runX = x;
-          run += cell.getChars() || " ";
-        }
-        flush();
-      }
-      if (this.showCursor && active.viewportY === active.baseY && active.cursorY < rows && active.cursorX < cols) {
-        const ch =
-          active
-            .getLine(active.baseY + active.cursorY)
-            ?.getCell(active.cursorX, cell)
-            ?.getChars() || " ";
-        buffer.setCell(active.cursorX, active.cursorY, ch, defaultBg, defaultFg, 0);
-      }
-    }
   };
+}
+
+/** The colours and attributes an xterm cell maps to on OpenTUI's buffer. */
+interface TerminalColors {
+  palette: RGBA[];
+  fg: RGBA;
+  bg: RGBA;
+  rgb(n: number): RGBA;
+  attrs: { bold: number; dim: number; italic: number; underline: number };
+}
+
+function terminalColors(ot: OpenTui): TerminalColors {
+  const cache = new Map<number, RGBA>();
+  return {
+    palette: xtermPalette().map((h) => ot.RGBA.fromHex(h)),
+    fg: ot.RGBA.fromHex("#d0d0d0"),
+    bg: ot.RGBA.fromHex("#101010"),
+    rgb: (n) => {
+      let c = cache.get(n);
+      if (!c) cache.set(n, (c = ot.RGBA.fromInts((n >> 16) & 255, (n >> 8) & 255, n & 255, 255)));
+      return c;
+    },
+    attrs: {
+      bold: ot.TextAttributes.BOLD,
+      dim: ot.TextAttributes.DIM,
+      italic: ot.TextAttributes.ITALIC,
+      underline: ot.TextAttributes.UNDERLINE,
+    },
+  };
+}
+
+/** The emulator's visible screen drawn onto `buffer`, runs of equal style as one text each, and its cursor. */
+function paintTerminal(term: XTerm, buffer: OptimizedBuffer, colors: TerminalColors, showCursor: boolean): void {
+  const active = term.buffer.active;
+  const cell = active.getNullCell();
+  const rows = Math.min(buffer.height, term.rows);
+  const cols = Math.min(buffer.width, term.cols);
+  buffer.clear(colors.bg);
+  for (let y = 0; y < rows; y++) {
+    const line = active.getLine(active.viewportY + y);
+    if (line) paintTerminalLine(line, cell, y, cols, buffer, colors);
+  }
+  if (showCursor && active.viewportY === active.baseY && active.cursorY < rows && active.cursorX < cols) {
+    const ch =
+      active
+        .getLine(active.baseY + active.cursorY)
+        ?.getCell(active.cursorX, cell)
+        ?.getChars() || " ";
+    buffer.setCell(active.cursorX, active.cursorY, ch, colors.bg, colors.fg, 0);
+  }
+}
+
+type XTermLine = NonNullable<ReturnType<XTerm["buffer"]["active"]["getLine"]>>;
+type XTermCell = ReturnType<XTerm["buffer"]["active"]["getNullCell"]>;
+
+function paintTerminalLine(
+  line: XTermLine,
+  cell: XTermCell,
+  y: number,
+  cols: number,
+  buffer: OptimizedBuffer,
+  c: TerminalColors,
+): void {
+  let run = "";
+  let runX = 0;
+  let runFg = c.fg;
+  let runBg = c.bg;
+  let runAttr = 0;
+  const flush = () => {
+    if (run) buffer.drawText(run, runX, y, runFg, runBg, runAttr);
+    run = "";
+  };
+  for (let x = 0; x < cols; x++) {
+    line.getCell(x, cell);
+    if (cell.getWidth() === 0) continue;
+    let fg = cell.isFgDefault() ? c.fg : cell.isFgRGB() ? c.rgb(cell.getFgColor()) : c.palette[cell.getFgColor()]!;
+    let bg = cell.isBgDefault() ? c.bg : cell.isBgRGB() ? c.rgb(cell.getBgColor()) : c.palette[cell.getBgColor()]!;
+    let attr = 0;
+    if (cell.isBold()) attr |= c.attrs.bold;
+    if (cell.isDim()) attr |= c.attrs.dim;
+    if (cell.isItalic()) attr |= c.attrs.italic;
+    if (cell.isUnderline()) attr |= c.attrs.underline;
+    if (cell.isInverse()) [fg, bg] = [bg, fg];
+    if (fg !== runFg || bg !== runBg || attr !== runAttr) {
+      flush();
+      runX = x;
+      runFg = fg;
+      runBg = bg;
+      runAttr = attr;
+    } else if (!run) runX = x;
+    run += cell.getChars() || " ";
+  }
+  flush();
 }
 
 const CSI_TILDE_KEYS: Record<string, number> = {
@@ -14040,17 +14648,16 @@ class AgentView {
   readonly agentPane: LogPane;
   readonly consolePane: LogPane;
   private readonly consoleStream: ConsoleStream;
-  private marker = new MarkerFilter();
-  private thinking = false;
+  private readonly stream: AnswerStream;
   private answer: MarkdownStream | undefined;
-  private answerText = "";
   private syntax: SyntaxStyle | undefined;
 
   constructor(
     private readonly ot: OpenTui,
     private readonly r: CliRenderer,
-    private readonly showThinking: boolean,
+    showThinking: boolean,
   ) {
+    this.stream = new AnswerStream(showThinking);
     this.agentPane = new LogPane(ot, r, {
       width: "50%",
       flexShrink: 0,
@@ -14067,40 +14674,41 @@ class AgentView {
     return this.syntax;
   }
 
-  show(e: AgentEvent): void {
+  /** Reasoning and the answer in the agent pane, the answer as Markdown that grows as it streams. */
+  private draw(a: AnswerAction): void {
     const agent = this.agentPane;
-    switch (e.type) {
-      case "reasoning_delta":
-        if (!this.showThinking) return;
-        if (!this.thinking) {
-          agent.line("[THINKING]", COLORS.thinking);
-          this.thinking = true;
-        }
-        return agent.append(visibleControls(e.text), COLORS.thinking);
-      case "thinking_complete":
-        if (this.showThinking) agent.line("[THINKING COMPLETE]", COLORS.thinking);
-        this.thinking = false;
+    switch (a.kind) {
+      case "thinking_start":
+        return agent.line("[THINKING]", COLORS.thinking);
+      case "thinking":
+        return agent.append(a.text, COLORS.thinking);
+      case "thinking_end":
+        return a.announced ? agent.line("[THINKING COMPLETE]", COLORS.thinking) : agent.append("\n");
+      case "text":
+        if (a.whole) (this.answer ??= agent.markdown(this.style())).update(a.whole);
         return;
-      case "assistant_delta":
-        if (this.thinking) {
-          this.thinking = false;
-          agent.append("\n");
-        }
-        this.answerText += visibleControls(this.marker.push(e.text));
-        if (this.answerText) (this.answer ??= agent.markdown(this.style())).update(this.answerText);
-        return;
-      case "assistant":
-        this.answerText += visibleControls(this.marker.flush());
-        if (this.answerText.trim()) {
-          (this.answer ??= agent.markdown(this.style())).update(this.answerText);
+      case "done":
+        if (a.whole.trim()) {
+          (this.answer ??= agent.markdown(this.style())).update(a.whole);
           this.answer.finish();
         }
-        this.endAnswer();
+        this.answer = undefined;
         return;
       case "discarded":
         this.answer?.finish();
-        this.endAnswer();
-        break;
+        this.answer = undefined;
+    }
+  }
+
+  show(e: AgentEvent): void {
+    const agent = this.agentPane;
+    for (const action of this.stream.reduce(e)) this.draw(action);
+    switch (e.type) {
+      case "reasoning_delta":
+      case "thinking_complete":
+      case "assistant_delta":
+      case "assistant":
+        return;
       case "command_output":
         return this.consoleStream.write(e.data);
       case "command_result":
@@ -14111,13 +14719,6 @@ class AgentView {
     }
     for (const line of describeEvent(e))
       (line.pane === "agent" ? agent : this.consolePane).line(line.text, TUI_TONES[line.tone]);
-  }
-
-  private endAnswer(): void {
-    this.answer = undefined;
-    this.answerText = "";
-    this.marker = new MarkerFilter();
-    this.thinking = false;
   }
 
   /** After a resume: the newest turns of the restored conversation as they looked, older ones counted. */
@@ -14430,6 +15031,22 @@ const SHELL_TAB_PLACEHOLDER = "The Shell tab has your keys: it is your own shell
  * agent awaits; it moves the agent only through the agent's methods, and its
  * figures come from the agent's events.
  */
+/** The status line's figures before anything ran. */
+function initialFigures(config: Config, prepared: PreparedRun): TuiFigures {
+  return {
+    sandboxOn: prepared.sandbox.enabled,
+    step: 0,
+    maxSteps: config.maxSteps,
+    context: 0,
+    budget: promptBudget(config),
+    tokens: 0,
+    spending: config.maxTokens === undefined ? undefined : { spent: 0, max: config.maxTokens },
+    jobs: 0,
+    model: config.model,
+    session: "no session",
+  };
+}
+
 class Tui implements EventSink {
   readonly agent: Agent;
   readonly session: SessionStore | undefined;
@@ -14472,18 +15089,7 @@ class Tui implements EventSink {
       o.historyFile ?? path.join(os.homedir(), ".aic_history"),
       (value) => void this.submit(value),
     );
-    this.figures = {
-      sandboxOn: prepared.sandbox.enabled,
-      step: 0,
-      maxSteps: config.maxSteps,
-      context: 0,
-      budget: promptBudget(config),
-      tokens: 0,
-      spending: config.maxTokens === undefined ? undefined : { spent: 0, max: config.maxTokens },
-      jobs: 0,
-      model: config.model,
-      session: "no session",
-    };
+    this.figures = initialFigures(config, prepared);
 
     this.view = new AgentView(ot, r, !config.noThinking);
     this.shellTab = new ShellTab(ot, r, o.Terminal, {
@@ -14514,27 +15120,7 @@ class Tui implements EventSink {
     r.keyInput.on("keypress", () => this.pacing.keysHandled());
     r.keyInput.on("paste", () => this.pacing.keysHandled());
 
-    this.run = createRun(
-      config,
-      prepared,
-      {
-        sink: this,
-        approve: (request) => this.requestApproval(request),
-        attended: true,
-        // A person sits at the TUI: with auto-approve off, a command waiting for input gets their keys instead of being stopped.
-        canAnswerInput: () => true,
-        attachInput: (write) => {
-          this.commandInput = write;
-          return () => {
-            this.commandInput = undefined;
-            this.commandWaiting = false;
-            this.figures.notice = undefined;
-          };
-        },
-        beforeCommand: () => this.shellTab.checkCwd(),
-      },
-      config.request ?? "",
-    );
+    this.run = createRun(config, prepared, this.frontEnd(), config.request ?? "");
     this.agent = this.run.agent;
     this.session = this.run.session;
     if (this.session) this.figures.session = `${path.basename(this.session.path)}#${this.session.sessionId}`;
@@ -14549,6 +15135,26 @@ class Tui implements EventSink {
       require("proper-lockfile");
       require("write-file-atomic");
     }, WARM_UP_DELAY_MS);
+  }
+
+  /** What the run gets from the TUI: its events, approvals, and a person's keys for a command that waits for input. */
+  private frontEnd(): FrontEnd {
+    return {
+      sink: this,
+      approve: (request) => this.requestApproval(request),
+      attended: true,
+      // A person sits at the TUI: with auto-approve off, a command waiting for input gets their keys instead of being stopped.
+      canAnswerInput: () => true,
+      attachInput: (write) => {
+        this.commandInput = write;
+        return () => {
+          this.commandInput = undefined;
+          this.commandWaiting = false;
+          this.figures.notice = undefined;
+        };
+      },
+      beforeCommand: () => this.shellTab.checkCwd(),
+    };
   }
 
   /** Whether a command waits for the person's approval. */
@@ -15273,6 +15879,12 @@ if (import.meta.main) {
 
 export {
   Agent,
+  MODEL_TEXTS,
+  ModelClient,
+  ModelError,
+  StoppedError,
+  createRun,
+  prepareParts,
   SandboxLauncher,
   Checkpoints,
   undoCommands,
@@ -15319,4 +15931,17 @@ export {
   validateOutgoing,
 };
 
-export type { AgentEvent, Config, EventSink, Message, Sandbox, TuiOptions };
+export type {
+  AgentEvent,
+  AssistantTurn,
+  CompletionRequest,
+  Config,
+  EventSink,
+  FlagSpec,
+  FrontEnd,
+  Message,
+  ModelPort,
+  RetryWait,
+  Sandbox,
+  TuiOptions,
+};

@@ -1,7 +1,8 @@
 /**
  * Provider replies that aic has misjudged, one per shape, each with where its wording and shape
- * were read. provider-regressions.test.ts plays each one on the wire through the fake OpenAI
- * server to the compiled dist/aic and checks what aic does with it:
+ * were read. Each is played on the wire through the fake OpenAI server: the "retry" and "fatal"
+ * ones to the ModelClient (model-client.test.ts), the "cut_off" ones to the compiled dist/aic
+ * (provider-regressions.test.ts); the tests check what aic does with it:
  *
  * - "retry":   a passing limit or a failed attempt. aic waits (at least `hintMs`, when the server
  *              names a wait) and asks again; the run completes.

@@ -1,11 +1,10 @@
 /**
- * End to end against the fake OpenAI server: each provider reply in provider-fixtures.ts goes on
- * the wire exactly as the provider sends it (status, headers, body or SSE frames) to the compiled
- * dist/aic, run headless with --json, and aic must do what the fixture expects:
+ * End to end against the fake OpenAI server: a provider reply from provider-fixtures.ts goes on the
+ * wire exactly as the provider sends it (status, headers, body or SSE frames) to the compiled
+ * dist/aic, run headless with --json, and aic must do what the fixture expects. The "retry" and
+ * "fatal" fixtures are played to the ModelClient in model-client.test.ts (the retry policy, without
+ * real waiting); here the "cut_off" ones, which only the whole loop answers:
  *
- * - retry:   a retry event announces the wait (at least the server's hint, when it names one), a
- *            second request follows after it, and the run completes with exit 0;
- * - fatal:   exit 1 after that one request, no retry, and one `error:` line that says why;
  * - cut_off: the next request answers the cut call with a tool message saying the answer was cut
  *            off by the output limit, naming the limit, and nothing was run.
  */
@@ -40,55 +39,6 @@ async function play(first: Turn | ((index: number) => Turn)) {
 /** What aic did, for the failure message: its events and stderr. */
 const said = (f: ProviderFixture, run: { stdout: string; stderr: string }) =>
   `${f.name}\nsource: ${f.source}\n--- stdout ---\n${run.stdout.slice(-2500)}\n--- stderr ---\n${run.stderr.slice(-1500)}`;
-
-describe("passing limits and failed attempts are waited out and retried", () => {
-  test.each(named(of("retry")))("%s", async (_name, f) => {
-    const { srv, run, events } = await play(turnOf(f));
-    const retries = events.filter((e) => e.type === "retry");
-    if (run.code !== 0 || retries.length !== 1) console.error(said(f, run));
-
-    // The wait is shown (the retry event) before the second request, and then the run completes.
-    expect(retries).toHaveLength(1);
-    expect(srv.requests.length).toBe(2);
-    expect(run.code).toBe(0);
-    expect(events.at(-1)).toMatchObject({ type: "end", status: "completed", exit_code: 0 });
-    if (f.hintMs !== undefined) {
-      // The server's own hint is honoured: not the 1 s first backoff, not a multi-second guess.
-      expect(retries[0].wait_ms).toBeGreaterThanOrEqual(f.hintMs);
-      expect(retries[0].wait_ms).toBeLessThanOrEqual(f.hintMs + 1500);
-      expect(srv.requests[1]!.at - srv.requests[0]!.at).toBeGreaterThanOrEqual(f.hintMs * 0.95);
-    }
-  });
-
-  // "Like a 5xx" includes its bound: an in-stream error on every attempt ends after five attempts.
-  test.each(named(of("retry").filter((f) => f.frames)))(
-    "%s, on every attempt: gives up after 5 attempts",
-    async (_name, f) => {
-      const { srv, run, events } = await play(() => turnOf(f));
-      if (srv.requests.length !== 5) console.error(said(f, run));
-      expect(srv.requests.length).toBe(5);
-      expect(events.filter((e) => e.type === "retry")).toHaveLength(4);
-      expect(run.code).toBe(1);
-    },
-    60_000,
-  );
-});
-
-describe("an exhausted account ends the run at once", () => {
-  test.each(named(of("fatal")))("%s", async (_name, f) => {
-    const srv = fixtures.serve([turnOf(f)]);
-    // Text mode: the one line a person reads on stderr.
-    const run = await runAic([...headless(srv.url, "test-model", "--auto-approve"), "do the task"]);
-    if (run.code !== 1 || srv.requests.length !== 1) console.error(said(f, run));
-
-    expect(srv.requests.length).toBe(1);
-    expect(run.code).toBe(1);
-    expect(run.stderr).not.toMatch(/\bretry \d+ in\b/);
-    const errors = run.stderr.split("\n").filter((l) => l.startsWith("error:"));
-    expect(errors).toHaveLength(1);
-    expect(errors[0]).toMatch(/quota|credit|billing/i);
-  });
-});
 
 describe("an answer cut off by the output limit is named as such", () => {
   test.each(named(of("cut_off")))("%s", async (_name, f) => {
