@@ -180,15 +180,20 @@ export const TEST_RUN_VAR = "AIC_TEST_RUN";
 export const TEST_RUN = `${process.pid}-${Math.random().toString(36).slice(2, 12)}`;
 process.env[TEST_RUN_VAR] = TEST_RUN;
 
-/** Environment without the developer's own model settings or npm's variables, so tests see only what they pass. */
+/**
+ * Environment without the developer's own model settings, npm's variables or a CI runner's CI=true, so tests see only
+ * what they pass.
+ */
 export function cleanEnv(extra: Record<string, string | undefined> = {}): Record<string, string> {
   const env: Record<string, string> = { XDG_STATE_HOME: testStateHome() };
   for (const [k, v] of Object.entries(process.env)) {
-    if (v === undefined || /^(AIC_|OPENAI_|XDG_STATE_HOME$)/.test(k) || FROM_NPM.test(k)) continue;
+    if (v === undefined || /^(AIC_|OPENAI_|XDG_STATE_HOME$|CI$)/.test(k) || FROM_NPM.test(k)) continue;
     env[k] = v;
   }
   env[TEST_RUN_VAR] = TEST_RUN;
-  for (const [k, v] of Object.entries(extra)) if (v !== undefined) env[k] = v;
+  for (const [k, v] of Object.entries(extra))
+    if (v !== undefined) env[k] = v;
+    else delete env[k];
   return env;
 }
 

@@ -112,7 +112,8 @@ function personsTmux(user: User, where: ReturnType<typeof place>): string {
     user,
     ["tmux", "-L", name, "-f", "/dev/null", "new-session", "-d", "sleep 600"],
     where.cwd,
-    where.env,
+    // tmux runs the session through $SHELL, else the account's shell: nobody's is nologin (CI may not set SHELL).
+    { ...where.env, SHELL: "/bin/sh" },
   );
   expect(r.code).toBe(0);
   cleanups.push(() => runAs(user, ["tmux", "-L", name, "kill-server"], "/", where.env));
