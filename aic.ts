@@ -56,14 +56,6 @@ const AGENTS_MD_LIMIT_BYTES = 32 * 1024;
 /** Output past this multiple of --max-output-bytes means a runaway command. */
 const RUNAWAY_FACTOR = 100;
 
-/** Silence before we look whether a command is blocked reading its terminal. */
-const INPUT_WAIT_SILENCE_MS = 10_000;
-/** The silence limit, shortened by AIC_INPUT_WAIT_MS (read when a command starts, so tests can set it). */
-const inputWaitSilenceMs = () =>
-  Number(process.env.AIC_INPUT_WAIT_MS) > 0 ? Number(process.env.AIC_INPUT_WAIT_MS) : INPUT_WAIT_SILENCE_MS;
-/** How often a silent command's processes are looked at. */
-const INPUT_WAIT_POLL_MS = 1000;
-
 const KILL_GRACE_MS = 500;
 /** How often a group being killed is checked for survivors during the grace. */
 const KILL_POLL_MS = 25;
@@ -929,11 +921,17 @@ const EXECUTE_BASH_TOOL = {
   function: {
     name: "execute_bash",
     description:
-      "Run one shell command in a pseudo-terminal in the current working directory and return its exit code and output.",
+      "Run one shell command in a pseudo-terminal in the current working directory and return its exit code and output. A command that waits for input (a prompt, a REPL, an editor, a pager) keeps running and you get its screen: answer it with `input` instead of `command`.",
     parameters: {
       type: "object",
-      properties: { command: { type: "string", description: "The shell command to run." } },
-      required: ["command"],
+      properties: {
+        command: { type: "string", description: "The shell command to run." },
+        input: {
+          type: "string",
+          description:
+            "Keys to type into the command that waits for input: text, \\n for Enter, and <Esc>, <C-c>, <C-d>, <Tab>, <Up>, <Down>, <Left>, <Right>, <Backspace> for keys. Give command or input, not both.",
+        },
+      },
     },
   },
 } as const;
@@ -987,6 +985,7 @@ function buildSystemPrompt(f: PromptFacts): string {
         shellRule,
         capRule,
         timeoutRule,
+        `A command that waits for input keeps running and you get its screen: answer with execute_bash {"input": "..."} (${INPUT_KEYS_HELP}).`,
         honesty,
         search,
       ]
@@ -1006,7 +1005,7 @@ function buildSystemPrompt(f: PromptFacts): string {
       shellRule,
       capRule,
       timeoutRule,
-      "Commands run in a pseudo-terminal with no person watching it. Use non-interactive forms: -y / --yes / --non-interactive flags, DEBIAN_FRONTEND=noninteractive, git --no-pager, here-documents for input. A command that waits for input will be stopped.",
+      `Commands run in a pseudo-terminal. Prefer non-interactive forms (-y / --yes / --non-interactive flags, DEBIAN_FRONTEND=noninteractive, git --no-pager, here-documents). When a command does wait for input (a prompt, a REPL, an editor, a pager) it keeps running and you get its screen with status waiting_for_input; a program that runs until interrupted (top, watch, tail -f) comes back as waiting_on_time. Answer with execute_bash {"input": "..."}: ${INPUT_KEYS_HELP}. One command waits at a time; a new command stops it first.`,
       sandboxLine,
       honesty,
       search,
@@ -1137,6 +1136,39 @@ function splitSummary(content: string): { base: string; summary: string | undefi
 const SKIPPED_AFTER_SUGGESTION =
   "Command not executed: the user rejected an earlier command of this turn with a suggestion.";
 const NO_ARGUMENTS_MESSAGE = "No arguments provided for function call";
+const BOTH_COMMAND_AND_INPUT_MESSAGE =
+  'Give either "command" (a new command) or "input" (keys for the command that waits), not both: nothing ran.';
+const NO_WAITING_COMMAND_MESSAGE =
+  'No command is waiting for input, so nothing was typed. Run a command with {"command": "..."}.';
+/** The keys `input` may name, and the text that stands for them. */
+const INPUT_KEYS_HELP =
+  "text, \\n for Enter, and <Esc>, <C-c>, <C-d>, <Tab>, <Up>, <Down>, <Left>, <Right>, <Backspace> for keys";
+
+/** What the model is told when a command waits and keeps running, handed to it with its screen. */
+function waitingMessage(o: {
+  verdict: "waiting_for_input" | "waiting_on_time";
+  reason: string;
+  program: string;
+  output: string;
+  screen: string;
+  fullScreen: boolean;
+}): string {
+  const what =
+    o.verdict === "waiting_for_input"
+      ? `The command is still running and waits for input (${o.program}: ${o.reason}).`
+      : `The command is still running: ${o.program} runs until it is interrupted (${o.reason}).`;
+  const scrolled = o.output ? `Output before the screen below:\n${o.output}\n` : "";
+  const screen = `${o.fullScreen ? "Its whole screen" : "Its screen"}:\n${o.screen || "(empty)"}`;
+  const how =
+    o.verdict === "waiting_for_input"
+      ? `Answer it with execute_bash {"input": "..."}: ${INPUT_KEYS_HELP}. A call with a command stops it first.`
+      : `End it with execute_bash {"input": "q"} or {"input": "<C-c>"}, or type into it as into any program (${INPUT_KEYS_HELP}). A call with a command stops it first.`;
+  return `${what}\n${scrolled}${screen}\n${how}`;
+}
+
+/** Said before a new command's result when it first stopped the command that waited. */
+const stoppedWaitingNote = (program: string, exitCode: number | null) =>
+  `(The command that was waiting for input, ${program}, was stopped first${exitCode === null ? "" : ` (exit code ${exitCode})`}.)`;
 const unknownFunctionMessage = (name: string) => `Unknown function: ${name}`;
 /** A person's text typed while the agent works, heard at the start of the next step. */
 const steeringMessage = (text: string) => `[Suggestion from user] ${text}`;
@@ -1280,6 +1312,10 @@ const MODEL_TEXTS = {
   completionRefusal,
   undoneNote,
   describeCommandResult,
+  BOTH_COMMAND_AND_INPUT_MESSAGE,
+  NO_WAITING_COMMAND_MESSAGE,
+  waitingMessage,
+  stoppedWaitingNote,
 } as const;
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -1342,6 +1378,8 @@ type AgentEvent =
   | { type: "discarded"; reason: string }
   | { type: "context"; estimate: number; budget: number }
   | { type: "command"; id: string; command: string }
+  /** Keys the model types into the command that waits (`into`: the program in its foreground; `command_id`: its call). */
+  | { type: "input"; id: string; input: string; into: string; command_id: string }
   | {
       type: "approval";
       id: string;
@@ -1358,8 +1396,12 @@ type AgentEvent =
       type: "command_result";
       id: string;
       exit_code: number | null;
-      /** How it ended, or why it never ran (`denied` by a rule, `refused` for want of a person, `rejected` by the person, `skipped`). */
-      status: CommandStatus | NotRun;
+      /**
+       * How it ended, or why it never ran (`denied` by a rule, `refused` for want of a person, `rejected` by the
+       * person, `skipped`); or `waiting_for_input` / `waiting_on_time` with `exit_code` null: it still runs,
+       * handed to the model, `output` its screen.
+       */
+      status: CommandStatus | NotRun | "waiting_on_time";
       duration_ms: number;
       /** What the person saw (rendered and capped), without the words aic adds for the model. */
       output: string;
@@ -1598,6 +1640,8 @@ function describeEvent(e: AgentEvent): EventLine[] {
       return agent("warning", `the model's attempt failed (${e.reason}); its partial answer was discarded`);
     case "command":
       return console("command", `$ ${e.command}`);
+    case "input":
+      return console("command", `⌨ ${e.into} ← ${inputShown(e.input)}`);
     case "approval":
       if (e.decision === "rejected") return console("bad", "(command rejected)");
       if (e.decision === "suggestion") return console("bad", `(command rejected with a suggestion: ${e.suggestion})`);
@@ -1610,6 +1654,11 @@ function describeEvent(e: AgentEvent): EventLine[] {
       if (e.decision === "read_only") return console("dim", "(read-only: runs without asking)");
       return [];
     case "command_result": {
+      if ((e.status === "waiting_for_input" || e.status === "waiting_on_time") && e.exit_code === null)
+        return console(
+          "info",
+          `[${e.status === "waiting_for_input" ? "waits for input" : "runs until interrupted"}: handed to the model]`,
+        );
       const status = e.status.replace(/_/g, " ");
       const note =
         e.status === "exited"
@@ -7302,7 +7351,8 @@ class TerminalRenderer {
 
   constructor(
     TerminalClass: XTermClass,
-    private readonly sink: RenderedOutput,
+    /** Where finished lines go; a command that waits starts a fresh one at each look. */
+    public sink: RenderedOutput,
     /** Back-pressure on the command: it is paused while xterm is far behind, so nothing is lost and memory stays flat. */
     private readonly flow: { pause(): void; resume(): void },
   ) {
@@ -7377,6 +7427,24 @@ class TerminalRenderer {
     for (const chunk of chunks) this.feed(chunk);
   }
 
+  /**
+   * The screen as a person sees it now: everything written is parsed first,
+   * and the lines that scrolled away go to the sink. `full` when the program
+   * is on the alternate screen (vim, less, top): then the screen is all there is.
+   */
+  async screen(): Promise<{ text: string; full: boolean }> {
+    if (this.backlog.length) this.catchUp();
+    await new Promise<void>((resolve) => this.term.write("", resolve));
+    this.extract(false);
+    const buffer = this.term.buffer.active;
+    const lines: string[] = [];
+    for (let y = 0; y < this.term.rows; y++)
+      // A full-screen program paints its blank cells with spaces: trailing blanks go, whatever made them.
+      lines.push((buffer.getLine(buffer.baseY + y)?.translateToString(true) ?? "").replace(/\s+$/, ""));
+    while (lines.length && !lines.at(-1)!.trim()) lines.pop();
+    return { text: lines.join("\n"), full: buffer.type === "alternate" };
+  }
+
   /** Waits until everything written is parsed, then reads the screen too. */
   async finish(): Promise<void> {
     if (this.backlog.length) this.catchUp();
@@ -7428,104 +7496,370 @@ function loadXterm(): Promise<XTermClass> {
 
 // ════════════════════════════════════════════════════════════════════════════
 // Waiting-for-input detection
-// Owns: telling a command that waits for a person at its terminal from one
-// that is merely slow, from what /proc says each process of its group is doing.
+// Owns: telling what a quiet command is doing, from what /proc says each
+// thread of its foreground is blocked in (the syscall, the descriptors it
+// waits on and its timeout) and what its screen did: waiting for input at
+// its terminal, waiting on nothing but time (top, watch, tail -f), or busy
+// (sleeping, computing, on the network, waiting for a child).
 // ════════════════════════════════════════════════════════════════════════════
 
-/**
- * Syscall numbers, per architecture: a blocking read, waiting for a child,
- * and waiting on several descriptors (readline-style prompts in node or
- * prompt_toolkit block there, not in read). For the poll family, which
- * argument says "no timeout" and how: a program with a timer pending (merely
- * slow) waits with a finite timeout and is never taken for a prompt.
- */
-type Forever = [argument: number, meaning: "minus-one" | "null"];
+/** What a quiet command is doing. */
+type WaitVerdict = "waiting_for_input" | "waiting_on_time" | "busy";
 
-const SYSCALLS: Record<string, { read: number[]; wait: number[]; poll: Record<number, Forever> }> = {
+/** How one blocking syscall waits, as the detector needs it. */
+type SyscallKind =
+  | "read"
+  | "poll"
+  | "ppoll"
+  | "select"
+  | "pselect6"
+  | "epoll_wait"
+  | "epoll_pwait2"
+  | "wait"
+  | "nanosleep"
+  | "clock_nanosleep"
+  | "idle";
+
+/** Syscall numbers that block, per architecture (x86-64 and arm64). */
+const BLOCKING_SYSCALLS: Record<string, Record<number, SyscallKind>> = {
   x64: {
-    read: [0, 17, 19],
-    wait: [61, 247],
-    poll: {
-      7: [2, "minus-one"],
-      23: [4, "null"],
-      232: [3, "minus-one"],
-      270: [4, "null"],
-      271: [2, "null"],
-      281: [3, "minus-one"],
-      441: [3, "null"],
-    },
+    0: "read",
+    17: "read",
+    19: "read",
+    7: "poll",
+    271: "ppoll",
+    23: "select",
+    270: "pselect6",
+    232: "epoll_wait",
+    281: "epoll_wait",
+    441: "epoll_pwait2",
+    61: "wait",
+    247: "wait",
+    35: "nanosleep",
+    230: "clock_nanosleep",
+    219: "nanosleep",
+    202: "idle",
+    34: "idle",
+    130: "idle",
+    128: "idle",
   },
   arm64: {
-    read: [63, 65, 67],
-    wait: [260, 95],
-    poll: { 22: [3, "minus-one"], 72: [4, "null"], 73: [2, "null"], 441: [3, "null"] },
+    63: "read",
+    67: "read",
+    65: "read",
+    73: "ppoll",
+    72: "pselect6",
+    22: "epoll_wait",
+    441: "epoll_pwait2",
+    260: "wait",
+    95: "wait",
+    101: "nanosleep",
+    115: "clock_nanosleep",
+    128: "nanosleep",
+    98: "idle",
+    133: "idle",
   },
 };
 
-/** Whether a poll-family call (its /proc/<pid>/syscall fields) waits with no timeout. */
-function waitsForever(forever: Forever, fields: string[]): boolean {
-  const raw = fields[1 + forever[0]];
-  if (!raw) return false;
-  const value = BigInt(raw);
-  return forever[1] === "null" ? value === 0n : BigInt.asIntN(32, value) === -1n;
+/** A quiet output this long before anything is concluded (AIC_INPUT_WAIT_MS shortens it for tests). */
+const INPUT_QUIET_MS = 1000;
+const inputQuietMs = () =>
+  Number(process.env.AIC_INPUT_WAIT_MS) > 0 ? Number(process.env.AIC_INPUT_WAIT_MS) : INPUT_QUIET_MS;
+/** How often a quiet command is looked at. */
+const INPUT_WAIT_POLL_MS = 250;
+/** A program waiting on nothing but time is handed to the model after it has run this long. */
+const WAITING_ON_TIME_AFTER_MS = 2000;
+
+/** Programs that run until interrupted and redraw on a timer: known at once, before their first redraw. */
+const REDRAWS_ON_A_TIMER = new Set(["top", "htop", "btop", "atop", "iotop", "iftop", "nload", "watch", "glances"]);
+
+/** How one thread of the foreground waits. */
+type ThreadWait =
+  "running" | "outside" | "stopped" | "child" | "idle" | "tty" | "tty_timed" | "sleep" | "events" | "internal";
+
+/** Bytes of a process's memory (a poll set, a timespec): needs ptrace access, which aic has over its commands. */
+function processMemory(pid: number, addr: bigint, length: number): Buffer | undefined {
+  if (addr === 0n || length <= 0 || length > 1 << 16) return undefined;
+  let fd: number | undefined;
+  try {
+    fd = fs.openSync(`/proc/${pid}/mem`, "r");
+    const buf = Buffer.alloc(length);
+    return fs.readSync(fd, buf, 0, length, Number(addr)) === length ? buf : undefined;
+  } catch {
+    return undefined;
+  } finally {
+    if (fd !== undefined) fs.closeSync(fd);
+  }
 }
 
-const isTerminal = (target: string) => /^\/dev\/(pts\/|tty)/.test(target);
+/** A timeout argument in milliseconds: null when the call waits forever, undefined when unreadable. */
+function timeoutArgument(pid: number, addr: bigint, divisor: number): number | null | undefined {
+  if (addr === 0n) return null;
+  const b = processMemory(pid, addr, 16);
+  return b && Number(b.readBigInt64LE(0)) * 1000 + Number(b.readBigInt64LE(8)) / divisor;
+}
 
-/** Whether `pid` blocks in a poll-like wait that can only be for its terminal: stdin is one, and it holds no socket. */
-function pollsOnlyItsTerminal(pid: number): boolean {
+const fdLink = (pid: number, fd: number) => {
   try {
-    if (!isTerminal(fs.readlinkSync(`/proc/${pid}/fd/0`))) return false;
-    return !fs.readdirSync(`/proc/${pid}/fd`).some((fd) => {
-      try {
-        return fs.readlinkSync(`/proc/${pid}/fd/${fd}`).startsWith("socket:");
-      } catch {
-        return false;
-      }
-    });
+    return fs.readlinkSync(`/proc/${pid}/fd/${fd}`);
+  } catch {
+    return "?";
+  }
+};
+
+/** The descriptors of a poll array. */
+function pollSet(pid: number, addr: bigint, nfds: bigint): string[] | undefined {
+  const n = Number(nfds);
+  const b = n > 0 ? processMemory(pid, addr, n * 8) : Buffer.alloc(0);
+  if (!b) return undefined;
+  const out: string[] = [];
+  for (let i = 0; i < n; i++) if (b.readInt32LE(i * 8) >= 0) out.push(fdLink(pid, b.readInt32LE(i * 8)));
+  return out;
+}
+
+/** The descriptors of select's three sets. */
+function selectSet(pid: number, nfds: bigint, sets: bigint[]): string[] | undefined {
+  const n = Number(nfds);
+  const fds = new Set<number>();
+  for (const addr of sets) {
+    if (addr === 0n) continue;
+    const b = processMemory(pid, addr, Math.ceil(n / 64) * 8);
+    if (!b) return undefined;
+    for (let fd = 0; fd < n; fd++) if (b[fd >> 3]! & (1 << (fd & 7))) fds.add(fd);
+  }
+  return [...fds].map((fd) => fdLink(pid, fd));
+}
+
+/** The descriptors an epoll instance watches (its fdinfo's "tfd:" lines). */
+function epollSet(pid: number, epfd: number): string[] | undefined {
+  try {
+    const info = fs.readFileSync(`/proc/${pid}/fdinfo/${epfd}`, "utf8");
+    return [...info.matchAll(/^tfd:\s*(\d+)/gm)].map((m) => fdLink(pid, Number(m[1])));
+  } catch {
+    return undefined;
+  }
+}
+
+/** What one blocking syscall waits on (its descriptors, undefined when unreadable) and for how long (null: forever). */
+function syscallWait(
+  pid: number,
+  kind: SyscallKind,
+  a: bigint[],
+): { fds?: string[]; timeoutMs: number | null | undefined } {
+  const int32 = (v: bigint | undefined) => Number(BigInt.asIntN(32, v ?? 0n));
+  switch (kind) {
+    case "read":
+      return { fds: [fdLink(pid, int32(a[0]))], timeoutMs: null };
+    case "poll":
+      return { fds: pollSet(pid, a[0]!, a[1]!), timeoutMs: int32(a[2]) < 0 ? null : int32(a[2]) };
+    case "ppoll":
+      return { fds: pollSet(pid, a[0]!, a[1]!), timeoutMs: timeoutArgument(pid, a[2]!, 1e6) };
+    case "select":
+      return { fds: selectSet(pid, a[0]!, [a[1]!, a[2]!, a[3]!]), timeoutMs: timeoutArgument(pid, a[4]!, 1e3) };
+    case "pselect6":
+      return { fds: selectSet(pid, a[0]!, [a[1]!, a[2]!, a[3]!]), timeoutMs: timeoutArgument(pid, a[4]!, 1e6) };
+    case "epoll_wait":
+      return { fds: epollSet(pid, int32(a[0])), timeoutMs: int32(a[3]) < 0 ? null : int32(a[3]) };
+    case "epoll_pwait2":
+      return { fds: epollSet(pid, int32(a[0])), timeoutMs: timeoutArgument(pid, a[3]!, 1e6) };
+    default:
+      return { timeoutMs: undefined };
+  }
+}
+
+const isTerminalTarget = (t: string) => /^\/dev\/(pts\/\d+|tty\w*|ptmx)$/.test(t);
+
+/** A descriptor's kind: the terminal, something only this command holds, file events, or the outside world. */
+function descriptorKind(target: string, internalPipes: Set<string>): "terminal" | "internal" | "events" | "outside" {
+  if (isTerminalTarget(target)) return "terminal";
+  if (/^anon_inode:\[?(eventfd|signalfd|timerfd|eventpoll|pidfd)\]?/.test(target)) return "internal";
+  if (/^anon_inode:\[?(inotify|fanotify)\]?/.test(target)) return "events";
+  if (target.startsWith("pipe:")) return internalPipes.has(target) ? "internal" : "outside";
+  return "outside";
+}
+
+/** How thread `tid` of `pid` waits. */
+function threadWait(pid: number, tid: number, internalPipes: Set<string>): ThreadWait {
+  const base = `/proc/${pid}/task/${tid}`;
+  let stat: string;
+  let raw: string;
+  try {
+    stat = fs.readFileSync(`${base}/stat`, "utf8");
+    raw = fs.readFileSync(`${base}/syscall`, "utf8").trim();
+  } catch {
+    return "outside"; // unreadable (a setuid program): nothing aic could answer
+  }
+  const state = stat.slice(stat.lastIndexOf(")") + 2).split(" ")[0] ?? "?";
+  if (state === "T" || state === "t") return "stopped";
+  if (raw === "running" || state === "R" || state === "D") return "running";
+  const f = raw.split(" ");
+  if (!raw || f[0] === "-1") return "running";
+  const kind = BLOCKING_SYSCALLS[process.arch]?.[Number(f[0])];
+  if (!kind) return "outside";
+  if (kind === "wait") return "child";
+  if (kind === "idle") return "idle";
+  if (kind === "nanosleep" || kind === "clock_nanosleep") return "sleep";
+  const { fds: set, timeoutMs } = syscallWait(
+    pid,
+    kind,
+    f.slice(1, 7).map((x) => BigInt(x)),
+  );
+  // A set aic may not read: stdin a terminal and no socket open means it can only be waiting there.
+  const fds = set ?? (fallbackTerminalOnly(pid) ? [fdLink(pid, 0)] : ["?"]);
+  const kinds = new Set(fds.map((t) => descriptorKind(t, internalPipes)));
+  if (kinds.has("outside")) return "outside";
+  if (kinds.has("terminal")) return timeoutMs === null ? "tty" : "tty_timed";
+  if (kinds.has("events")) return "events";
+  if (kind === "read") return "internal";
+  return timeoutMs === null ? "idle" : "sleep";
+}
+
+function fallbackTerminalOnly(pid: number): boolean {
+  try {
+    if (!isTerminalTarget(fdLink(pid, 0))) return false;
+    return !fs.readdirSync(`/proc/${pid}/fd`).some((fd) => fdLink(pid, Number(fd)).startsWith("socket:"));
   } catch {
     return false;
   }
 }
 
-/**
- * True when the whole foreground is stuck on its terminal: at least one process
- * blocked reading the PTY (directly, or polling with nothing but the
- * terminal to wait for) and every other one waiting for a child. A command
- * that is merely slow (sleeping, computing, on the network) is not.
- */
-function groupsWaitForTerminalInput(pgids: readonly number[]): boolean {
-  const table = SYSCALLS[process.arch];
-  if (!table || process.platform !== "linux") return false;
-  let readers = 0;
-  const pids = allProcesses()
-    .filter((p) => pgids.includes(p.pgid) && !p.zombie)
-    .map((p) => p.pid);
+/** Pipes with a reading and a writing end both inside `pids`: waiting on one waits on the command itself. */
+function internalPipesOf(pids: readonly number[]): Set<string> {
+  const ends = new Map<string, number>();
   for (const pid of pids) {
-    let fields: string[];
+    let fds: string[] = [];
     try {
-      fields = fs.readFileSync(`/proc/${pid}/syscall`, "utf8").trim().split(" ");
+      fds = fs.readdirSync(`/proc/${pid}/fd`);
     } catch {
-      return false;
-    }
-    const nr = Number(fields[0]);
-    if (table.wait.includes(nr)) continue;
-    const forever = table.poll[nr];
-    if (forever && waitsForever(forever, fields) && pollsOnlyItsTerminal(pid)) {
-      readers++;
       continue;
     }
-    if (!table.read.includes(nr)) return false;
-    let target = "";
+    for (const fd of fds) {
+      const target = fdLink(pid, Number(fd));
+      if (!target.startsWith("pipe:")) continue;
+      let mode = 2;
+      try {
+        const flags = /^flags:\s*([0-7]+)/m.exec(fs.readFileSync(`/proc/${pid}/fdinfo/${fd}`, "utf8"));
+        if (flags) mode = Number.parseInt(flags[1]!, 8) & 3;
+      } catch {
+        /* gone */
+      }
+      ends.set(target, (ends.get(target) ?? 0) | (mode === 0 ? 1 : mode === 1 ? 2 : 3));
+    }
+  }
+  return new Set([...ends].filter(([, m]) => m === 3).map(([k]) => k));
+}
+
+/** What the screen did, as the command's output showed it. */
+interface ScreenFacts {
+  /** Milliseconds since the last output (or since the start). */
+  quietMs: number;
+  /** On the alternate screen (a full-screen program). */
+  altScreen: boolean;
+  /** Output that resumed after a quiet second with nothing typed: the program redraws by itself. */
+  selfRedraws: number;
+}
+
+/**
+ * The verdict for a quiet command whose foreground is `pgids`. Any thread
+ * running, stopped, or blocked on the outside world (a socket, a disk, a pipe
+ * to elsewhere) → busy. Else a thread waiting on the terminal → waiting for
+ * input, unless that wait has a timeout and the program redraws on a timer
+ * (a known one, or one seen redrawing a full screen by itself) → waiting on
+ * time. Else file events forever (tail -f) → waiting on time; a sleep on the
+ * alternate screen or by a known redrawer (watch) → waiting on time; any
+ * other sleep → busy (sleep 30, a retry loop).
+ */
+function classifyForeground(pgids: readonly number[], screen: ScreenFacts): { verdict: WaitVerdict; reason: string } {
+  const procs = allProcesses().filter((p) => pgids.includes(p.pgid) && !p.zombie);
+  if (procs.length === 0) return { verdict: "busy", reason: "no process" };
+  if (screen.quietMs < inputQuietMs()) return { verdict: "busy", reason: "output moments ago" };
+  const internalPipes = internalPipesOf(procs.map((p) => p.pid));
+  const seen = new Set<ThreadWait>();
+  let timerProgram = "";
+  for (const p of procs) {
+    const comm = commOf(p.pid);
+    let tids: string[] = [];
     try {
-      target = fs.readlinkSync(`/proc/${pid}/fd/${Number.parseInt(fields[1] ?? "", 16)}`);
+      tids = fs.readdirSync(`/proc/${p.pid}/task`);
+    } catch {
+      continue;
+    }
+    for (const tid of tids) {
+      const w = threadWait(p.pid, Number(tid), internalPipes);
+      if (w === "running" || w === "outside" || w === "stopped") return { verdict: "busy", reason: `${comm} is ${w}` };
+      seen.add(w);
+      if ((w === "tty_timed" || w === "sleep") && REDRAWS_ON_A_TIMER.has(comm)) timerProgram = comm;
+    }
+  }
+  const redrawsItself = screen.selfRedraws > 0 && screen.altScreen;
+  if (seen.has("tty") || seen.has("tty_timed")) {
+    if (!seen.has("tty") && (timerProgram || redrawsItself))
+      return { verdict: "waiting_on_time", reason: `${timerProgram || "it"} redraws its screen on a timer` };
+    return { verdict: "waiting_for_input", reason: "it is reading its terminal" };
+  }
+  if (seen.has("events")) return { verdict: "waiting_on_time", reason: "it waits for changes to files (like tail -f)" };
+  if (seen.has("sleep") && (timerProgram || screen.altScreen || redrawsItself))
+    return { verdict: "waiting_on_time", reason: `${timerProgram || "it"} redraws its screen on a timer` };
+  return { verdict: "busy", reason: "sleeping or waiting for a child" };
+}
+
+/**
+ * The program in the foreground a person would say they type into: of the
+ * foreground's processes, the one not merely waiting for a child (git
+ * waits for the editor it started; the editor is what reads the keys).
+ */
+function foregroundProgram(pgids: readonly number[]): string {
+  const table = BLOCKING_SYSCALLS[process.arch] ?? {};
+  const procs = allProcesses().filter((p) => pgids.includes(p.pgid) && !p.zombie);
+  const waitsForChild = (pid: number) => {
+    try {
+      return table[Number(fs.readFileSync(`/proc/${pid}/syscall`, "utf8").split(" ")[0])] === "wait";
     } catch {
       return false;
     }
-    if (!isTerminal(target)) return false;
-    readers++;
+  };
+  const reader = procs.filter((p) => !waitsForChild(p.pid)).at(-1) ?? procs.at(-1);
+  return reader ? commOf(reader.pid) : "?";
+}
+
+/** A process's name (/proc/<pid>/comm). */
+function commOf(pid: number): string {
+  try {
+    return fs.readFileSync(`/proc/${pid}/comm`, "utf8").trim();
+  } catch {
+    return "?";
   }
-  return readers > 0;
+}
+
+/** The screen facts, from the command's output and what was typed into it. */
+class ScreenWatch {
+  private lastOutput = performance.now();
+  private lastInput = -Infinity;
+  private sawOutput = false;
+  private alt = false;
+  private redraws = 0;
+  private tail = "";
+  private readonly decoder = new TextDecoder();
+
+  output(bytes: Uint8Array): void {
+    const now = performance.now();
+    if (this.sawOutput && now - this.lastOutput >= INPUT_QUIET_MS && now - this.lastInput >= INPUT_QUIET_MS)
+      this.redraws++;
+    this.sawOutput = true;
+    this.lastOutput = now;
+    const s = this.tail + this.decoder.decode(bytes, { stream: true });
+    for (const m of s.matchAll(/\x1b\[\?(?:1049|1047|47)([hl])/g)) this.alt = m[1] === "h";
+    this.tail = s.slice(-12);
+  }
+
+  input(): void {
+    this.lastInput = performance.now();
+    this.lastOutput = this.lastInput;
+  }
+
+  facts(): ScreenFacts {
+    return { quietMs: performance.now() - this.lastOutput, altScreen: this.alt, selfRedraws: this.redraws };
+  }
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -7538,6 +7872,8 @@ interface RunOptions {
   command: string;
   cwd: string;
   limits: CommandLimits;
+  /** The model may type into the command: when it waits, it is handed over (with its screen) and keeps running. */
+  modelAnswers?: boolean;
   /** False when nobody can type an answer: then a command stuck on input is stopped. */
   canAnswerInput: boolean;
   signal: AbortSignal;
@@ -7605,20 +7941,40 @@ async function runCommand(opts: RunOptions): Promise<CommandResult & { jobs?: Jo
   return (await CommandRun.start(opts)).result();
 }
 
+/** What one look at a running command found: it ended, or it waits and keeps running. */
+type Observation =
+  | { kind: "ended"; result: CommandResult & { jobs?: JobsLeft } }
+  | {
+      kind: "waiting";
+      verdict: Exclude<WaitVerdict, "busy">;
+      reason: string;
+      /** Lines that scrolled off the screen since the last look (capped like any output). */
+      output: string;
+      savedTo?: string;
+      /** The screen now: all of it on the alternate screen, the visible lines otherwise. */
+      screen: string;
+      fullScreen: boolean;
+      /** The program in the foreground (what input would be typed into). */
+      program: string;
+    };
+
 /**
- * One command on its terminal, from spawn to result. It owns the terminal's
+ * One command on its terminal, from spawn to its end. It owns the terminal's
  * output (rendered for the model, counted against the runaway limit, the
  * foreground paused when rendering falls behind), what stops it (the
- * timeout, the run's stop, a prompt nobody can answer), and where its bytes
- * go: held until the process is known, rendered while it runs, handed to a
- * background job's log when the shell exits and leaves jobs behind.
+ * timeout, the run's stop, a prompt nobody can answer), where its bytes go
+ * (held until the process is known, rendered while it runs, handed to a
+ * background job's log when the shell exits leaving jobs), and the model at
+ * its keyboard: a command that waits for input (or on nothing but time) is
+ * handed over with its screen, keeps running, and takes what is typed into it;
+ * the timeout counts only while it is not waiting.
  */
 class CommandRun {
-  private readonly rendered: RenderedOutput;
+  private rendered: RenderedOutput;
   /** Made on the first byte: most commands print nothing and need no emulator. */
   private renderer: TerminalRenderer | undefined;
   private rawBytes = 0;
-  private lastOutputAt = Date.now();
+  private readonly screenWatch = new ScreenWatch();
   private status: CommandStatus = "exited";
   private stopping: Promise<void> | undefined;
   /** Output that arrives before the process is known (the launcher may report both in one read). */
@@ -7628,6 +7984,16 @@ class CommandRun {
   private paused: number[] = [];
   private child!: CommandProcess;
   private readonly marker: string;
+  private readonly startedAt = performance.now();
+  /** Whether the command waits for the model's input (handed over, not timed). */
+  private handedOver = false;
+  /** The look in progress. */
+  private observer: ((o: Observation) => void) | undefined;
+  private ended!: Promise<CommandResult & { jobs?: JobsLeft }>;
+  private unwatch: (() => void) | undefined;
+  private timeoutLeft: number;
+  private timeoutArmedAt = 0;
+  private timeoutTimer: ReturnType<typeof setTimeout> | undefined;
 
   private constructor(
     private readonly opts: RunOptions,
@@ -7635,6 +8001,7 @@ class CommandRun {
   ) {
     this.rendered = new RenderedOutput(opts.limits.maxOutputBytes, opts.outputs);
     this.marker = opts.jobs?.nextMarker() ?? "";
+    this.timeoutLeft = opts.limits.timeoutSec * 1000;
   }
 
   static async start(opts: RunOptions): Promise<CommandRun> {
@@ -7655,6 +8022,8 @@ class CommandRun {
     run.route = (bytes) => run.receive(bytes);
     for (const bytes of run.early!.splice(0)) run.receive(bytes);
     run.early = undefined;
+    run.unwatch = run.watch();
+    run.ended = run.whenExited();
     return run;
   }
 
@@ -7662,16 +8031,22 @@ class CommandRun {
     return this.child.pid;
   }
 
+  /** The program in the foreground now, as a person would name it. */
+  get program(): string {
+    return foregroundProgram(foregroundGroups(this.shell));
+  }
+
   private receive(bytes: Uint8Array): void {
     if (this.stopping && this.status === "runaway") return;
-    this.lastOutputAt = Date.now();
+    this.screenWatch.output(bytes);
     this.rawBytes += bytes.length;
     (this.renderer ??= new TerminalRenderer(this.Terminal, this.rendered, this.flow)).write(bytes);
     this.opts.onData(bytes);
     if (this.rawBytes > this.opts.limits.runawayBytes) this.stop("runaway");
   }
 
-  private stop(why: CommandStatus): void {
+  /** Stops the command (its foreground groups: SIGTERM, then SIGKILL). */
+  stop(why: CommandStatus): void {
     if (this.stopping) return;
     this.status = why;
     this.stopping = killGroups(foregroundGroups(this.shell));
@@ -7696,38 +8071,93 @@ class CommandRun {
     },
   };
 
-  /** The timeout, the run's stop, and the watch for a prompt; returns what undoes them. */
+  /** The timeout counts only while the command is not waiting on the model. */
+  private armTimeout(): void {
+    this.timeoutArmedAt = performance.now();
+    this.timeoutTimer = setTimeout(() => this.stop("timed_out"), Math.max(0, this.timeoutLeft));
+  }
+
+  private pauseTimeout(): void {
+    clearTimeout(this.timeoutTimer);
+    this.timeoutLeft -= performance.now() - this.timeoutArmedAt;
+  }
+
+  /** The timeout, the run's stop, and the look at a quiet command; returns what undoes them. */
   private watch(): () => void {
     const { opts } = this;
-    const timeout = setTimeout(() => this.stop("timed_out"), opts.limits.timeoutSec * 1000);
+    this.armTimeout();
     const onAbort = () => this.stop(opts.signal.reason === USER_INTERRUPT ? "interrupted" : "stopped");
     opts.signal.addEventListener("abort", onAbort, { once: true });
     if (opts.signal.aborted) onAbort();
-    // Nobody to answer: a command stuck on input is stopped. A person who can answer is told once, and types to it.
     let told = false;
-    const silence = inputWaitSilenceMs();
-    const watcher = setInterval(
-      () => {
-        if (this.stopping || told || Date.now() - this.lastOutputAt < silence) return;
-        if (!groupsWaitForTerminalInput(foregroundGroups(this.shell))) return;
-        if (!opts.canAnswerInput) return this.stop("waiting_for_input");
-        told = true;
-        opts.onWaitingForInput?.();
-      },
-      Math.min(INPUT_WAIT_POLL_MS, silence),
-    );
+    const watcher = setInterval(() => {
+      if (this.stopping || this.handedOver || told) return;
+      const facts = this.screenWatch.facts();
+      if (facts.quietMs < inputQuietMs()) return;
+      const d = classifyForeground(foregroundGroups(this.shell), facts);
+      if (d.verdict === "busy") return;
+      if (d.verdict === "waiting_on_time" && performance.now() - this.startedAt < WAITING_ON_TIME_AFTER_MS) return;
+      // The model at the keyboard gets the screen and the command keeps running.
+      if (opts.modelAnswers) return void this.handOver(d.verdict, d.reason);
+      if (d.verdict === "waiting_on_time") return;
+      // A person who can answer is told once, and types to it; with nobody to answer, it is stopped.
+      if (!opts.canAnswerInput) return this.stop("waiting_for_input");
+      told = true;
+      opts.onWaitingForInput?.();
+    }, INPUT_WAIT_POLL_MS);
     const detachInput = opts.attachInput?.((data) => this.child.write(data));
     return () => {
-      clearTimeout(timeout);
+      clearTimeout(this.timeoutTimer);
       clearInterval(watcher);
       opts.signal.removeEventListener("abort", onAbort);
       detachInput?.();
     };
   }
 
-  /** Waits for the shell to end; what it left running becomes jobs, which take the terminal over. */
+  /** The command waits: the look in progress ends with its screen, and the output so far starts anew. */
+  private async handOver(verdict: Exclude<WaitVerdict, "busy">, reason: string): Promise<void> {
+    this.handedOver = true;
+    this.pauseTimeout();
+    const screen = (await this.renderer?.screen()) ?? { text: "", full: false };
+    const { text, savedTo } = this.rendered.finish();
+    this.rendered = new RenderedOutput(this.opts.limits.maxOutputBytes, this.opts.outputs);
+    if (this.renderer) this.renderer.sink = this.rendered;
+    const program = this.program;
+    this.observer?.({
+      kind: "waiting",
+      verdict,
+      reason,
+      output: text,
+      savedTo,
+      screen: screen.text,
+      fullScreen: screen.full,
+      program,
+    });
+  }
+
+  /** Types `bytes` into the waiting command; the next look follows what it does with them. */
+  type(bytes: string): void {
+    this.handedOver = false;
+    this.screenWatch.input();
+    this.armTimeout();
+    this.child.write(bytes);
+  }
+
+  /** Until the command ends, or (for the model at the keyboard) waits again. */
+  observe(): Promise<Observation> {
+    return new Promise((resolve) => {
+      this.observer = resolve;
+      void this.ended.then((result) => resolve({ kind: "ended", result }));
+    });
+  }
+
+  /** Until the command ends (a caller that cannot answer input). */
   async result(): Promise<CommandResult & { jobs?: JobsLeft }> {
-    const unwatch = this.watch();
+    return this.ended;
+  }
+
+  /** Waits for the shell to end; what it left running becomes jobs, which take the terminal over. */
+  private async whenExited(): Promise<CommandResult & { jobs?: JobsLeft }> {
     let jobs: JobsLeft | undefined;
     let exitCode: number | null = null;
     try {
@@ -7742,7 +8172,7 @@ class CommandRun {
         redirect: (sink) => (this.route = sink),
       });
     } finally {
-      unwatch();
+      this.unwatch?.();
       if (!jobs) this.child.close();
     }
     await this.renderer?.finish();
@@ -11660,7 +12090,10 @@ type Approval =
 /** A command waiting for approval: `index` of `total` when the model proposed several in one turn. */
 interface ApprovalRequest {
   id: string;
+  /** The command; for input, what will be typed into what (`type into \`python3\`: print(2**100)⏎`). */
   command: string;
+  /** Set for input: the program it is typed into. */
+  typedInto?: string;
   index: number;
   total: number;
   /** The rule lines an "always allow" answer adds (absent when none can be written for this command). */
@@ -11722,11 +12155,24 @@ interface ToolCallContext {
   afterRun(call: string): Promise<ChangedFiles | undefined>;
   /** A command was refused because it needed a person and nobody could answer: counted for the end of the run. */
   refusedForWantOfPerson(): void;
+  /** The command that waits for the model's input, if one does (kept by the Agent across calls). */
+  waiting: { current: WaitingCommand | undefined };
 }
 
-/** Reads the call's arguments, asks for approval, runs the command, and words the result for the model. */
-async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<ToolAnswer> {
-  const { options: o, signal, emit } = ctx;
+/** The command the model is at the keyboard of: one at a time, kept across its calls. */
+interface WaitingCommand {
+  run: CommandRun;
+  /** The call that started it. */
+  id: string;
+  command: string;
+  program: string;
+}
+
+/** What a call asks for: a new command, keys for the waiting one, or nothing runnable (its answer). */
+type ToolRequest = { command: string } | { input: string } | { answer: ToolAnswer };
+
+/** Reads the call's arguments: malformed JSON, an unknown function or neither field get their fixed answers. */
+function readToolArguments(call: ToolCall, ctx: ToolCallContext): ToolRequest {
   const name = call.function.name;
   const rawArgs = call.function.arguments ?? "";
   let args: unknown = {};
@@ -11735,71 +12181,187 @@ async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<Too
       args = JSON.parse(rawArgs);
     } catch (error) {
       const limit = modelProfile(ctx.options.config).maxTokens;
-      return {
-        kind: "done",
-        content: ctx.cutOff
-          ? cutOffMessage(name, limit)
-          : invalidArgumentsMessage(name, rawArgs, (error as Error).message),
-      };
+      const content = ctx.cutOff
+        ? cutOffMessage(name, limit)
+        : invalidArgumentsMessage(name, rawArgs, (error as Error).message);
+      return { answer: { kind: "done", content } };
     }
   }
-  if (name !== EXECUTE_BASH_TOOL.function.name) return { kind: "done", content: unknownFunctionMessage(name) };
-  const command = args && typeof args === "object" ? (args as Record<string, unknown>).command : undefined;
-  if (typeof command !== "string" || !command.trim()) return { kind: "done", content: NO_ARGUMENTS_MESSAGE };
+  if (name !== EXECUTE_BASH_TOOL.function.name)
+    return { answer: { kind: "done", content: unknownFunctionMessage(name) } };
+  const field = (key: string) => {
+    const v = args && typeof args === "object" ? (args as Record<string, unknown>)[key] : undefined;
+    return typeof v === "string" && v !== "" ? v : undefined;
+  };
+  const command = field("command")?.trim() ? field("command") : undefined;
+  const input = field("input");
+  if (command !== undefined && input !== undefined)
+    return { answer: { kind: "done", content: BOTH_COMMAND_AND_INPUT_MESSAGE } };
+  if (input !== undefined) return { input };
+  if (command !== undefined) return { command };
+  return { answer: { kind: "done", content: NO_ARGUMENTS_MESSAGE } };
+}
 
-  emit({ type: "command", id: call.id, command });
-  const notRun = (status: NotRun) =>
-    emit({
-      type: "command_result",
-      id: call.id,
-      exit_code: null,
-      status,
-      duration_ms: 0,
-      output: "",
-      changed_files: null,
-    });
-  const gate = await passApprovalGate(call.id, command, ctx);
-  if (!gate.run) {
-    notRun(gate.status);
-    return gate.answer;
-  }
-  if (signal.aborted) {
-    notRun("skipped");
-    return { kind: "done", content: notExecuted(signal) };
-  }
+/** Reads the call's arguments, asks for approval, runs the command (or types into the waiting one), words the result. */
+async function answerToolCall(call: ToolCall, ctx: ToolCallContext): Promise<ToolAnswer> {
+  const request = readToolArguments(call, ctx);
+  if ("answer" in request) return request.answer;
+  if ("input" in request) return typeIntoWaiting(call.id, request.input, ctx);
+  const note = await stopWaitingCommand(ctx);
+  const answer = await runToolCommand(call.id, request.command, ctx);
+  return note && answer.kind === "done" ? { ...answer, content: `${note}\n${answer.content}` } : answer;
+}
+
+/** A call with a command while another waits: the waiting one is stopped first; the note that says so. */
+async function stopWaitingCommand(ctx: ToolCallContext): Promise<string> {
+  const w = ctx.waiting.current;
+  if (!w) return "";
+  ctx.waiting.current = undefined;
+  w.run.stop("stopped");
+  const ended = await w.run.result();
+  ctx.emit({ type: "info", text: `[input] stopped ${w.program}, which waited for input, before the next command` });
+  return stoppedWaitingNote(w.program, ended.exitCode);
+}
+
+/** The answer for a command that could not run: its status in the JSON, the model's answer. */
+function notRunResult(id: string, status: NotRun, ctx: ToolCallContext): void {
+  ctx.emit({
+    type: "command_result",
+    id,
+    exit_code: null,
+    status,
+    duration_ms: 0,
+    output: "",
+    changed_files: null,
+  });
+}
+
+/** One new command: the gate, the run, and what the model is told (its result, or its screen while it waits). */
+async function runToolCommand(id: string, command: string, ctx: ToolCallContext): Promise<ToolAnswer> {
+  const { options: o, signal, emit } = ctx;
+  emit({ type: "command", id, command });
+  const gate = await passApprovalGate(id, command, ctx);
+  if (!gate.run) return (notRunResult(id, gate.status, ctx), gate.answer);
+  if (signal.aborted) return (notRunResult(id, "skipped", ctx), { kind: "done", content: notExecuted(signal) });
   o.beforeCommand?.();
-  await ctx.beforeRun(call.id, command);
+  await ctx.beforeRun(id, command);
   const startedAt = performance.now();
-  const result = await runForAgent(command, o, ctx.cwd(), signal, {
-    // Only a command a person approved by hand gets their keys when it waits for input; others are stopped.
+  const started = await startForAgent(command, o, ctx.cwd(), signal, {
+    // Only a command a person approved by hand gets their keys when it waits for input; the model types into the others.
     canAnswerInput: o.canAnswerInput() && gate.byHand,
-    onData: (data) => emit({ type: "command_output", id: call.id, data }),
-    onWaitingForInput: () => emit({ type: "command_waiting", id: call.id }),
+    modelAnswers: !(o.canAnswerInput() && gate.byHand),
+    onData: (data) => emit({ type: "command_output", id, data }),
+    onWaitingForInput: () => emit({ type: "command_waiting", id }),
     attachInput: o.attachInput,
   });
+  if (!(started instanceof CommandRun))
+    return finishObservation(id, { kind: "ended", result: started }, ctx, startedAt);
+  const observed = await started.observe();
+  if (observed.kind === "waiting") ctx.waiting.current = { run: started, id, command, program: observed.program };
+  return finishObservation(id, observed, ctx, startedAt);
+}
+
+/** Keys for the command that waits: the gate (judged as what they are typed into), then what it does with them. */
+async function typeIntoWaiting(id: string, input: string, ctx: ToolCallContext): Promise<ToolAnswer> {
+  const w = ctx.waiting.current;
+  if (!w) return { kind: "done", content: NO_WAITING_COMMAND_MESSAGE };
+  const program = w.run.program;
+  ctx.emit({ type: "input", id, input, into: program, command_id: w.id });
+  const gate = await passApprovalGate(id, judgedInput(program, input), ctx, {
+    shown: `type into \`${program}\`: ${inputShown(input)}`,
+    typedInto: program,
+  });
+  if (!gate.run) return (notRunResult(id, gate.status, ctx), gate.answer);
+  await ctx.beforeRun(id, `${w.command} ⌨ ${inputShown(input)}`);
+  const startedAt = performance.now();
+  w.run.type(inputBytes(input));
+  const observed = await w.run.observe();
+  if (observed.kind === "ended") ctx.waiting.current = undefined;
+  return finishObservation(id, observed, ctx, startedAt);
+}
+
+/**
+ * What the model is told of one look at a command: how it ended (with what it
+ * changed, what the repository guard took out, jobs it could not keep), or,
+ * while it waits, its screen; and the `command_result` event either way.
+ */
+async function finishObservation(
+  id: string,
+  observed: Observation,
+  ctx: ToolCallContext,
+  startedAt: number,
+): Promise<ToolAnswer> {
+  const o = ctx.options;
   const durationMs = Math.round(performance.now() - startedAt);
-  const changed = await ctx.afterRun(call.id);
-  let content = describeCommandResult(result, o.config.limits);
+  const changed = await ctx.afterRun(id);
+  const result: CommandResult & { jobs?: JobsLeft } =
+    observed.kind === "ended"
+      ? observed.result
+      : { exitCode: null, status: "waiting_for_input", output: observed.screen, savedTo: observed.savedTo };
+  let content = observed.kind === "ended" ? describeCommandResult(result, o.config.limits) : waitingMessage(observed);
   if (changed && changedFilesNote(changed)) content += `\n${changedFilesNote(changed)}`;
   const disarmed = o.sandbox.auditRepositories();
   if (disarmed.length) {
     content += `\n${disarmedMessage(disarmed)}`;
-    emit({ type: "warning", text: disarmedMessage(disarmed) });
+    ctx.emit({ type: "warning", text: disarmedMessage(disarmed) });
   }
   if (result.jobs?.refused.length) content += `\n${refusedJobsNote(result.jobs.refused)}`;
-  emit({
+  ctx.emit({
     type: "command_result",
-    id: call.id,
+    id,
     exit_code: result.exitCode,
-    status: result.status,
+    status: observed.kind === "waiting" ? observed.verdict : result.status,
     duration_ms: durationMs,
     output: result.output,
     saved_to: result.savedTo,
     changed_files: changed ?? null,
   });
   const notice = o.rules.changeNotice();
-  if (notice) emit({ type: "warning", text: notice });
+  if (notice) ctx.emit({ type: "warning", text: notice });
   return { kind: "done", content };
+}
+
+/** Programs whose input is shell code, and interpreters whose input is code in their language. */
+const SHELL_NAMES = /^(ba|da|z|k|mk|fi|a)?sh$/;
+const INTERPRETER_NAMES = /^(python\d*(\.\d+)?|node|perl|ruby|irb|php|lua\d*(\.\d+)?)$/;
+
+/**
+ * What the rules judge when keys are typed into `program`: a shell runs them
+ * as a command line, an interpreter as code given with -c/-e; into anything
+ * else they are data, judged as nothing the rules allow (so they are asked
+ * for, unless auto-approve).
+ */
+function judgedInput(program: string, input: string): string {
+  const text = input.replace(/<[^>]+>/g, " ").trim();
+  if (SHELL_NAMES.test(program)) return text;
+  if (INTERPRETER_NAMES.test(program)) {
+    const flag = /^(node|perl|ruby|irb|php)/.test(program) ? "-e" : "-c";
+    return `${program.replace(/^irb$/, "ruby")} ${flag} '${text.replace(/'/g, "'\\''")}'`;
+  }
+  return `${program} '${text.replace(/'/g, "'\\''")}'`;
+}
+
+/** Input as a person reads it in a dialog or a log: Enter as ⏎, keys by their names. */
+const inputShown = (input: string) => input.replace(/\r?\n/g, "⏎");
+
+/** The keys `input` names, as a terminal sends them: `\n` is Enter (CR), `<C-c>` Ctrl+C, `<Esc>`, arrows, … */
+function inputBytes(input: string): string {
+  const named: Record<string, string> = {
+    esc: "\x1b",
+    tab: "\t",
+    enter: "\r",
+    backspace: "\x7f",
+    space: " ",
+    up: "\x1b[A",
+    down: "\x1b[B",
+    right: "\x1b[C",
+    left: "\x1b[D",
+  };
+  return input.replace(/<(C-.|[A-Za-z]+)>|\r?\n/g, (whole, key?: string) => {
+    if (!key) return "\r";
+    if (key.startsWith("C-")) return String.fromCharCode(key.charCodeAt(2) & 0x1f);
+    return named[key.toLowerCase()] ?? whole;
+  });
 }
 
 /** Whether the command may run (and whether a person approved it by hand), or the answer the model gets instead and why. */
@@ -11811,7 +12373,12 @@ type GateOutcome = { run: true; byHand: boolean } | { run: false; answer: ToolAn
  * person. Nobody to ask: with a rules file the command is refused and the
  * run goes on; without one the run stops as it always did (exit 4).
  */
-async function passApprovalGate(id: string, command: string, ctx: ToolCallContext): Promise<GateOutcome> {
+async function passApprovalGate(
+  id: string,
+  command: string,
+  ctx: ToolCallContext,
+  input?: { shown: string; typedInto: string },
+): Promise<GateOutcome> {
   const { options: o, signal, emit } = ctx;
   const refuse = (content: string, status: NotRun): GateOutcome => ({
     run: false,
@@ -11836,9 +12403,11 @@ async function passApprovalGate(id: string, command: string, ctx: ToolCallContex
     emit({ type: "approval", id, decision: "denied", rule: undefined });
     return refuse(unseenCommandMessage(ruled.unsure!, o.rules), "denied");
   }
-  const alwaysAllow = o.rules.alwaysAllowFor(command, ruled, ctx.cwd());
+  // Input is approved each time: no "always allow" line is written for keys typed into a program.
+  const alwaysAllow = input ? undefined : o.rules.alwaysAllowFor(command, ruled, ctx.cwd());
+  const shown = input ? { command: input.shown, typedInto: input.typedInto } : { command };
   const answer = await untilAborted(
-    o.approve({ id, command, index: ctx.index, total: ctx.total, alwaysAllow }),
+    o.approve({ id, ...shown, index: ctx.index, total: ctx.total, alwaysAllow }),
     signal,
   );
   if (!answer) return refuse(notExecuted(signal), "skipped");
@@ -11887,19 +12456,19 @@ function addRules(lines: string[], ctx: ToolCallContext): string[] | undefined {
 }
 
 /**
- * Runs a command with the run's settings (timeout, output cap, sandbox, saved
- * outputs, jobs). A command that cannot even start is a result too: the
+ * Starts a command with the run's settings (timeout, output cap, sandbox,
+ * saved outputs, jobs). A command that cannot even start is a result: the
  * model can do something about it (a vanished cwd, say), and the run goes on.
  */
-async function runForAgent(
+async function startForAgent(
   command: string,
   o: AgentOptions,
   cwd: string,
   signal: AbortSignal,
-  io: Pick<RunOptions, "canAnswerInput" | "onData" | "onWaitingForInput" | "attachInput">,
-): Promise<CommandResult & { jobs?: JobsLeft }> {
+  io: Pick<RunOptions, "canAnswerInput" | "modelAnswers" | "onData" | "onWaitingForInput" | "attachInput">,
+): Promise<CommandRun | (CommandResult & { jobs?: JobsLeft })> {
   try {
-    return await runCommand({
+    return await CommandRun.start({
       command,
       cwd,
       limits: o.config.limits,
@@ -11923,10 +12492,11 @@ async function checkCompletion(
   command: string,
   ctx: Pick<ToolCallContext, "options" | "cwd" | "signal" | "emit">,
 ): Promise<{ passed: boolean; refusal: string }> {
-  const result = await runForAgent(command, ctx.options, ctx.cwd(), ctx.signal, {
+  const started = await startForAgent(command, ctx.options, ctx.cwd(), ctx.signal, {
     canAnswerInput: false,
     onData: () => {},
   });
+  const result = started instanceof CommandRun ? await started.result() : started;
   const passed = result.status === "exited" && result.exitCode === 0;
   ctx.emit({
     type: "verify",
@@ -12264,6 +12834,8 @@ class Agent {
   private refused = 0;
   /** Whether the model is going round in circles (tool-less replies, the same command and result again). */
   private stall = new StallWatch();
+  /** The command the model is at the keyboard of, kept across its calls (ended with the run). */
+  private readonly waiting: { current: WaitingCommand | undefined } = { current: undefined };
   private readonly compression: CompressionPolicy;
 
   constructor(private readonly o: AgentOptions) {
@@ -12344,6 +12916,16 @@ class Agent {
       this.summary = splitSummary(contentText(first.content)).summary;
       first.content = systemContent(this.basePrompt, this.summary);
     } else this.messages.unshift({ role: "system", content: systemContent(this.basePrompt, this.summary) });
+  }
+
+  /** A command still waiting for the model's input when the run ends is stopped: nobody will type into it. */
+  private async endWaitingCommand(): Promise<void> {
+    const w = this.waiting.current;
+    if (!w) return;
+    this.waiting.current = undefined;
+    w.run.stop("stopped");
+    await w.run.result();
+    this.emit({ type: "info", text: `[input] stopped ${w.program}, which still waited for input when the run ended` });
   }
 
   /** Starts loading what the first model call needs (the SDK), for a UI that would rather not pause later. */
@@ -12474,6 +13056,7 @@ class Agent {
       status = this.failure(error, abort.signal);
     } finally {
       clearTimeout(clock);
+      await this.endWaitingCommand();
       answerOpenCalls(this.messages, notExecuted(abort.signal));
       if (status === "failed" && withdrawUnanswered(this.messages, requestMessage))
         this.emit({
@@ -12625,6 +13208,7 @@ class Agent {
       },
       afterRun: async (id) => this.o.checkpoints?.afterCommand(id),
       refusedForWantOfPerson: () => this.refused++,
+      waiting: this.waiting,
     };
   }
 
@@ -13122,8 +13706,9 @@ class StdinReader {
  * already names what waits).
  */
 function plainApproval(stdin: StdinReader, prompt: boolean): ApproveFn {
-  return async ({ command }) => {
-    if (prompt) writeOut(2, `Approve command? (y/n/suggestion): ${visibleControls(command)}\n> `);
+  return async ({ command, typedInto }) => {
+    if (prompt)
+      writeOut(2, `Approve ${typedInto ? "input" : "command"}? (y/n/suggestion): ${visibleControls(command)}\n> `);
     const line = await stdin.readLine();
     if (line === null) return { kind: "no_input" };
     const answer = line.trim();
@@ -13479,8 +14064,9 @@ function footerFields(f: FooterFigures): FooterField[] {
       : { text: `${compactCount(f.tokens)} tok`, keep: 5 },
     ...(f.jobs ? [{ text: `${f.jobs} job${f.jobs === 1 ? "" : "s"}`, keep: 2 }] : []),
     { text: `${f.rate} tok/s`, keep: 6 },
-    { text: f.model, short: f.model.length > 14 ? `${f.model.slice(0, 13)}…` : undefined, keep: 7 },
-    { text: f.session, short: f.session.includes("#") ? f.session.slice(f.session.indexOf("#")) : undefined, keep: 8 },
+    // The session id is what resumes a run; the model's name is in the banner: it goes first.
+    { text: f.model, short: f.model.length > 14 ? `${f.model.slice(0, 13)}…` : undefined, keep: 8 },
+    { text: f.session, short: f.session.includes("#") ? f.session.slice(f.session.indexOf("#")) : undefined, keep: 7 },
   );
   return fields;
 }
@@ -14435,7 +15021,7 @@ class ApprovalDialog {
   private show(request: ApprovalRequest): void {
     const lines = request.command.split("\n").length;
     const which = request.total > 1 ? ` ${request.index} of ${request.total}` : "";
-    this.overlay.title = ` Approve command${which}? · ${lines} line${lines === 1 ? "" : "s"} `;
+    this.overlay.title = ` Approve ${request.typedInto ? "input" : "command"}${which}? · ${lines} line${lines === 1 ? "" : "s"} `;
     this.text.content = visibleControls(request.command);
     this.body.scrollTo(Number.MAX_SAFE_INTEGER);
     this.always.visible = request.alwaysAllow !== undefined;
@@ -15879,6 +16465,7 @@ if (import.meta.main) {
 
 export {
   Agent,
+  classifyForeground,
   MODEL_TEXTS,
   ModelClient,
   ModelError,

@@ -174,10 +174,10 @@ describe("never hangs, never hides", () => {
 });
 
 describe("prompts that poll instead of read", () => {
-  // node's readline waits in epoll with no timeout on the terminal: stopped as waiting for input;
+  // node's readline waits in epoll with no timeout on the terminal: handed to the model as waiting for input;
   // a node timer waits with a finite timeout and is merely slow: left alone. Needs node; skipped without it.
   test.skipIf(!has.node)(
-    "a node readline prompt is stopped; a silent node timer runs to its end",
+    "a node readline prompt is handed to the model; a silent node timer runs to its end",
     async () => {
       const prompt = `node -e "require('readline').createInterface({input: process.stdin, output: process.stdout}).question('name? ', a => { console.log('hi ' + a); process.exit(0) })"`;
       const timer = `node -e "setTimeout(() => console.log('timer done'), 14000)"`;
@@ -185,8 +185,11 @@ describe("prompts that poll instead of read", () => {
       const run = await runAic([...headless(srv.url), "--auto-approve", "--timeout", "60", "prompts"]);
       expect(run.code).toBe(0);
       const tools = toolResults(srv);
-      expect(tools[0]).toContain("waiting for input");
-      expect(tools[1]).toStartWith("Command executed with exit code 0.");
+      expect(tools[0]).toStartWith("The command is still running and waits for input (node");
+      expect(tools[0]).toContain("name?");
+      // The model ran the next command instead of answering: the prompt was stopped first, and it says so.
+      expect(tools[1]).toStartWith("(The command that was waiting for input, node, was stopped first");
+      expect(tools[1]).toContain("Command executed with exit code 0.");
       expect(tools[1]).toContain("timer done");
     },
     90_000,

@@ -102,6 +102,21 @@ const rendered: Record<keyof typeof T, string> = {
       T.describeCommandResult({ exitCode: status === "exited" ? 0 : 143, status, output: "out" }, limits),
     )
     .join("\n---\n"),
+  BOTH_COMMAND_AND_INPUT_MESSAGE: T.BOTH_COMMAND_AND_INPUT_MESSAGE,
+  NO_WAITING_COMMAND_MESSAGE: T.NO_WAITING_COMMAND_MESSAGE,
+  waitingMessage: (["waiting_for_input", "waiting_on_time"] as const)
+    .map((verdict) =>
+      T.waitingMessage({
+        verdict,
+        reason: "it is reading its terminal",
+        program: "python3",
+        output: "earlier line",
+        screen: ">>> ",
+        fullScreen: verdict === "waiting_on_time",
+      }),
+    )
+    .join("\n---\n"),
+  stoppedWaitingNote: [T.stoppedWaitingNote("python3", 143), T.stoppedWaitingNote("less", null)].join("\n"),
 };
 
 test("the catalogue of model-facing texts is whole, and each text is as the snapshot holds it", () => {

@@ -163,9 +163,9 @@ describe("background jobs", () => {
     expect(events.find((e) => e.type === "job_ended")?.how).toBe("stopped_at_exit");
   });
 
-  // The waiting-for-input rule concerns the foreground only: a command stuck on `read` with nobody to
-  // answer is stopped, while the job it started first lives on.
-  test("a command stopped for waiting on input leaves its job running", async () => {
+  // Stopping concerns the foreground only: a command waiting on `read`, stopped when the model runs the
+  // next command instead of answering it, leaves the job it started first running.
+  test("a waiting command stopped by the next one leaves its job running", async () => {
     const srv = fixtures.serve([
       bash("sleep 300 & read -r answer; echo never", "ask"),
       bash("echo next", "next"),
@@ -177,6 +177,9 @@ describe("background jobs", () => {
     expect(result.code).toBe(0);
     const events = jsonLines(result.stdout);
     expect(events.find((e) => e.type === "command_result" && e.id === "ask")?.status).toBe("waiting_for_input");
+    expect(toolAnswer(srv.requests[2], "next")).toStartWith(
+      "(The command that was waiting for input, bash, was stopped first",
+    );
     expect(toolAnswer(srv.requests[2], "next")).toMatch(/\[job 1\] running for .*: process group \d+ \(sleep 300\)/);
   });
 

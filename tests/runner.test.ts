@@ -350,17 +350,20 @@ describe("commands that would never end", () => {
     expect(content).toContain("first-commit-marker");
   }, 120_000);
 
-  // Waiting for input: with nobody to answer, a command blocked reading the terminal is stopped after
-  // ~10 s of silence, while a command that merely sleeps runs to its end.
-  test("a command waiting for input is stopped; a slow one is left alone", async () => {
+  // Waiting for input: a command blocked reading the terminal is handed to the model after a quiet second,
+  // with its screen, and keeps running (the model could type into it); one that merely sleeps runs to its end.
+  test("a command waiting for input is handed to the model; a slow one is left alone", async () => {
     const [waiting, slow] = await Promise.all([
       runTurns([bash("read x; echo got $x")], ["--timeout", "60", "--json"]),
       runTurns([bash("sleep 20; echo slept")], ["--timeout", "60"]),
     ]);
     expect(waiting.run.code).toBe(0);
-    // Stopped by the waiting-for-input rule, not by the 60 s timeout (which would say timed_out).
-    expect(jsonLines(waiting.run.stdout).find((e) => e.type === "command_result")?.status).toBe("waiting_for_input");
-    expect(toolMessage(waiting.requests)).toMatch(/waiting for input|non-interactive/i);
+    // Handed over by the waiting-for-input rule, not ended by the 60 s timeout (which would say timed_out).
+    expect(jsonLines(waiting.run.stdout).find((e) => e.type === "command_result")).toMatchObject({
+      status: "waiting_for_input",
+      exit_code: null,
+    });
+    expect(toolMessage(waiting.requests)).toStartWith("The command is still running and waits for input");
     expect(toolMessage(waiting.requests)).not.toContain("timed out");
 
     expect(slow.run.code).toBe(0);

@@ -20,10 +20,9 @@
  *   non-busy verdicts were given over WINDOW_MS (aim 0).
  * - the cost of one detector call (median over all calls).
  *
- * The detector is loaded at run time from AIC_INPUT_WAIT_DETECTOR (default:
- * the prototype /tmp/detector-proto/detector.ts). Its contract:
+ * The detector is aic's own (tests/bench/aic-detector.ts adapts it), or any
+ * module named by AIC_INPUT_WAIT_DETECTOR with the same contract:
  *   classifyGroups(pgids: number[], screen: ScreenFacts) → { verdict, reason? }
- * To measure aic's own, point it at a module that adapts aic's function.
  *
  *   bun tests/bench/input-wait.ts [name-substring…]     (standalone)
  *   bun run tests/bench/run.ts input-wait                 (with the others)
@@ -46,7 +45,7 @@ interface DetectorModule {
   classifyGroups(pgids: readonly number[], screen: ScreenFacts): { verdict: Verdict; reason?: string };
 }
 
-const DETECTOR = process.env.AIC_INPUT_WAIT_DETECTOR ?? "/tmp/detector-proto/detector.ts";
+const DETECTOR = process.env.AIC_INPUT_WAIT_DETECTOR ?? new URL("./aic-detector.ts", import.meta.url).pathname;
 const RUNS = Number(process.env.AIC_BENCH_INPUT_WAIT_RUNS) || 3;
 const QUIET_MS = 1000;
 const POLL_MS = 250;
