@@ -62,7 +62,8 @@ const KILL_POLL_MS = 25;
 /** Output written just before a command exits can still be in flight when its exit is seen. */
 const PTY_DRAIN_GRACE_MS = 100;
 /** After a signal, the loop normally winds down at once; past this the process exits anyway (the session saved first). */
-const SIGNAL_SHUTDOWN_GUARD_MS = 3000;
+/** How long a signalled run may take to wind down before it is closed and the process exits (a hang-up: within 2 s). */
+const SIGNAL_SHUTDOWN_GUARD_MS = 1500;
 const MAX_TIMEOUT_SEC = Math.floor((2 ** 31 - 1) / 1000);
 const MAX_MODEL_ATTEMPTS = 5;
 const MAX_CONTEXT_RETRIES = 3;
@@ -465,6 +466,7 @@ function helpText(): string {
     "  aic undo [N] [--session PATH]      put the files back as before the last N commands (default 1)",
     "  aic redo [--session PATH]          undo the last undo",
     "  aic diff [N] [--session PATH]      show what the N-th last command changed (default 1)",
+    "  aic export --format atif [--session PATH]  the session as an ATIF trajectory (JSON on stdout)",
     "  A request that starts with a dash goes after --.",
     "",
     "Options:",
@@ -500,6 +502,7 @@ type ParsedArgs =
   | { kind: "version" }
   | { kind: "search"; query: string; maxResults: number }
   | { kind: "undo" | "redo" | "diff"; count: number; session: string }
+  | { kind: "export"; format: "atif"; session: string }
   | { kind: "run"; config: Config };
 
 function describeFlag(f: FlagSpec): string {
@@ -580,6 +583,7 @@ function parseHeaders(f: FlagSpec, lines: string[]): Record<string, string> {
 function parseArgs(argv: string[], env: Record<string, string | undefined>): ParsedArgs {
   if (argv[0] === "search") return parseSearchArgs(argv.slice(1));
   if (argv[0] === "undo" || argv[0] === "redo" || argv[0] === "diff") return parseUndoArgs(argv[0], argv.slice(1));
+  if (argv[0] === "export") return parseExportArgs(argv.slice(1));
   const given = new Map<FlagSpec, string[]>();
   const words: string[] = [];
   let onlyWords = false;
@@ -609,7 +613,7 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
     if (value === undefined) throw new UsageError(`${name} needs a value`);
     given.set(spec, spec.kind === "header" || spec.kind === "paths" ? [...(given.get(spec) ?? []), value] : [value]);
   }
-  const c = configFromFlags(given, env);
+  const c = configFromFlags(given, env, readConfigFile(env), () => recordedEndpoint(sessionToResume(given)));
   if (c.json && !c.nogui) throw new UsageError("--json needs --nogui");
   if (c.session !== undefined && c.noSession) throw new UsageError("--session and --no-session contradict each other");
   if (c.session === "") throw new UsageError("--session needs a file path");
@@ -639,8 +643,16 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
  * type of its Config field; what is not a flag (the request, warnings) is
  * filled in here too and set by the caller.
  */
-function configFromFlags(given: Map<FlagSpec, string[]>, env: Record<string, string | undefined>): Config {
-  const fromEnv = (f: FlagSpec): string | undefined => (f.env ?? []).map((name) => env[name]).find((v) => v);
+function configFromFlags(
+  given: Map<FlagSpec, string[]>,
+  env: Record<string, string | undefined>,
+  file: SettingsFile = { path: "", values: new Map() },
+  recorded: () => RecordedEndpoint = () => ({}),
+): Config {
+  // The environment wins over the config file; list flags take the file's entries, then the environment's, then the flags'.
+  const envValue = (f: FlagSpec): string | undefined => (f.env ?? []).map((name) => env[name]).find((v) => v);
+  const fromEnv = (f: FlagSpec): string | undefined => envValue(f) ?? file.values.get(f)?.[0];
+  const fromFileList = (f: FlagSpec): string[] => file.values.get(f) ?? [];
   const config = { warnings: [] as string[], request: undefined } as Partial<Config> & Pick<Config, "warnings">;
   const set = <K extends keyof Config>(key: K, value: Config[K]) => {
     config[key] = value;
@@ -651,13 +663,17 @@ function configFromFlags(given: Map<FlagSpec, string[]>, env: Record<string, str
       case "header": // from the environment first, then the flags (a flag overrides the same name)
         set(
           f.key,
-          parseHeaders(f, [...(fromEnv(f) ?? "").split("\n").filter((l) => l.trim()), ...(given.get(f) ?? [])]),
+          parseHeaders(f, [
+            ...fromFileList(f),
+            ...(envValue(f) ?? "").split("\n").filter((l) => l.trim()),
+            ...(given.get(f) ?? []),
+          ]),
         );
         break;
       case "paths":
         set(
           f.key,
-          [...(fromEnv(f) ?? "").split(":").filter(Boolean), ...(given.get(f) ?? [])].map((p) =>
+          [...fromFileList(f), ...(envValue(f) ?? "").split(":").filter(Boolean), ...(given.get(f) ?? [])].map((p) =>
             parseWritablePath(f, p),
           ),
         );
@@ -669,10 +685,12 @@ function configFromFlags(given: Map<FlagSpec, string[]>, env: Record<string, str
         set(f.key, raw);
         break;
       case "required":
-      case "url":
-        if (!raw) throw new UsageError(`missing ${f.missing}: give ${describeFlag(f)}`);
-        set(f.key, f.kind === "url" ? parseUrlFlag(f, raw) : raw);
+      case "url": {
+        const value = raw || recorded()[f.key];
+        if (!value) throw new UsageError(`missing ${f.missing}: give ${describeFlag(f)}${recorded().why ?? ""}`);
+        set(f.key, f.kind === "url" ? parseUrlFlag(f, value) : value);
         break;
+      }
       case "limit":
         set(f.key, raw === undefined ? undefined : parseNumberFlag(f, raw));
         break;
@@ -775,6 +793,162 @@ function modelProfile(config: Pick<Config, "model"> & Partial<Pick<Config, "apiB
 /** Budget for the prompt: the answer aic asks for is reserved inside the context window. */
 function promptBudget(config: Pick<Config, "maxPromptLen" | "model"> & Partial<Pick<Config, "apiBase">>): number {
   return Math.max(0, config.maxPromptLen - (modelProfile(config).maxTokens ?? 0));
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// CLI: settings kept between runs
+// Owns: the person's config file (defaults for any long flag) and the model
+// and endpoint a session recorded, used when a resumed run names neither.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** The config file's values by flag, as the command line would give them. */
+interface SettingsFile {
+  path: string;
+  values: Map<FlagSpec, string[]>;
+}
+
+const MAX_CONFIG_BYTES = 256 * 1024;
+
+/** $XDG_CONFIG_HOME/aic/config.toml, or ~/.config/aic/config.toml. */
+function configFilePath(env: Record<string, string | undefined>): string {
+  const base = env.XDG_CONFIG_HOME || path.join(env.HOME || os.homedir(), ".config");
+  return path.join(base, "aic", "config.toml");
+}
+
+/**
+ * The person's defaults: `model = "…"`, `auto-approve = true`, `header = ["…"]`
+ * (long option names without the dashes). A file that does not parse, an
+ * unknown name or a value of the wrong type is a usage error naming the file;
+ * an API key in a file others can read is refused.
+ */
+function readConfigFile(env: Record<string, string | undefined>): SettingsFile {
+  const file = configFilePath(env);
+  const settings: SettingsFile = { path: file, values: new Map() };
+  let text: string;
+  try {
+    const st = fs.statSync(file);
+    if (!st.isFile()) throw new UsageError(`${file} is not a regular file`);
+    if (st.size > MAX_CONFIG_BYTES) throw new UsageError(`${file} is larger than ${MAX_CONFIG_BYTES} bytes`);
+    text = fs.readFileSync(file, "utf8");
+    if ((st.mode & 0o077) !== 0 && /^\s*["']?api-key["']?\s*=/m.test(text))
+      throw new UsageError(`${file} holds an API key and others may read it: chmod 600 ${file}`);
+  } catch (error) {
+    // No file, or a home aic may not look into (run as another user): no settings.
+    const code = (error as NodeJS.ErrnoException).code;
+    if (
+      code === "ENOENT" ||
+      code === "ENOTDIR" ||
+      (code === "EACCES" && (error as { syscall?: string }).syscall === "stat")
+    )
+      return settings;
+    if (error instanceof UsageError) throw error;
+    throw new UsageError(`cannot read ${file}: ${(error as Error).message}`);
+  }
+  let doc: Record<string, unknown>;
+  try {
+    doc = Bun.TOML.parse(text) as Record<string, unknown>;
+  } catch (error) {
+    const what = (error as Error).message.replace(/^TOML Parse error:\s*/, "");
+    throw new UsageError(`${file}${tomlErrorLine(text, (error as Error).message)}: ${what}`);
+  }
+  for (const [key, value] of Object.entries(doc)) {
+    const spec = FLAGS.find((f) => f.name === `--${key}`);
+    if (!spec)
+      throw new UsageError(
+        `${file}: unknown setting '${key}' (settings are long option names without --, as in model = "…")`,
+      );
+    const values = settingValues(file, spec, key, value);
+    if (values) settings.values.set(spec, values);
+  }
+  return settings;
+}
+
+/** One setting's value as flag words; false for a switch leaves it at its default. */
+function settingValues(file: string, spec: FlagSpec, key: string, value: unknown): string[] | undefined {
+  if (spec.kind === "bool") {
+    if (typeof value !== "boolean") throw new UsageError(`${file}: ${key} takes true or false`);
+    return value ? ["1"] : undefined;
+  }
+  const many = spec.kind === "header" || spec.kind === "paths";
+  const list = Array.isArray(value) && many ? (value as unknown[]) : [value];
+  if (!list.every((v) => typeof v === "string" || (typeof v === "number" && Number.isFinite(v))))
+    throw new UsageError(`${file}: ${key} takes ${many ? "a string or a list of strings" : "a string or a number"}`);
+  return list.map(String);
+}
+
+/**
+ * Where a TOML error is: Bun's parser does not say, so the first line after
+ * which the text fails with the same message is taken (a construct still open
+ * on an earlier line fails with another one).
+ */
+function tomlErrorLine(text: string, message: string): string {
+  const lines = text.split("\n");
+  for (let n = 1; n <= lines.length; n++) {
+    try {
+      Bun.TOML.parse(lines.slice(0, n).join("\n"));
+    } catch (error) {
+      if ((error as Error).message === message) return `, line ${n}`;
+    }
+  }
+  return "";
+}
+
+/** The model and endpoint a session recorded, or why they are not used. */
+interface RecordedEndpoint {
+  model?: string;
+  apiBase?: string;
+  /** Appended to the missing-flag error when the session's values were not used. */
+  why?: string;
+}
+
+/** The session file a run would resume: --session, else the default one of the TUI. */
+function sessionToResume(given: Map<FlagSpec, string[]>): string | undefined {
+  const named = (name: string) => given.get(FLAGS.find((f) => f.name === name)!);
+  if (named("--no-session")) return undefined;
+  return named("--session")?.[0] ?? (named("--nogui") ? undefined : DEFAULT_SESSION_FILE);
+}
+
+/**
+ * A resumed run without --model/--api-base talks to the model the session
+ * did. Only a file exactly as aic last wrote it is trusted for that: a
+ * command could otherwise point the next run, and its API key, at a server of
+ * its choosing.
+ */
+function recordedEndpoint(sessionFile: string | undefined): RecordedEndpoint {
+  if (!sessionFile) return {};
+  const absolute = path.resolve(sessionFile);
+  let head: string;
+  let now: string;
+  try {
+    const dir = HeldDirectory.open(path.dirname(absolute));
+    try {
+      const st = fs.lstatSync(dir.at(path.basename(absolute)), { bigint: true });
+      now = `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}`;
+      head = readOwnFile(dir.at(path.basename(absolute)), 64 * 1024, true).toString("utf8");
+    } finally {
+      dir.close();
+    }
+  } catch {
+    return {};
+  }
+  let last = "";
+  try {
+    const record = sessionStateFile(absolute, "written");
+    last = record ? readOwnFile(record, 4096).toString("utf8") : "";
+  } catch {
+    /* never written by aic here */
+  }
+  if (last !== now) return { why: `; ${sessionFile} records one, but the file changed since aic wrote it` };
+  const field = (key: string): string | undefined => {
+    const m = new RegExp(`"${key}"\\s*:\\s*("(?:[^"\\\\]|\\\\.)*")`).exec(head);
+    try {
+      const value: unknown = m ? JSON.parse(m[1]!) : undefined;
+      return typeof value === "string" && value ? value : undefined;
+    } catch {
+      return undefined;
+    }
+  };
+  return { model: field("model"), apiBase: field("api_base") };
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -1169,6 +1343,12 @@ function waitingMessage(o: {
 /** Said before a new command's result when it first stopped the command that waited. */
 const stoppedWaitingNote = (program: string, exitCode: number | null) =>
   `(The command that was waiting for input, ${program}, was stopped first${exitCode === null ? "" : ` (exit code ${exitCode})`}.)`;
+/** Input that was not typed (refused or rejected): the program is still there, waiting. */
+const stillWaitingNote = (program: string) =>
+  `Nothing was typed: ${program} still waits for input, its screen as before. Type something else, or stop it with {"input": "<C-c>"} or a new command.`;
+/** Input for a command that had already ended on its own: nothing was typed; how it ended follows. */
+const endedBeforeInputNote = (program: string) =>
+  `Nothing was typed: the command that was waiting for input (${program}) had already ended on its own.`;
 const unknownFunctionMessage = (name: string) => `Unknown function: ${name}`;
 /** A person's text typed while the agent works, heard at the start of the next step. */
 const steeringMessage = (text: string) => `[Suggestion from user] ${text}`;
@@ -1316,6 +1496,8 @@ const MODEL_TEXTS = {
   NO_WAITING_COMMAND_MESSAGE,
   waitingMessage,
   stoppedWaitingNote,
+  endedBeforeInputNote,
+  stillWaitingNote,
 } as const;
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -1613,6 +1795,29 @@ function usageText(u: Usage): string {
   return `${about}${u.input_tokens} in / ${about}${u.output_tokens} out / ${u.cached_tokens} cached tokens${u.estimated ? " (~ counted by aic: the server reported no usage)" : ""}`;
 }
 
+/** How a command ended (or that it waits, handed to the model), and what it changed: the Console's lines. */
+function commandResultLines(e: Extract<AgentEvent, { type: "command_result" }>): { tone: Tone; text: string }[] {
+  if ((e.status === "waiting_for_input" || e.status === "waiting_on_time") && e.exit_code === null)
+    return [
+      {
+        tone: "info",
+        text: `[${e.status === "waiting_for_input" ? "waits for input" : "runs until interrupted"}: handed to the model]`,
+      },
+    ];
+  const status = e.status.replace(/_/g, " ");
+  const note =
+    e.status === "exited"
+      ? `exit code ${e.exit_code}`
+      : e.exit_code === null
+        ? status
+        : `${status} (exit code ${e.exit_code})`;
+  const files = e.changed_files ? changedFilesNote(e.changed_files) : "";
+  return [
+    { tone: e.exit_code === 0 ? "ok" : "bad", text: `[${note}]` },
+    ...(files ? [{ tone: "dim" as Tone, text: files }] : []),
+  ];
+}
+
 /**
  * The words a person reads for each event that is not a stream of text
  * (deltas are streamed by each sink as they come). The plain output and the
@@ -1653,22 +1858,8 @@ function describeEvent(e: AgentEvent): EventLine[] {
       if (e.decision === "allowed") return console("dim", `(runs without asking: ${e.rule})`);
       if (e.decision === "read_only") return console("dim", "(read-only: runs without asking)");
       return [];
-    case "command_result": {
-      if ((e.status === "waiting_for_input" || e.status === "waiting_on_time") && e.exit_code === null)
-        return console(
-          "info",
-          `[${e.status === "waiting_for_input" ? "waits for input" : "runs until interrupted"}: handed to the model]`,
-        );
-      const status = e.status.replace(/_/g, " ");
-      const note =
-        e.status === "exited"
-          ? `exit code ${e.exit_code}`
-          : e.exit_code === null
-            ? status
-            : `${status} (exit code ${e.exit_code})`;
-      const files = e.changed_files ? changedFilesNote(e.changed_files) : "";
-      return [...console(e.exit_code === 0 ? "ok" : "bad", `[${note}]`), ...(files ? console("dim", files) : [])];
-    }
+    case "command_result":
+      return commandResultLines(e).map((l) => ({ pane: "console", tone: l.tone, text: visibleControls(l.text) }));
     case "compression":
       return agent(
         "summary",
@@ -1715,7 +1906,7 @@ const useColor = (stream: NodeJS.WriteStream) => Boolean(stream.isTTY) && !proce
 const paint = (on: boolean, code: string, text: string) => (on ? `\x1b[${code}m${text}\x1b[0m` : text);
 
 /** An escape sequence that may still be incomplete at the end of a chunk. */
-const TRAILING_ESCAPE = /\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*|\x1b?)?$/;
+const TRAILING_ESCAPE = /\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*|[ -/]+|\x1b?)?$/;
 
 /**
  * `text` split where an escape sequence may still be incomplete: the rest is
@@ -1769,7 +1960,8 @@ function writeOut(fd: 1 | 2, text: string | Uint8Array): void {
       rest = rest.subarray(fs.writeSync(fd, rest));
     } catch (error) {
       const code = (error as NodeJS.ErrnoException).code;
-      if (code === "EPIPE") return;
+      // A reader gone (EPIPE) or a terminal hung up (EIO): nobody is left to read it, and exiting must not fail.
+      if (code === "EPIPE" || code === "EIO") return;
       if (code !== "EAGAIN") throw error;
       Atomics.wait(pause, 0, 0, 2);
     }
@@ -4010,6 +4202,83 @@ interface SessionState {
 interface LoadedSession extends Partial<SessionState> {
   sessionId?: string;
   reports: string[];
+  /** The file could not be used (shown as a warning, not a status line). */
+  failed?: boolean;
+}
+
+/**
+ * Where `text` stops being JSON, as "line L, column C", for a person fixing a
+ * hand-edited session (the parser's own message names no place). A small
+ * scanner of the grammar, run only after JSON.parse has refused the text.
+ */
+function jsonErrorPlace(text: string): string {
+  let i = 0;
+  const ws = () => {
+    while (i < text.length && " \t\n\r".includes(text[i]!)) i++;
+  };
+  const fail = (): never => {
+    throw i;
+  };
+  const literal = (word: string) => (text.startsWith(word, i) ? void (i += word.length) : fail());
+  const string = () => {
+    i++;
+    while (i < text.length && text[i] !== '"') {
+      if (text.charCodeAt(i) < 0x20) fail();
+      if (text[i] === "\\") {
+        i++;
+        if (text[i] === "u") {
+          if (!/^[0-9a-fA-F]{4}$/.test(text.slice(i + 1, i + 5))) fail();
+          i += 4;
+        } else if (!'"\\/bfnrt'.includes(text[i] ?? "x")) fail();
+      }
+      i++;
+    }
+    if (i >= text.length) fail();
+    i++;
+  };
+  const value = (): void => {
+    ws();
+    const c = text[i];
+    if (c === "{" || c === "[") return container(c === "{" ? "}" : "]");
+    if (c === '"') return string();
+    if (c === "t") return literal("true");
+    if (c === "f") return literal("false");
+    if (c === "n") return literal("null");
+    const m = /^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/.exec(text.slice(i, i + 400));
+    if (!m) fail();
+    i += m![0].length;
+  };
+  const container = (close: string) => {
+    i++;
+    ws();
+    if (text[i] === close) return void i++;
+    for (;;) {
+      if (close === "}") {
+        ws();
+        if (text[i] !== '"') fail();
+        string();
+        ws();
+        if (text[i] !== ":") fail();
+        i++;
+      }
+      value();
+      ws();
+      if (text[i] === close) return void i++;
+      if (text[i] !== ",") fail();
+      i++;
+    }
+  };
+  try {
+    value();
+    ws();
+    if (i < text.length) fail();
+    return "";
+  } catch (at) {
+    if (typeof at !== "number") throw at;
+    const before = text.slice(0, at);
+    const line = before.split("\n").length;
+    return `line ${line}, column ${at - before.lastIndexOf("\n")}`;
+  }
 }
 
 const emptyUsage = (): Usage => ({ input_tokens: 0, output_tokens: 0, cached_tokens: 0, billable_tokens: 0 });
@@ -4214,7 +4483,12 @@ class SessionStore {
   }
 
   /** Reads and repairs the file. Never throws for bad content: it is moved aside and the run starts clean. */
-  load(systemPrompt?: string): LoadedSession {
+  /**
+   * Reads the claimed file. At start a file that cannot be used is moved
+   * aside and the run starts clean; on /reload (`reloading`) it stays where it
+   * is, untouched, and the conversation in memory stays too.
+   */
+  load(systemPrompt?: string, reloading = false): LoadedSession {
     let fd = this.claimedFd;
     this.claimedFd = undefined;
     try {
@@ -4223,7 +4497,8 @@ class SessionStore {
       return this.unreadable(error);
     }
     try {
-      const loaded = this.loadFrom(fd, systemPrompt);
+      const loaded = this.loadFrom(fd, systemPrompt, reloading);
+      if (!loaded.failed) this.reloadRefused = false;
       const changed = this.changedSinceWritten();
       return changed ? { ...loaded, reports: [changed, ...loaded.reports] } : loaded;
     } finally {
@@ -4240,7 +4515,7 @@ class SessionStore {
     };
   }
 
-  private loadFrom(fd: number, systemPrompt: string | undefined): LoadedSession {
+  private loadFrom(fd: number, systemPrompt: string | undefined, reloading: boolean): LoadedSession {
     const reader = new SessionReader();
     let parsed: unknown;
     /** The whole file, read only when it is not in the plain shape the reader takes. */
@@ -4261,13 +4536,16 @@ class SessionStore {
       try {
         parsed = JSON.parse(text);
       } catch (error) {
-        return this.moveAside(`it is not valid JSON (${(error as Error).message})`);
+        const place = jsonErrorPlace(text);
+        const why = `it is not valid JSON${place ? ` at ${place}` : ""} (${(error as Error).message.replace(/^JSON Parse error: /, "")})`;
+        return reloading ? this.keepAsItIs(why) : this.moveAside(why);
       }
     }
     let rawMessages: unknown;
     if (Array.isArray(parsed)) rawMessages = parsed;
     else if (parsed && typeof parsed === "object") rawMessages = (parsed as Record<string, unknown>).messages;
-    if (!Array.isArray(rawMessages)) return this.moveAside("it has no `messages` list");
+    if (!Array.isArray(rawMessages))
+      return reloading ? this.keepAsItIs("it has no `messages` list") : this.moveAside("it has no `messages` list");
     const doc = Array.isArray(parsed) ? {} : (parsed as Record<string, unknown>);
     const version = doc.aic_session_version;
     if (typeof version === "number" && version > SESSION_VERSION) {
@@ -4342,6 +4620,18 @@ class SessionStore {
     return "could not keep the original beside it, so this run does not write over it";
   }
 
+  /** /reload found the file unusable: it is left as it is and not written over until a /reload succeeds. */
+  private keepAsItIs(why: string): LoadedSession {
+    this.reloadRefused = true;
+    return {
+      failed: true,
+      reports: [
+        `${this.path} could not be loaded: ${why}. The conversation on screen is kept, and aic will not write the file until it loads: fix it and /reload again`,
+      ],
+    };
+  }
+  private reloadRefused = false;
+
   private moveAside(why: string): LoadedSession {
     try {
       for (let n = 1; ; n++) {
@@ -4349,6 +4639,7 @@ class SessionStore {
         try {
           this.dir.renameNoReplace(this.name, aside);
           return {
+            failed: true,
             reports: [
               `${this.path} could not be loaded: ${why}; moved it to ${this.dir.display(aside)} and started a clean session`,
             ],
@@ -4361,6 +4652,7 @@ class SessionStore {
       // It could not be preserved elsewhere, so it must not be overwritten either: this run saves nothing.
       this.frozen = true;
       return {
+        failed: true,
         reports: [
           `${this.path} could not be loaded: ${why}; could not move it aside (${(error as Error).message}); starting clean without saving, so the file stays untouched`,
         ],
@@ -4370,7 +4662,7 @@ class SessionStore {
 
   /** Writes one checkpoint atomically; a failure is reported once and the run goes on. */
   save(reason: string, state: SessionState): boolean {
-    if (this.frozen) return false;
+    if (this.frozen || this.reloadRefused) return false;
     const doc: Record<string, unknown> = {
       aic_session_version: SESSION_VERSION,
       session_id: this.sessionId,
@@ -4555,6 +4847,96 @@ class SessionStore {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// Session store: kept out of commits
+// Owns: the line in the project repository's .git/info/exclude that keeps the
+// session file and its lock out of a model's `git add -A`, written through
+// descriptors that follow no link.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** The most of a repository's .git/info/exclude aic reads before adding its line to it. */
+const MAX_EXCLUDE_BYTES = 1024 * 1024;
+
+/**
+ * The line that keeps a session file (and its lock beside it) out of git: any
+ * default-named session anywhere in the tree, or this one file by its path.
+ */
+function sessionExcludePattern(relative: string): string {
+  const name = path.basename(relative);
+  if (name.startsWith(DEFAULT_SESSION_FILE)) return `${DEFAULT_SESSION_FILE}*`;
+  return `/${relative.replace(/[*?[\\\]!#]/g, (c) => `\\${c}`)}*`;
+}
+
+/**
+ * The work tree that holds `dir` (its top, where `.git` is a directory), or
+ * undefined. A `.git` file (a worktree or submodule) is not followed: aic only
+ * writes in a git directory it finds as a real directory.
+ */
+function workTreeAbove(dir: string): string | undefined {
+  for (let at = dir; ; at = path.dirname(at)) {
+    try {
+      const git = fs.lstatSync(path.join(at, ".git"));
+      if (git.isDirectory()) return at;
+      if (git.isFile()) return undefined;
+    } catch {
+      /* none here: look higher */
+    }
+    if (path.dirname(at) === at) return undefined;
+  }
+}
+
+/** A file aic wrote for a repository: its owner's (aic may run as root in someone's project), readable by git. */
+function keepReadableByOwner(dir: HeldDirectory, name: string, owner: fs.Stats): void {
+  const fd = dir.open(name, O.O_RDONLY);
+  try {
+    fs.fchmodSync(fd, 0o644);
+    if (process.getuid?.() === 0) fs.fchownSync(fd, owner.uid, owner.gid);
+  } finally {
+    fs.closeSync(fd);
+  }
+}
+
+/**
+ * A model's `git add -A && git commit` must not commit the conversation: when
+ * the session file sits in a git work tree, its pattern goes into that
+ * repository's .git/info/exclude (never a tracked .gitignore), once. Every
+ * step is made through descriptors opened without following links, since a
+ * command may have planted one at .git/info or its exclude file.
+ */
+function excludeSessionFromGit(sessionPath: string): string | undefined {
+  const top = workTreeAbove(path.dirname(sessionPath));
+  if (top === undefined) return undefined;
+  const pattern = sessionExcludePattern(path.relative(top, sessionPath));
+  const git = HeldDirectory.tryOpen(path.join(top, ".git"));
+  let info: HeldDirectory | undefined;
+  try {
+    if (!git) return undefined;
+    info = git.child("info");
+    if (!info) {
+      fs.mkdirSync(git.at("info"), { mode: 0o755 });
+      info = git.child("info");
+    }
+    if (!info) return undefined;
+    let old = "";
+    try {
+      old = info.read("exclude", MAX_EXCLUDE_BYTES).toString("utf8");
+    } catch (error) {
+      if (!ownFileError(error).missing)
+        return `left ${path.join(top, ".git/info/exclude")} alone: ${ownFileError(error).message}`;
+    }
+    if (old.split("\n").some((line) => line.trim() === pattern)) return undefined;
+    const separator = old === "" || old.endsWith("\n") ? "" : "\n";
+    info.replace("exclude", `${old}${separator}# aic's conversation (added by aic)\n${pattern}\n`, true);
+    keepReadableByOwner(info, "exclude", fs.fstatSync(git.descriptor));
+    return `added ${pattern} to ${path.join(top, ".git/info/exclude")}, so git leaves the conversation out of commits`;
+  } catch (error) {
+    return `could not add the session to ${path.join(top, ".git/info/exclude")} (${(error as Error).message}); do not commit it`;
+  } finally {
+    info?.close();
+    git?.close();
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // Sandbox: what commands may touch
 // Owns: confining the commands the agent runs with Landlock, through bun:ffi
 // since no library does this for Bun.
@@ -4660,6 +5042,7 @@ const SECRET_STORES = [
   ".bash_history",
   ".zsh_history",
   ".local/share/fish",
+  ".config/aic", // the person's aic settings, which may hold an API key
 ];
 
 /**
@@ -7569,6 +7952,11 @@ const inputQuietMs = () =>
 const INPUT_WAIT_POLL_MS = 250;
 /** A program waiting on nothing but time is handed to the model after it has run this long. */
 const WAITING_ON_TIME_AFTER_MS = 2000;
+/** Between two lines the model types, aic waits for the program to read again, looking this often, this long at most. */
+const TYPED_LINE_POLL_MS = 15;
+const TYPED_LINE_WAIT_MS = 1000;
+/** How often a hand-approved command is looked at: keys typed right after its prompt appears must reach it. */
+const PERSON_INPUT_POLL_MS = 100;
 
 /** Programs that run until interrupted and redraw on a timer: known at once, before their first redraw. */
 const REDRAWS_ON_A_TIMER = new Set(["top", "htop", "btop", "atop", "iotop", "iftop", "nload", "watch", "glances"]);
@@ -7723,9 +8111,18 @@ function fallbackTerminalOnly(pid: number): boolean {
   }
 }
 
+/**
+ * How many descriptors one look at a command examines at most: each costs
+ * two reads of /proc on aic's one thread, and a command with tens of
+ * thousands must not freeze aic (its timeout, the TUI). Beyond it, the
+ * command counts as busy.
+ */
+const MAX_DESCRIPTORS_LOOKED_AT = 4096;
+
 /** Pipes with a reading and a writing end both inside `pids`: waiting on one waits on the command itself. */
-function internalPipesOf(pids: readonly number[]): Set<string> {
+function internalPipesOf(pids: readonly number[]): Set<string> | undefined {
   const ends = new Map<string, number>();
+  let examined = 0;
   for (const pid of pids) {
     let fds: string[] = [];
     try {
@@ -7733,6 +8130,8 @@ function internalPipesOf(pids: readonly number[]): Set<string> {
     } catch {
       continue;
     }
+    examined += fds.length;
+    if (examined > MAX_DESCRIPTORS_LOOKED_AT) return undefined;
     for (const fd of fds) {
       const target = fdLink(pid, Number(fd));
       if (!target.startsWith("pipe:")) continue;
@@ -7773,7 +8172,9 @@ function classifyForeground(pgids: readonly number[], screen: ScreenFacts): { ve
   const procs = allProcesses().filter((p) => pgids.includes(p.pgid) && !p.zombie);
   if (procs.length === 0) return { verdict: "busy", reason: "no process" };
   if (screen.quietMs < inputQuietMs()) return { verdict: "busy", reason: "output moments ago" };
+  if (procs.length > MAX_PROCESSES_LOOKED_AT) return { verdict: "busy", reason: "too many processes to look at" };
   const internalPipes = internalPipesOf(procs.map((p) => p.pid));
+  if (!internalPipes) return { verdict: "busy", reason: "too many open files to look at" };
   const seen = new Set<ThreadWait>();
   let timerProgram = "";
   for (const p of procs) {
@@ -7821,6 +8222,9 @@ function foregroundProgram(pgids: readonly number[]): string {
   const reader = procs.filter((p) => !waitsForChild(p.pid)).at(-1) ?? procs.at(-1);
   return reader ? commOf(reader.pid) : "?";
 }
+
+/** How many processes of a command's foreground one look examines at most (see MAX_DESCRIPTORS_LOOKED_AT). */
+const MAX_PROCESSES_LOOKED_AT = 256;
 
 /** A process's name (/proc/<pid>/comm). */
 function commOf(pid: number): string {
@@ -8036,6 +8440,17 @@ class CommandRun {
     return foregroundProgram(foregroundGroups(this.shell));
   }
 
+  /** Who would take keys typed now (see inputReader). */
+  reader(): InputReader {
+    return inputReader(this.shell);
+  }
+
+  /** Whether the command has ended (a `read -t` that timed out ends while the model thinks). */
+  get finished(): boolean {
+    return this.exitedAt !== undefined;
+  }
+  private exitedAt: number | undefined;
+
   private receive(bytes: Uint8Array): void {
     if (this.stopping && this.status === "runaway") return;
     this.screenWatch.output(bytes);
@@ -8090,21 +8505,31 @@ class CommandRun {
     opts.signal.addEventListener("abort", onAbort, { once: true });
     if (opts.signal.aborted) onAbort();
     let told = false;
-    const watcher = setInterval(() => {
-      if (this.stopping || this.handedOver || told) return;
-      const facts = this.screenWatch.facts();
-      if (facts.quietMs < inputQuietMs()) return;
-      const d = classifyForeground(foregroundGroups(this.shell), facts);
-      if (d.verdict === "busy") return;
-      if (d.verdict === "waiting_on_time" && performance.now() - this.startedAt < WAITING_ON_TIME_AFTER_MS) return;
-      // The model at the keyboard gets the screen and the command keeps running.
-      if (opts.modelAnswers) return void this.handOver(d.verdict, d.reason);
-      if (d.verdict === "waiting_on_time") return;
-      // A person who can answer is told once, and types to it; with nobody to answer, it is stopped.
-      if (!opts.canAnswerInput) return this.stop("waiting_for_input");
-      told = true;
-      opts.onWaitingForInput?.();
-    }, INPUT_WAIT_POLL_MS);
+    // A person who approved the command by hand gets the keyboard as soon as it reads the terminal: no quiet period.
+    const personAnswers = opts.canAnswerInput && !opts.modelAnswers;
+    const watcher = setInterval(
+      () => {
+        if (this.stopping || this.handedOver || told) return;
+        const facts = this.screenWatch.facts();
+        if (!personAnswers && facts.quietMs < inputQuietMs()) return;
+        const d = classifyForeground(
+          foregroundGroups(this.shell),
+          personAnswers ? { ...facts, quietMs: Infinity } : facts,
+        );
+        if (d.verdict === "busy") return;
+        if (personAnswers) {
+          told = true;
+          return opts.onWaitingForInput?.();
+        }
+        if (d.verdict === "waiting_on_time" && performance.now() - this.startedAt < WAITING_ON_TIME_AFTER_MS) return;
+        // The model at the keyboard gets the screen and the command keeps running.
+        if (opts.modelAnswers) return void this.handOver(d.verdict, d.reason);
+        if (d.verdict === "waiting_on_time") return;
+        // With nobody to answer, it is stopped.
+        this.stop("waiting_for_input");
+      },
+      personAnswers ? PERSON_INPUT_POLL_MS : INPUT_WAIT_POLL_MS,
+    );
     const detachInput = opts.attachInput?.((data) => this.child.write(data));
     return () => {
       clearTimeout(this.timeoutTimer);
@@ -8135,12 +8560,32 @@ class CommandRun {
     });
   }
 
-  /** Types `bytes` into the waiting command; the next look follows what it does with them. */
-  type(bytes: string): void {
+  /**
+   * Types `bytes` into the waiting command; the next look follows what it does
+   * with them. Line by line, as a person types: a program that flushes its
+   * input when it prompts (npm init) would lose lines sent in one write.
+   */
+  async type(bytes: string): Promise<void> {
     this.handedOver = false;
     this.screenWatch.input();
     this.armTimeout();
-    this.child.write(bytes);
+    const lines = bytes.split(/(?<=\r)/);
+    for (const [i, line] of lines.entries()) {
+      if (this.finished || this.stopping) return;
+      const outputBefore = this.rawBytes;
+      this.child.write(line);
+      this.screenWatch.input();
+      if (i < lines.length - 1) await this.untilReadingAgain(outputBefore);
+    }
+  }
+
+  /** After a typed line: until the program has answered and reads the terminal again (at most a second). */
+  private async untilReadingAgain(outputBefore: number): Promise<void> {
+    const deadline = performance.now() + TYPED_LINE_WAIT_MS;
+    while (performance.now() < deadline && !this.finished && !this.stopping) {
+      await Bun.sleep(TYPED_LINE_POLL_MS);
+      if (this.rawBytes > outputBefore && this.reader().reading) return;
+    }
   }
 
   /** Until the command ends, or (for the model at the keyboard) waits again. */
@@ -8162,6 +8607,7 @@ class CommandRun {
     let exitCode: number | null = null;
     try {
       exitCode = await this.child.exited;
+      this.exitedAt = performance.now();
       if (this.stopping) await this.stopping;
       jobs = this.opts.jobs?.adopt({
         command: this.opts.command,
@@ -10458,7 +10904,23 @@ type CommandPart = ShellWord[];
 const RISKY_VARIABLE =
   /^(PATH|LD_\w*|BASH_ENV|ENV|PROMPT_COMMAND|PS4|IFS|SHELLOPTS|BASHOPTS|BASH_FUNC_.*|GIT_\w*|PAGER|MANPAGER|LESSOPEN|LESSCLOSE|EDITOR|VISUAL|SHELL|BROWSER|NODE_OPTIONS|NODE_PATH|PYTHONPATH|PYTHONSTARTUP|PYTHONHOME|PERL5OPT|PERL5LIB|PERLLIB|RUBYOPT|RUBYLIB|npm_config_\w*|NPM_CONFIG_\w*)$/;
 const NUMERIC_SUBSCRIPT = /^(0[xX][0-9a-fA-F]+|[0-9]+(#[0-9A-Za-z@_]+)?)$/;
-const SHELL_PROGRAMS = new Set(["sh", "bash", "dash", "zsh", "ksh", "mksh", "ash"]);
+const SHELL_PROGRAMS = new Set([
+  "sh",
+  "bash",
+  "rbash",
+  "dash",
+  "zsh",
+  "ksh",
+  "mksh",
+  "lksh",
+  "pdksh",
+  "ash",
+  "yash",
+  "posh",
+  "csh",
+  "tcsh",
+  "fish",
+]);
 /** Scripts inside scripts (sh -c "sh -c '…'") deeper than this are not read. */
 const MAX_SCRIPT_DEPTH = 20;
 
@@ -12261,25 +12723,6 @@ async function runToolCommand(id: string, command: string, ctx: ToolCallContext)
   return finishObservation(id, observed, ctx, startedAt);
 }
 
-/** Keys for the command that waits: the gate (judged as what they are typed into), then what it does with them. */
-async function typeIntoWaiting(id: string, input: string, ctx: ToolCallContext): Promise<ToolAnswer> {
-  const w = ctx.waiting.current;
-  if (!w) return { kind: "done", content: NO_WAITING_COMMAND_MESSAGE };
-  const program = w.run.program;
-  ctx.emit({ type: "input", id, input, into: program, command_id: w.id });
-  const gate = await passApprovalGate(id, judgedInput(program, input), ctx, {
-    shown: `type into \`${program}\`: ${inputShown(input)}`,
-    typedInto: program,
-  });
-  if (!gate.run) return (notRunResult(id, gate.status, ctx), gate.answer);
-  await ctx.beforeRun(id, `${w.command} ⌨ ${inputShown(input)}`);
-  const startedAt = performance.now();
-  w.run.type(inputBytes(input));
-  const observed = await w.run.observe();
-  if (observed.kind === "ended") ctx.waiting.current = undefined;
-  return finishObservation(id, observed, ctx, startedAt);
-}
-
 /**
  * What the model is told of one look at a command: how it ended (with what it
  * changed, what the repository guard took out, jobs it could not keep), or,
@@ -12290,6 +12733,7 @@ async function finishObservation(
   observed: Observation,
   ctx: ToolCallContext,
   startedAt: number,
+  note = "",
 ): Promise<ToolAnswer> {
   const o = ctx.options;
   const durationMs = Math.round(performance.now() - startedAt);
@@ -12299,6 +12743,7 @@ async function finishObservation(
       ? observed.result
       : { exitCode: null, status: "waiting_for_input", output: observed.screen, savedTo: observed.savedTo };
   let content = observed.kind === "ended" ? describeCommandResult(result, o.config.limits) : waitingMessage(observed);
+  if (note) content = `${note}\n${content}`;
   if (changed && changedFilesNote(changed)) content += `\n${changedFilesNote(changed)}`;
   const disarmed = o.sandbox.auditRepositories();
   if (disarmed.length) {
@@ -12321,49 +12766,6 @@ async function finishObservation(
   return { kind: "done", content };
 }
 
-/** Programs whose input is shell code, and interpreters whose input is code in their language. */
-const SHELL_NAMES = /^(ba|da|z|k|mk|fi|a)?sh$/;
-const INTERPRETER_NAMES = /^(python\d*(\.\d+)?|node|perl|ruby|irb|php|lua\d*(\.\d+)?)$/;
-
-/**
- * What the rules judge when keys are typed into `program`: a shell runs them
- * as a command line, an interpreter as code given with -c/-e; into anything
- * else they are data, judged as nothing the rules allow (so they are asked
- * for, unless auto-approve).
- */
-function judgedInput(program: string, input: string): string {
-  const text = input.replace(/<[^>]+>/g, " ").trim();
-  if (SHELL_NAMES.test(program)) return text;
-  if (INTERPRETER_NAMES.test(program)) {
-    const flag = /^(node|perl|ruby|irb|php)/.test(program) ? "-e" : "-c";
-    return `${program.replace(/^irb$/, "ruby")} ${flag} '${text.replace(/'/g, "'\\''")}'`;
-  }
-  return `${program} '${text.replace(/'/g, "'\\''")}'`;
-}
-
-/** Input as a person reads it in a dialog or a log: Enter as ⏎, keys by their names. */
-const inputShown = (input: string) => input.replace(/\r?\n/g, "⏎");
-
-/** The keys `input` names, as a terminal sends them: `\n` is Enter (CR), `<C-c>` Ctrl+C, `<Esc>`, arrows, … */
-function inputBytes(input: string): string {
-  const named: Record<string, string> = {
-    esc: "\x1b",
-    tab: "\t",
-    enter: "\r",
-    backspace: "\x7f",
-    space: " ",
-    up: "\x1b[A",
-    down: "\x1b[B",
-    right: "\x1b[C",
-    left: "\x1b[D",
-  };
-  return input.replace(/<(C-.|[A-Za-z]+)>|\r?\n/g, (whole, key?: string) => {
-    if (!key) return "\r";
-    if (key.startsWith("C-")) return String.fromCharCode(key.charCodeAt(2) & 0x1f);
-    return named[key.toLowerCase()] ?? whole;
-  });
-}
-
 /** Whether the command may run (and whether a person approved it by hand), or the answer the model gets instead and why. */
 type GateOutcome = { run: true; byHand: boolean } | { run: false; answer: ToolAnswer; status: NotRun };
 
@@ -12377,7 +12779,7 @@ async function passApprovalGate(
   id: string,
   command: string,
   ctx: ToolCallContext,
-  input?: { shown: string; typedInto: string },
+  input?: { shown: string; typedInto: string; verdict: RuleVerdict },
 ): Promise<GateOutcome> {
   const { options: o, signal, emit } = ctx;
   const refuse = (content: string, status: NotRun): GateOutcome => ({
@@ -12385,7 +12787,7 @@ async function passApprovalGate(
     answer: { kind: "done", content },
     status,
   });
-  const ruled = o.rules.judge(command, ctx.cwd());
+  const ruled = input?.verdict ?? o.rules.judge(command, ctx.cwd());
   if (ruled.verdict === "deny") {
     emit({ type: "approval", id, decision: "denied", rule: ruled.rule?.text });
     return refuse(deniedByRuleMessage(ruled, o.rules.path), "denied");
@@ -12534,6 +12936,190 @@ function untilAborted<T>(promise: Promise<T>, signal: AbortSignal): Promise<T | 
         reject(error);
       },
     );
+  });
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Tool calls: keys for a waiting command
+// Owns: typing the model's `input` into the command that waits: who reads the
+// terminal, how the rules judge the keys (each line a shell reads, code for an
+// interpreter, data for the rest), and the bytes a terminal would send for
+// them.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** Who takes keys typed into a waiting command, and what they make of them. */
+interface InputReader {
+  /** The program, by the name of its executable (a process can rename itself, not its executable). */
+  program: string;
+  /**
+   * A shell runs each line as a command; an interpreter runs what it reads as
+   * code; anything else takes data (so does the command's own shell at a
+   * `read`: what its script does with the data was judged with the command).
+   */
+  kind: "shell" | "interpreter" | "data";
+  /** More than one program reads the terminal: which one gets the keys is theirs to decide. */
+  several: boolean;
+  /** Whether some process is blocked reading the terminal now. */
+  reading: boolean;
+}
+
+/** Programs whose input is shell code, and interpreters whose input is code in their language. */
+const SHELL_NAMES = /^(ba|da|z|k|mk|pdk|fi|a|y|c|tc|rba|r)?sh$|^busybox$/;
+const INTERPRETER_NAMES =
+  /^(python\d*(\.\d+)?|pypy\d*|node(js)?|deno|bun|perl[\d.]*|ruby[\d.]*|irb|php[\d.]*|lua[\d.]*|luajit|tclsh[\d.]*|wish[\d.]*|Rscript|R|julia|guile[\d.]*|gawk|awk|mawk|nawk|gdb|jshell|ghci|erl|iex|sqlite3|psql|mysql)$/;
+
+/**
+ * The processes of the command's foreground that are reading the terminal
+ * (not the one before them in a pipe, not the one waiting for its editor),
+ * judged by their executables, the strictest kind first.
+ */
+function inputReader(shellPid: number): InputReader {
+  const pgids = foregroundGroups(shellPid);
+  const procs = allProcesses()
+    .filter((p) => pgids.includes(p.pgid) && !p.zombie)
+    .slice(0, MAX_PROCESSES_LOOKED_AT);
+  const readsTerminal = (pid: number) => {
+    try {
+      return fs.readdirSync(`/proc/${pid}/task`).some((tid) => {
+        const w = threadWait(pid, Number(tid), new Set());
+        return w === "tty" || w === "tty_timed";
+      });
+    } catch {
+      return false;
+    }
+  };
+  const readers = procs.filter((p) => readsTerminal(p.pid));
+  const named = (readers.length ? readers : procs).map((p) => ({ pid: p.pid, name: executableName(p.pid) }));
+  const kindOf = (r: { pid: number; name: string }): InputReader["kind"] =>
+    r.pid === shellPid && isCommandShell(shellPid)
+      ? "data"
+      : SHELL_NAMES.test(r.name)
+        ? "shell"
+        : INTERPRETER_NAMES.test(r.name)
+          ? "interpreter"
+          : "data";
+  const kinds = named.map(kindOf);
+  const kind = kinds.includes("shell") ? "shell" : kinds.includes("interpreter") ? "interpreter" : "data";
+  const chosen = named[kinds.indexOf(kind)];
+  return {
+    program: chosen?.name ?? "?",
+    kind,
+    several: new Set(named.map((n) => n.name)).size > 1,
+    reading: readers.length > 0,
+  };
+}
+
+/** Whether `pid` is still the shell aic started for the command (not something it exec'd into). */
+function isCommandShell(pid: number): boolean {
+  try {
+    return fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").includes(`\0-c\0${commandPreamble()}`);
+  } catch {
+    return false;
+  }
+}
+
+/** The name of the executable `pid` runs (a deleted one keeps its name), or its comm when that cannot be read. */
+function executableName(pid: number): string {
+  try {
+    return path.basename(fs.readlinkSync(`/proc/${pid}/exe`).replace(/ \(deleted\)$/, ""));
+  } catch {
+    return commOf(pid);
+  }
+}
+
+/** Keys for the command that waits: the gate (judged as what they are typed into), then what it does with them. */
+async function typeIntoWaiting(id: string, input: string, ctx: ToolCallContext): Promise<ToolAnswer> {
+  const w = ctx.waiting.current;
+  if (!w) return { kind: "done", content: NO_WAITING_COMMAND_MESSAGE };
+  if (w.run.finished) {
+    ctx.waiting.current = undefined;
+    const ended = await w.run.result();
+    return finishObservation(
+      id,
+      { kind: "ended", result: ended },
+      ctx,
+      performance.now(),
+      endedBeforeInputNote(w.program),
+    );
+  }
+  const reader = w.run.reader();
+  const program = reader.program;
+  ctx.emit({ type: "input", id, input, into: program, command_id: w.id });
+  // The command's own shell at a `read` takes data: the dialog must not suggest the keys run as a command.
+  const into = reader.kind === "data" && SHELL_NAMES.test(program) ? `the command's read (${program})` : program;
+  const gate = await passApprovalGate(id, `${program} ⌨ ${input}`, ctx, {
+    shown: `type into \`${into}\`: ${inputShown(input)}`,
+    typedInto: into,
+    verdict: judgeInput(ctx.options.rules, reader, input, ctx.cwd()),
+  });
+  if (!gate.run) {
+    notRunResult(id, gate.status, ctx);
+    if (gate.answer.kind !== "done") return gate.answer;
+    return { kind: "done", content: `${gate.answer.content}\n${stillWaitingNote(program)}` };
+  }
+  await ctx.beforeRun(id, `${w.command} ⌨ ${inputShown(input)}`);
+  const startedAt = performance.now();
+  await w.run.type(inputBytes(input));
+  const observed = await w.run.observe();
+  if (observed.kind === "ended") ctx.waiting.current = undefined;
+  return finishObservation(id, observed, ctx, startedAt);
+}
+
+/** Keys that edit the line a program reads (erase, kill, completion, escapes): the rules could not see the result. */
+const LINE_EDITING = /[\x00-\x08\x09\x0b-\x1f\x7f]/;
+
+/**
+ * The rules' verdict on keys typed into `reader`. A shell runs each line it
+ * reads as a command: every line is judged, the strictest verdict wins. An
+ * interpreter runs code: judged as code handed to it on its command line.
+ * Into anything else the keys are data: never allowed by a rule (the rule
+ * that let `vim` start does not let every keystroke through), never
+ * read-only, so a person is asked unless auto-approve. Keys that edit the
+ * line, or a terminal read by several programs, make it unsure.
+ */
+function judgeInput(rules: CommandRules, reader: InputReader, input: string, cwd: string): RuleVerdict {
+  const bytes = inputBytes(input);
+  if (reader.kind === "data") return { verdict: "ask" };
+  const lines = (reader.kind === "shell" ? bytes.split(/[\r\n]/) : [bytes.replace(/\r/g, "\n")]).filter((l) =>
+    l.trim(),
+  );
+  const quote = (code: string) => `'${code.replace(/'/g, "'\\''")}'`;
+  const verdicts = lines.map((line) =>
+    rules.judge(reader.kind === "shell" ? line : `${reader.program} -c ${quote(line)}`, cwd),
+  );
+  const denied = verdicts.find((v) => v.verdict === "deny");
+  if (denied) return denied;
+  const edits = lines.some((l) => LINE_EDITING.test(l))
+    ? "the keys hold control characters that edit the line the program reads"
+    : reader.several
+      ? "more than one program reads the terminal"
+      : undefined;
+  const unsure = edits ?? verdicts.find((v) => v.unsure)?.unsure;
+  if (unsure) return { verdict: "ask", unsure };
+  if (verdicts.length && verdicts.every((v) => v.verdict === "allow")) return verdicts[0]!;
+  return { verdict: "ask", readOnly: verdicts.every((v) => v.readOnly) };
+}
+
+/** Input as a person reads it in a dialog or a log: Enter as ⏎, keys by their names. */
+const inputShown = (input: string) => input.replace(/\r?\n/g, "⏎");
+
+/** The keys `input` names, as a terminal sends them: `\n` is Enter (CR), `<C-c>` Ctrl+C, `<Esc>`, arrows, … */
+function inputBytes(input: string): string {
+  const named: Record<string, string> = {
+    esc: "\x1b",
+    tab: "\t",
+    enter: "\r",
+    backspace: "\x7f",
+    space: " ",
+    up: "\x1b[A",
+    down: "\x1b[B",
+    right: "\x1b[C",
+    left: "\x1b[D",
+  };
+  return input.replace(/<(C-.|[A-Za-z]+)>|\r?\n/g, (whole, key?: string) => {
+    if (!key) return "\r";
+    if (key.startsWith("C-")) return String.fromCharCode(key.charCodeAt(2) & 0x1f);
+    return named[key.toLowerCase()] ?? whole;
   });
 }
 
@@ -13514,6 +14100,8 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   const runId = newSessionId();
   const sessionId = () => session?.sessionId ?? runId;
   announceStart(front.sink, { config, prepared, sessionId: sessionId(), session: session?.path, request });
+  const excluded = session ? excludeSessionFromGit(session.path) : undefined;
+  if (excluded) front.sink.emit({ type: "info", text: `[SESSION] ${excluded}` });
   // What reading a long session left (the last of its texts; for a file read whole, its bytes and their
   // decoded text) is garbage once it is parsed: collected now, before the first checkpoint allocates
   // again, so the peak is not their sum.
@@ -13553,7 +14141,10 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     model: front.model,
   });
   if (loaded) {
-    for (const line of loaded.reports) front.sink.emit({ type: "info", text: `[SESSION] ${line}` });
+    for (const line of loaded.reports)
+      front.sink.emit(
+        loaded.failed ? { type: "warning", text: `[SESSION] ${line}` } : { type: "info", text: `[SESSION] ${line}` },
+      );
     agent.restore(loaded);
   } else if (!config.nogui) front.sink.emit({ type: "info", text: "[SESSION] off (--no-session): nothing is saved" });
   let closed = false;
@@ -13597,6 +14188,22 @@ function onExitEvents(onSignal: (code: number, reason: string) => void, onCrash:
     });
   process.on("uncaughtException", onCrash);
   process.on("unhandledRejection", onCrash);
+}
+
+/**
+ * Both front ends end on a signal the same way: the run is asked to stop and
+ * normally winds down at once; should that wedge (a terminal that hung up, a
+ * stuck write), the run is closed (session saved, launcher and jobs stopped)
+ * and the process exits anyway.
+ */
+function guardShutdown(code: number, close: () => void): void {
+  setTimeout(() => {
+    try {
+      close();
+    } finally {
+      process.exit(code);
+    }
+  }, SIGNAL_SHUTDOWN_GUARD_MS).unref();
 }
 
 /** A crash report, for stderr once the terminal is usable. */
@@ -13754,8 +14361,7 @@ async function runHeadless(config: Config, prepared: PreparedRun): Promise<numbe
     (code, reason) => {
       signalled = { code, reason };
       run.agent.stop(code);
-      // The loop normally winds down at once; this only guards a wedged shutdown.
-      setTimeout(() => process.exit(finish(code, reason)), SIGNAL_SHUTDOWN_GUARD_MS).unref();
+      guardShutdown(code, () => finish(code, reason));
     },
     (error) => {
       writeOut(2, crashReport(error));
@@ -14445,6 +15051,11 @@ class LogPane {
     this.box.scrollBy(direction * 0.8, "viewport");
   }
 
+  /** Back to the newest line, following new ones again. */
+  toEnd(): void {
+    this.box.scrollTo(Infinity);
+  }
+
   clear(): void {
     for (const entry of this.entries) {
       this.box.remove(entry.node);
@@ -14460,7 +15071,8 @@ class LogPane {
 }
 
 /** Any escape sequence: CSI (SGR among them), OSC ended by BEL or ST, or a two-byte one. */
-const ESCAPE_SEQUENCE = /\x1b(?:\[([0-9;:?<=>]*)([ -/]*[@-~])|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])/g;
+// CSI and OSC, then the rest as ECMA-48 has them: intermediates and a final (ESC ( B), or one final (ESC =, ESC 7).
+const ESCAPE_SEQUENCE = /\x1b(?:\[([0-9;:?<=>]*)([ -/]*[@-~])|\][^\x07\x1b]*(?:\x07|\x1b\\)|[ -/]+[0-~]|[0-~])/g;
 /** Control characters a pane cannot show; tab, newline and carriage return are handled by the stream. */
 const PANE_CONTROLS = /[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]/g;
 
@@ -14980,14 +15592,24 @@ class ApprovalDialog {
     };
     buttons.add(button("[Y] Approve", COLORS.ok, { kind: "approve" }));
     buttons.add(button("[N] Reject", COLORS.bad, { kind: "reject" }));
+    // "Always allow" names the rule it adds, which can be long: a row of its own, cut to the dialog's width.
     this.always = button("", COLORS.info, { kind: "always" });
     this.always.visible = false;
-    buttons.add(this.always);
+    const alwaysRow = new ot.BoxRenderable(r, {
+      flexDirection: "row",
+      justifyContent: "center",
+      height: 1,
+      flexShrink: 0,
+    });
+    alwaysRow.add(this.always);
     this.overlay.add(this.body);
     this.overlay.add(hint);
     this.overlay.add(buttons);
+    this.overlay.add(alwaysRow);
     r.root.add(this.overlay);
+    this.screenWidth = () => r.width;
   }
+  private readonly screenWidth: () => number;
 
   /** Shows `request` and resolves with the person's answer (keys, buttons or slash commands give it through `answer`). */
   ask(request: ApprovalRequest): Promise<Approval> {
@@ -15025,8 +15647,10 @@ class ApprovalDialog {
     this.text.content = visibleControls(request.command);
     this.body.scrollTo(Number.MAX_SAFE_INTEGER);
     this.always.visible = request.alwaysAllow !== undefined;
+    // The dialog is 80% of the screen, less its border, padding and the button's own padding.
+    const room = Math.max(12, Math.floor(this.screenWidth() * 0.8) - 6);
     if (request.alwaysAllow)
-      this.always.label.content = `Always allow: ${visibleControls(request.alwaysAllow.join("; "))}`;
+      this.always.label.content = oneLine(`Always allow: ${visibleControls(request.alwaysAllow.join("; "))}`, room);
     this.overlay.visible = true;
   }
 
@@ -15238,10 +15862,14 @@ class AgentView {
   private answer: MarkdownStream | undefined;
   private syntax: SyntaxStyle | undefined;
 
+  /** A full-screen program's screen, drawn in the Console's place while it is on the alternate screen. */
+  readonly screen: CommandScreen;
+
   constructor(
     private readonly ot: OpenTui,
     private readonly r: CliRenderer,
     showThinking: boolean,
+    Terminal: XTermClass,
   ) {
     this.stream = new AnswerStream(showThinking);
     this.agentPane = new LogPane(ot, r, {
@@ -15253,6 +15881,9 @@ class AgentView {
     });
     this.consolePane = new LogPane(ot, r, { flexGrow: 1, width: "100%" });
     this.consoleStream = new ConsoleStream(ot, this.consolePane, (flush) => r.requestAnimationFrame(flush));
+    this.screen = new CommandScreen(ot, r, Terminal, (full) => {
+      this.consolePane.box.visible = !full;
+    });
   }
 
   private style(): SyntaxStyle {
@@ -15290,14 +15921,23 @@ class AgentView {
     const agent = this.agentPane;
     for (const action of this.stream.reduce(e)) this.draw(action);
     switch (e.type) {
+      case "start":
+        this.started = e;
+        return agent.line(startBanner(e), e.sandbox.enabled ? COLORS.dim : COLORS.error);
       case "reasoning_delta":
       case "thinking_complete":
       case "assistant_delta":
       case "assistant":
         return;
+      case "command":
+        this.screen.reset();
+        break;
       case "command_output":
+        this.screen.write(e.data);
         return this.consoleStream.write(e.data);
       case "command_result":
+        if (e.exit_code !== null || (e.status !== "waiting_for_input" && e.status !== "waiting_on_time"))
+          this.screen.reset();
         this.consoleStream.end();
         break;
       case "summary_delta":
@@ -15305,6 +15945,7 @@ class AgentView {
     }
     for (const line of describeEvent(e))
       (line.pane === "agent" ? agent : this.consolePane).line(line.text, TUI_TONES[line.tone]);
+    for (const line of transcriptLines(e)) agent.line(line.text, TUI_TONES[line.tone]);
   }
 
   /** After a resume: the newest turns of the restored conversation as they looked, older ones counted. */
@@ -15325,8 +15966,7 @@ class AgentView {
         else if (m.role === "assistant") {
           const shownText = text.split(MARKER).join("").trim();
           if (shownText) pane.markdown(this.style(), shownText, false).finish();
-          for (const call of m.tool_calls ?? [])
-            pane.line(`$ ${visibleControls(cut(call.function.arguments))}`, COLORS.command);
+          for (const call of m.tool_calls ?? []) pane.line(visibleControls(cut(callShown(call))), COLORS.command);
         } else if (m.role === "tool") pane.line(`  → ${text.split("\n")[0] ?? ""}`, COLORS.dim);
       }
     }
@@ -15337,6 +15977,34 @@ class AgentView {
     this.agentPane.clear();
     this.consolePane.clear();
   }
+
+  /** The run's start event, for /sandbox. */
+  started: Extract<AgentEvent, { type: "start" }> | undefined;
+}
+
+/** The TUI's start line: version, model, endpoint and confinement, one line; /sandbox has the rest. */
+function startBanner(e: Extract<AgentEvent, { type: "start" }>): string {
+  let host = e.api_base;
+  try {
+    host = new URL(e.api_base).host;
+  } catch {
+    /* shown as given */
+  }
+  const jail = e.sandbox.jail === "namespaces" ? "jail" : e.sandbox.jail === "landlock" ? "Landlock" : "OFF";
+  return `aic ${VERSION} · ${e.model} @ ${host} · sandbox: ${jail}${e.sandbox.network === "loopback" ? ", no network" : ""} · /sandbox, /help`;
+}
+
+/** /sandbox: how commands are confined, in full. */
+function sandboxDetails(e: Extract<AgentEvent, { type: "start" }> | undefined): string[] {
+  if (!e) return ["The run has not started yet."];
+  const s = e.sandbox;
+  return [
+    `Sandbox: ${s.status}`,
+    `  network: ${s.network === "loopback" ? "loopback only (--network off)" : "on"}`,
+    `  writable: ${s.writable.join(", ") || "nothing"}`,
+    `  unreadable: ${s.unreadable.join(", ") || "nothing"}`,
+    `  rules file: ${e.rules ?? "none"} · working directory ${e.cwd}`,
+  ];
 }
 
 /** What stands in for the layout while the terminal is too small to show it: nothing may be typed blind. */
@@ -15376,9 +16044,12 @@ class PromptBar {
   readonly input: TextareaNode;
   readonly history: PromptHistory;
   readonly search: SearchLine;
+  /** The slash commands matching what is typed, under the prompt. */
+  readonly hint: TextNode;
   private readonly cursor: HistoryCursor;
 
   constructor(ot: OpenTui, r: CliRenderer, historyFile: string, onSubmit: (value: string) => void) {
+    this.hint = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#87afd7", content: "", visible: false });
     this.history = new PromptHistory(historyFile);
     this.cursor = new HistoryCursor(() => this.history.entries);
     this.search = new SearchLine(
@@ -15407,7 +16078,22 @@ class PromptBar {
         { name: "j", ctrl: true, action: "newline" },
       ],
       onSubmit: () => onSubmit(this.input.plainText),
+      onContentChange: () => this.showHint(),
     });
+  }
+
+  private showHint(): void {
+    const hint = slashHint(this.input.plainText);
+    if (this.hint.content.toString() !== hint) this.hint.content = hint;
+    this.hint.visible = hint !== "";
+  }
+
+  /** Tab on a partly typed slash command: completes it; false when there is nothing to complete. */
+  complete(): boolean {
+    const done = completeSlash(this.value);
+    if (done === undefined) return /^\/\S*$/.test(this.value);
+    this.value = done;
+    return true;
   }
 
   get value(): string {
@@ -15481,12 +16167,222 @@ function layOutTui(
   tabs.add(tabShell);
   right.add(tabs);
   right.add(view.consolePane.box);
+  right.add(view.screen.node);
   right.add(shellBox);
   top.add(view.agentPane.box);
   top.add(right);
-  for (const child of [top, status.banner, prompt.search.node, prompt.input, status.footer]) root.add(child);
+  for (const child of [top, status.banner, prompt.search.node, prompt.hint, prompt.input, status.footer])
+    root.add(child);
   r.root.add(root);
   return { root, tabConsole, tabShell };
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI parts: the transcript, keys typed ahead, a program's screen
+// Owns: how a command appears in the one transcript (its line and its status
+// line), the keys a person types right after approving a command, and the
+// screen of a full-screen program drawn in the Console's place.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** How long after a command starts by the person's approval their typing is held for it (see TypeAhead). */
+const TYPE_AHEAD_MS = 1500;
+
+/**
+ * A person who approves `read -p 'Name? '` types the answer at once, before
+ * aic can see that the command reads the terminal. What they type in the
+ * first moments of a hand-approved command is held: it goes to the command
+ * when it turns out to read the keyboard, else into the prompt, as typed.
+ */
+class TypeAhead {
+  private held: { bytes: string; text: string; enter: boolean }[] = [];
+  private until = 0;
+  private timer: ReturnType<typeof setTimeout> | undefined;
+
+  constructor(private readonly intoPrompt: (text: string, submit: boolean) => void) {}
+
+  /** Opens the window, at the person's approval. */
+  start(): void {
+    this.held = [];
+    this.open();
+  }
+
+  /** The approved command has started (a snapshot may have taken a while): the window counts from now. */
+  extend(): void {
+    if (Date.now() <= this.until) this.open();
+  }
+
+  private open(): void {
+    this.until = Date.now() + TYPE_AHEAD_MS;
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.toPrompt(), TYPE_AHEAD_MS);
+  }
+
+  /**
+   * Holds a typed key while the window is open. aic's own keys (Ctrl+C, Tab,
+   * paging) are never held, nor Escape before anything else was typed: then it
+   * still stops the command. After typing, it is vim's Escape.
+   */
+  hold(key: KeyEvent, id: string): boolean {
+    if (Date.now() > this.until || key.ctrl || key.meta || id === "tab" || TUI_PAGING.has(id)) return false;
+    if (id === "escape" && !this.held.length) return false;
+    const enter = id === "return" || id === "kpenter";
+    const text = key.sequence.length === 1 && key.sequence >= " " ? key.sequence : "";
+    if (!enter && !text && id !== "backspace" && id !== "escape") return false;
+    this.held.push({ bytes: keyToBytes(key), text, enter });
+    return true;
+  }
+
+  toCommand(write: (data: string) => void): void {
+    this.close();
+    for (const key of this.held.splice(0)) write(key.bytes);
+  }
+
+  toPrompt(): void {
+    this.close();
+    let text = "";
+    for (const key of this.held.splice(0)) {
+      if (key.enter) {
+        this.intoPrompt(text, true);
+        text = "";
+      } else if (key.text) text += key.text;
+      else if (key.bytes === "\x7f") text = text.slice(0, -1);
+    }
+    if (text) this.intoPrompt(text, false);
+  }
+
+  private close(): void {
+    this.until = 0;
+    clearTimeout(this.timer);
+  }
+}
+
+/** Switches a terminal to the alternate screen and back (xterm's 1049, and the older 1047 and 47). */
+const ALTERNATE_SCREEN = /\x1b\[\?(?:1049|1047|47)[hl]/;
+
+/**
+ * vim, less, top or git's editor, run by hand: their screen is drawn as a
+ * terminal draws it, in the Console's place, from the moment they switch to
+ * the alternate screen until they leave it. Only then are the bytes fed to an
+ * emulator, so a long build log costs nothing here. The command's terminal is
+ * wider than the pane: the screen is shown from its top-left corner.
+ */
+class CommandScreen {
+  readonly node: TerminalViewNode;
+  private term: XTerm;
+  private active = false;
+  private full = false;
+
+  constructor(
+    ot: OpenTui,
+    r: CliRenderer,
+    private readonly Terminal: XTermClass,
+    private readonly onFullScreen: (full: boolean) => void,
+  ) {
+    this.term = this.fresh();
+    const TerminalView = defineTerminalView(ot);
+    this.node = new TerminalView(r, this.term, { flexGrow: 1, width: "100%", visible: false });
+  }
+
+  private fresh(): XTerm {
+    return new this.Terminal({
+      cols: COMMAND_COLUMNS,
+      rows: COMMAND_ROWS,
+      scrollback: 0,
+      allowProposedApi: true,
+      logLevel: "off",
+    });
+  }
+
+  /** Whether a full-screen program is on screen now (Escape then goes to it). */
+  get fullScreen(): boolean {
+    return this.full;
+  }
+
+  write(bytes: Uint8Array): void {
+    if (!this.active) {
+      const text = Buffer.from(bytes).toString("latin1");
+      const at = text.search(ALTERNATE_SCREEN);
+      if (at < 0) return;
+      this.active = true;
+      bytes = bytes.subarray(at);
+    }
+    this.term.write(bytes, () => this.sync());
+  }
+
+  private sync(): void {
+    const full = this.term.buffer.active.type === "alternate";
+    if (full === this.full) return;
+    this.full = full;
+    this.node.visible = full;
+    this.node.invalidate();
+    this.onFullScreen(full);
+  }
+
+  /** A new command, or the end of one: back to the Console's lines. */
+  reset(): void {
+    if (!this.active) return;
+    this.active = false;
+    this.term.reset();
+    this.sync();
+  }
+}
+
+/**
+ * The agent pane is the one transcript: each command under the sentence that
+ * proposed it, then one status line (how it ended, how long, what it changed);
+ * its output stays in the Console.
+ */
+function transcriptLines(e: AgentEvent): { tone: Tone; text: string }[] {
+  switch (e.type) {
+    case "command":
+      return [{ tone: "command", text: visibleControls(oneLine(`$ ${e.command}`, TRANSCRIPT_COMMAND_CHARS)) }];
+    case "input":
+      return [
+        {
+          tone: "command",
+          text: visibleControls(oneLine(`⌨ ${e.into} ← ${inputShown(e.input)}`, TRANSCRIPT_COMMAND_CHARS)),
+        },
+      ];
+    case "command_result":
+      return [
+        { tone: e.exit_code === 0 ? "dim" : e.exit_code === null ? "info" : "bad", text: `  ${commandStatusLine(e)}` },
+      ];
+    default:
+      return [];
+  }
+}
+
+/** The longest command line the transcript shows (the Console has all of it). */
+const TRANSCRIPT_COMMAND_CHARS = 300;
+
+/** "✓ exit 0 · 1.2 s · 2 changed: a.txt, b.txt": how a command ended, in one line. */
+function commandStatusLine(e: Extract<AgentEvent, { type: "command_result" }>): string {
+  const waiting = e.exit_code === null && (e.status === "waiting_for_input" || e.status === "waiting_on_time");
+  const how =
+    e.status === "exited"
+      ? `${e.exit_code === 0 ? "✓" : "✗"} exit ${e.exit_code}`
+      : waiting
+        ? `⌨ ${e.status === "waiting_for_input" ? "waits for input" : "runs until interrupted"}`
+        : `✗ ${e.status.replace(/_/g, " ")}${e.exit_code === null ? "" : ` (exit ${e.exit_code})`}`;
+  const parts = [how];
+  if (e.duration_ms > 0) parts.push(`${(e.duration_ms / 1000).toFixed(1)} s`);
+  const files = e.changed_files ? changedFilesNote(e.changed_files) : "";
+  if (files) parts.push(files.replace(/^Files changed: /, "").replace(/\.$/, ""));
+  return parts.join(" · ");
+}
+
+/** A restored tool call as the transcript shows it: the command (or the keys typed), never its JSON. */
+function callShown(call: ToolCall): string {
+  let args: unknown;
+  try {
+    args = JSON.parse(call.function.arguments || "{}");
+  } catch {
+    return `$ ${call.function.arguments}`;
+  }
+  const a = (args ?? {}) as { command?: unknown; input?: unknown };
+  if (typeof a.command === "string" && a.command) return `$ ${a.command}`;
+  if (typeof a.input === "string") return `⌨ ${inputShown(a.input)}`;
+  return `$ ${call.function.arguments}`;
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -15604,6 +16500,8 @@ class TuiPacing {
 /** How long the TUI waits for a stopped run to wind down, and for the terminal to take its restore bytes, when quitting. */
 const QUIT_RUN_WAIT_MS = 3000;
 const QUIT_TERMINAL_WAIT_MS = 1000;
+/** After a hang-up, each wait is short: aic must be gone within 2 s. */
+const QUIT_HANGUP_WAIT_MS = 400;
 /** Loading the tokenizer costs a few hundred ms of CPU: paid just after the first screen, not mid-stream. */
 const WARM_UP_DELAY_MS = 50;
 /** The first Ctrl+C interrupts; a second one within this long quits. */
@@ -15656,6 +16554,11 @@ class Tui implements EventSink {
   /** Where the person's keys go for a command that waits for input (auto-approve off): set while one runs. */
   private commandInput: ((data: string | Uint8Array) => void) | undefined;
   private commandWaiting = false;
+  /** Keys typed right after approving a command, held until aic knows whether the command reads them. */
+  private readonly typeAhead = new TypeAhead((text, submit) => {
+    this.prompt.value = this.prompt.value + text;
+    if (submit) void this.submit(this.prompt.value);
+  });
   private ctrlCAt = 0;
   private ctrlCTimer: ReturnType<typeof setTimeout> | undefined;
   private exiting = false;
@@ -15677,7 +16580,7 @@ class Tui implements EventSink {
     );
     this.figures = initialFigures(config, prepared);
 
-    this.view = new AgentView(ot, r, !config.noThinking);
+    this.view = new AgentView(ot, r, !config.noThinking, o.Terminal);
     this.shellTab = new ShellTab(ot, r, o.Terminal, {
       onCwd: (dir) => this.agent.moveTo(dir),
       onError: (message) => this.agentPane.line(message, COLORS.error),
@@ -15733,10 +16636,12 @@ class Tui implements EventSink {
       canAnswerInput: () => true,
       attachInput: (write) => {
         this.commandInput = write;
+        this.typeAhead.extend();
         return () => {
           this.commandInput = undefined;
           this.commandWaiting = false;
           this.figures.notice = undefined;
+          this.typeAhead.toPrompt();
         };
       },
       beforeCommand: () => this.shellTab.checkCwd(),
@@ -15776,6 +16681,9 @@ class Tui implements EventSink {
   private requestApproval(request: ApprovalRequest): Promise<Approval> {
     this.prompt.search.cancel();
     const answer = this.dialog.ask(request);
+    // The dialog is about the newest lines: the panes show them, whatever the person was reading.
+    this.agentPane.toEnd();
+    this.consolePane.toEnd();
     if (this.tab !== "console") this.setTab("console");
     this.refreshStatus();
     return answer;
@@ -15783,6 +16691,7 @@ class Tui implements EventSink {
 
   answerApproval(answer: Approval): void {
     if (!this.dialog.answer(answer)) return this.agentPane.line("No command is waiting for approval.", COLORS.warning);
+    if (answer.kind === "approve") this.typeAhead.start();
     this.refreshStatus();
   }
 
@@ -15809,6 +16718,7 @@ class Tui implements EventSink {
   }
 
   private startRun(request: string): void {
+    this.agentPane.toEnd();
     this.agentPane.line(`> ${visibleControls(request)}`, COLORS.command);
     this.figures.step = 0;
     this.pacing.runStarted();
@@ -15824,8 +16734,14 @@ class Tui implements EventSink {
     const [word = "", ...rest] = text.split(/\s+/);
     const command = SLASH_COMMANDS.find((c) => c.names.includes(word.toLowerCase()));
     if (!command) {
-      this.agentPane.line(`Unknown command ${word}.`, COLORS.warning);
-      return showHelp(this);
+      // The longest start of the word that some command shares (at least a letter after the slash).
+      let close: string[] = [];
+      for (let n = word.length; n >= 2 && !close.length; n--)
+        close = slashMatches(word.slice(0, n)).map((c) => c.names[0]!);
+      return this.agentPane.line(
+        `Unknown command ${visibleControls(word)}${close.length ? ` (did you mean ${close.join(", ")}?)` : ""}; /help lists them all.`,
+        COLORS.warning,
+      );
     }
     await command.run(this, text.slice(word.length).trim() || rest.join(" "));
   }
@@ -15868,6 +16784,7 @@ class Tui implements EventSink {
     }
     if (id === "tab") {
       take();
+      if (this.prompt.complete()) return;
       if (this.awaitingApproval)
         return this.agentPane.line("A command waits for your approval: answer it first (Y or N).", COLORS.warning);
       return this.setTab(this.tab === "console" ? "shell" : "console");
@@ -15876,9 +16793,12 @@ class Tui implements EventSink {
       take();
       return this.shellTab.key(key, id);
     }
+    if (!this.commandWaiting && this.prompt.value === "" && this.typeAhead.hold(key, id)) return take();
     if (this.commandWaiting && this.commandInput) {
       take();
-      if (id === "escape" || id === "C-c") return this.interrupt();
+      if (id === "C-c") return this.ctrlCToCommand(this.commandInput);
+      // A full-screen program needs Escape (vim's normal mode); a line program is stopped by it.
+      if (id === "escape" && !this.view.screen.fullScreen) return this.interrupt();
       const bytes = keyToBytes(key);
       if (bytes) this.commandInput(bytes);
       return;
@@ -15933,6 +16853,18 @@ class Tui implements EventSink {
       if (this.figures.notice === "Ctrl+C again to quit") this.figures.notice = undefined;
       this.refreshStatus();
     }, CTRL_C_QUIT_WINDOW_MS);
+    this.refreshStatus();
+  }
+
+  /** Ctrl+C while a command has the keyboard: the first goes to it, as in a terminal; a second within 2 s stops it. */
+  private ctrlCToCommand(write: (data: string | Uint8Array) => void): void {
+    if (Date.now() - this.ctrlCAt < CTRL_C_QUIT_WINDOW_MS) {
+      this.ctrlCAt = 0;
+      return this.interrupt();
+    }
+    this.ctrlCAt = Date.now();
+    write("\x03");
+    this.figures.notice = "Ctrl+C again stops the command";
     this.refreshStatus();
   }
 
@@ -16013,8 +16945,9 @@ class Tui implements EventSink {
         break;
       case "command_waiting":
         this.commandWaiting = this.commandInput !== undefined;
+        if (this.commandInput) this.typeAhead.toCommand(this.commandInput);
         if (this.commandWaiting)
-          this.figures.notice = "⌨ the command waits for input: your keys go to it (Esc stops it)";
+          this.figures.notice = "⌨ the command reads the keyboard: your keys go to it (Ctrl+C twice stops it)";
         this.refreshStatus();
         break;
       case "end":
@@ -16033,6 +16966,11 @@ class Tui implements EventSink {
    * terminal, and exits with `code`; `message` (a crash report, say) and the
    * exit line go to stderr once the terminal is back to normal.
    */
+  /** The run's end: the session saved, the launcher and jobs stopped (once; later calls do nothing). */
+  closeRun(reason: string): void {
+    this.run.close(reason);
+  }
+
   async quit(code: number, reason: string, message?: string): Promise<void> {
     if (this.exiting) return;
     this.exiting = true;
@@ -16040,13 +16978,18 @@ class Tui implements EventSink {
     clearTimeout(this.ctrlCTimer);
     this.agent.stop(code);
     this.dialog.answer({ kind: "reject" });
-    if (this.running) await Promise.race([this.running, Bun.sleep(QUIT_RUN_WAIT_MS)]);
-    this.run.close(reason);
+    // A hung-up terminal leaves nobody to wait for: the guard's time is all there is.
+    const hungUp = reason === `signal_${os.constants.signals.SIGHUP}`;
+    if (this.running) await Promise.race([this.running, Bun.sleep(hungUp ? QUIT_HANGUP_WAIT_MS : QUIT_RUN_WAIT_MS)]);
+    this.closeRun(reason);
     this.shellTab.stop();
     try {
       this.r.destroy();
       // A hung-up terminal cannot take the restore bytes: `closed` then rejects, and exiting must not depend on it.
-      await Promise.race([this.r.closed.catch(() => undefined), Bun.sleep(QUIT_TERMINAL_WAIT_MS)]);
+      await Promise.race([
+        this.r.closed.catch(() => undefined),
+        Bun.sleep(hungUp ? QUIT_HANGUP_WAIT_MS : QUIT_TERMINAL_WAIT_MS),
+      ]);
     } catch {
       /* the terminal is gone; nothing left to restore */
     } finally {
@@ -16129,9 +17072,47 @@ const SLASH_COMMANDS: readonly SlashCommand[] = [
     help: "list what commands left running; /jobs kill N stops job N",
     run: (t, text) => jobsCommand(t, text),
   },
+  {
+    names: ["/sandbox"],
+    help: "how commands are confined: jail, network, what they may write and may not read",
+    run: (t) => {
+      for (const line of sandboxDetails(t.view.started)) t.agentPane.line(line, COLORS.info);
+    },
+  },
   { names: ["/help"], help: "these commands and the keys", run: (t) => showHelp(t) },
   { names: ["/quit", "/exit"], help: "stop the agent and quit", run: (t) => t.quit(EXIT.ok, "process_exit") },
 ];
+
+/** The slash commands whose names start with what was typed (the word after "/"). */
+function slashMatches(typed: string): SlashCommand[] {
+  const word = typed.toLowerCase();
+  return word.startsWith("/") ? SLASH_COMMANDS.filter((c) => c.names.some((n) => n.startsWith(word))) : [];
+}
+
+/**
+ * The line under the prompt while a slash command is typed: the matching
+ * commands, or the one that matches with its help. Tab completes.
+ */
+function slashHint(text: string): string {
+  if (!/^\/\S*$/.test(text)) return "";
+  const matches = slashMatches(text);
+  if (!matches.length) return `no command starts with ${text} · /help lists them`;
+  if (matches.length === 1) {
+    const c = matches[0]!;
+    return `${[c.names[0], c.args].filter(Boolean).join(" ")}: ${c.help}`;
+  }
+  return `${matches.map((c) => c.names.find((n) => n.startsWith(text.toLowerCase())) ?? c.names[0]).join("  ")}   (Tab completes)`;
+}
+
+/** What Tab makes of a partly typed slash command: the longest start all matches share (a single one, completed). */
+function completeSlash(text: string): string | undefined {
+  const names = slashMatches(text).flatMap((c) => c.names.filter((n) => n.startsWith(text.toLowerCase())));
+  if (!names.length) return undefined;
+  if (names.length === 1) return `${names[0]} `;
+  let common = names[0]!;
+  for (const n of names) while (!n.startsWith(common)) common = common.slice(0, -1);
+  return common.length > text.length ? common : undefined;
+}
 
 /** /help: the commands, then the keys. */
 function showHelp(t: Tui): void {
@@ -16251,8 +17232,10 @@ function reloadSession(t: Tui): void {
   if (t.agent.running)
     return t.agentPane.line("/reload works only while the agent is stopped (/stop first).", COLORS.warning);
   if (!t.session) return t.agentPane.line("[SESSION] off (--no-session): nothing to reload.", COLORS.info);
-  const loaded = t.session.load(fullSystemPrompt(t.prepared));
-  for (const line of loaded.reports) t.agentPane.line(`[SESSION] ${line}`, COLORS.info);
+  const loaded = t.session.load(fullSystemPrompt(t.prepared), true);
+  for (const line of loaded.reports)
+    t.agentPane.line(`[SESSION] ${line}`, loaded.failed ? COLORS.warning : COLORS.info);
+  if (loaded.failed) return;
   t.agent.restore(loaded.messages ? loaded : { ...loaded, messages: [], stepCount: 0, usage: emptyUsage() });
   if (loaded.messages) t.view.showConversation(loaded.messages);
   t.figures.step = 0;
@@ -16399,10 +17382,336 @@ async function runTui(config: Config, prepared: PreparedRun): Promise<number> {
   return new Promise<number>((resolve) => {
     const tui = new Tui({ config, renderer, ot, Terminal, onExit: resolve, prepared });
     onExitEvents(
-      (code, reason) => void tui.quit(code, reason),
+      (code, reason) => {
+        void tui.quit(code, reason);
+        guardShutdown(code, () => tui.closeRun(reason));
+      },
       (error) => void tui.quit(EXIT.failure, "process_exit", crashReport(error)),
     );
   });
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Export: ATIF trajectories
+// Owns: `aic export --format atif [--session PATH]`: a session file as the
+// Agent Trajectory Interchange Format of Harbor (ATIF-v1.7), on stdout. The
+// file is only read (as `aic diff` reads it: a regular file, never through a
+// link, size-bounded), never claimed, locked, repaired on disk or moved aside,
+// so it can be exported while, or after, another aic writes it.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** The ATIF version written: the newest that Harbor's published schema accepts. */
+const ATIF_VERSION = "ATIF-v1.7";
+
+/** The formats `aic export` writes. */
+const EXPORT_FORMATS = ["atif"] as const;
+type ExportFormat = (typeof EXPORT_FORMATS)[number];
+
+interface AtifToolCall {
+  tool_call_id: string;
+  function_name: string;
+  /** Always an object: arguments that are not a JSON object are kept as text under `raw_arguments`. */
+  arguments: Record<string, unknown>;
+}
+
+interface AtifObservationResult {
+  source_call_id: string | null;
+  content: string;
+}
+
+interface AtifMetrics {
+  /** Every input token of the call, cached ones included. */
+  prompt_tokens: number;
+  completion_tokens: number;
+  /** The part of prompt_tokens served from a cache. */
+  cached_tokens: number;
+}
+
+interface AtifStep {
+  step_id: number;
+  source: "system" | "user" | "agent";
+  message: string;
+  /** Agent steps only (ATIF forbids these on system and user steps). */
+  model_name?: string | null;
+  reasoning_content?: string;
+  tool_calls?: AtifToolCall[];
+  observation?: { results: AtifObservationResult[] };
+  metrics?: AtifMetrics;
+}
+
+interface AtifFinalMetrics {
+  total_prompt_tokens: number;
+  total_completion_tokens: number;
+  total_cached_tokens: number;
+  total_steps: number;
+  extra: { aic_model_calls: number; billable_tokens: number; estimated: boolean };
+}
+
+interface AtifTrajectory {
+  schema_version: typeof ATIF_VERSION;
+  session_id: string | null;
+  agent: { name: "aic"; version: string; model_name: string | null };
+  steps: AtifStep[];
+  notes?: string;
+  final_metrics: AtifFinalMetrics;
+  extra: { aic_session_version: number; updated_at: string | null; reason: string | null };
+}
+
+/** What an export needs of a session file: its repaired conversation and the figures the file names. */
+interface ExportedSession {
+  messages: Message[];
+  usage: Usage;
+  /** Model calls the session counted (`step_count`). */
+  stepCount: number;
+  sessionId: string | undefined;
+  /** The model the file names; undefined when it names none. */
+  model: string | undefined;
+  updatedAt: string | undefined;
+  reason: string | undefined;
+}
+
+// ── command line ────────────────────────────────────────────────────────────
+
+/** `aic export --format atif [--session PATH]` (the session defaults to ./.aicsession, as for undo). */
+function parseExportArgs(argv: string[]): ParsedArgs {
+  let format: string | undefined;
+  let session = DEFAULT_SESSION_FILE;
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i]!;
+    if (arg === "--help" || arg === "-h") return { kind: "help" };
+    const name = arg.startsWith("--") && arg.includes("=") ? arg.slice(0, arg.indexOf("=")) : arg;
+    if (name !== "--format" && name !== "--session")
+      throw new UsageError(`export takes --format atif and [--session PATH], not '${arg}'`);
+    const value = arg.includes("=") ? arg.slice(arg.indexOf("=") + 1) : argv[++i];
+    if (!value) throw new UsageError(`export ${name} needs a value`);
+    if (name === "--format") format = value;
+    else session = value;
+  }
+  if (format === undefined) throw new UsageError("export needs --format atif");
+  if (!isExportFormat(format))
+    throw new UsageError(`export --format takes ${EXPORT_FORMATS.join(" or ")}, got '${format}'`);
+  return { kind: "export", format, session };
+}
+
+function isExportFormat(word: string): word is ExportFormat {
+  return (EXPORT_FORMATS as readonly string[]).includes(word);
+}
+
+/** Prints the session as an ATIF trajectory; a session that cannot be read is one line on stderr, exit 2. */
+function runExport(sessionPath: string): number {
+  let trajectory: AtifTrajectory;
+  try {
+    trajectory = sessionToAtif(readSessionForExport(sessionPath), { version: VERSION });
+  } catch (error) {
+    writeOut(2, `aic: error: ${(error as Error).message}\n`);
+    return EXIT.usage;
+  }
+  writeOut(1, `${JSON.stringify(trajectory, null, 2)}\n`);
+  return EXIT.ok;
+}
+
+// ── reading the session file ────────────────────────────────────────────────
+
+/**
+ * The session file read as `aic diff` reads it (readOwnFile: a regular file, never a link, at most
+ * MAX_OWN_FILE_BYTES) and repaired in memory as SessionStore.load repairs it (decodeSessionText,
+ * repairMessages), so the export shows the conversation a resumed run would send. Throws an Error
+ * whose message is the one line to print.
+ */
+function readSessionForExport(file: string): ExportedSession {
+  const where = path.resolve(file);
+  const doc = parseSessionDocument(where);
+  const version = doc.aic_session_version;
+  if (typeof version === "number" && version > SESSION_VERSION)
+    throw new Error(
+      `${where} was written by a newer aic (session format ${version}; this aic knows ${SESSION_VERSION})`,
+    );
+  const raw = Array.isArray(doc.messages) ? doc.messages : undefined;
+  if (!raw) throw new Error(`cannot export ${where}: it has no \`messages\` list`);
+  return {
+    messages: repairMessages(raw, "").messages,
+    usage: usageOf(doc.usage),
+    stepCount: typeof doc.step_count === "number" && doc.step_count >= 0 ? Math.floor(doc.step_count) : 0,
+    sessionId: textOf(doc.session_id),
+    model: textOf(doc.model),
+    updatedAt: textOf(doc.updated_at),
+    reason: textOf(doc.reason),
+  };
+}
+
+/** The file's JSON as an object (an old file that is a bare message list becomes `{messages}`). */
+function parseSessionDocument(where: string): Record<string, unknown> {
+  let bytes: Buffer;
+  try {
+    bytes = readOwnFile(where);
+  } catch (error) {
+    const e = ownFileError(error);
+    throw new Error(
+      e.missing
+        ? `there is no session file ${where} (give --session PATH)`
+        : `cannot read the session file ${where}: ${e.message}`,
+    );
+  }
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(decodeSessionText(bytes, []));
+  } catch (error) {
+    throw new Error(`cannot export ${where}: it is not valid JSON (${(error as Error).message})`);
+  }
+  if (Array.isArray(parsed)) return { messages: parsed };
+  if (parsed && typeof parsed === "object") return parsed as Record<string, unknown>;
+  throw new Error(`cannot export ${where}: it is not a session (neither an object nor a message list)`);
+}
+
+function usageOf(raw: unknown): Usage {
+  const stored = raw && typeof raw === "object" ? (raw as Record<string, unknown>) : {};
+  const count = (key: string) => (typeof stored[key] === "number" ? Math.max(0, Math.floor(stored[key])) : 0);
+  return {
+    input_tokens: count("input_tokens"),
+    output_tokens: count("output_tokens"),
+    cached_tokens: count("cached_tokens"),
+    billable_tokens: count("billable_tokens"),
+    estimated: stored.estimated === true,
+  };
+}
+
+const textOf = (value: unknown): string | undefined => (typeof value === "string" && value ? value : undefined);
+
+// ── the mapping ─────────────────────────────────────────────────────────────
+
+/**
+ * The session as an ATIF trajectory: each system and user message a step of that source; each
+ * assistant message an agent step with its text, its reasoning (when the message kept any) and
+ * its tool calls, whose answers (the tool messages after it) are that step's observation; token
+ * counts per step where the message records them (`usage`), and the session's totals in
+ * final_metrics.
+ */
+function sessionToAtif(session: ExportedSession, meta: { version: string }): AtifTrajectory {
+  const steps = stepsOf(session.messages, session.model ?? null);
+  if (!steps.length) throw new Error("the session holds no messages to export");
+  const summarised = splitSummary(contentText(session.messages[0]?.content)).summary !== undefined;
+  return {
+    schema_version: ATIF_VERSION,
+    session_id: session.sessionId ?? null,
+    agent: { name: "aic", version: meta.version, model_name: session.model ?? null },
+    steps,
+    ...(summarised
+      ? {
+          notes:
+            "Earlier steps were compressed into the summary at the end of the system step; final_metrics count the tokens of the whole session.",
+        }
+      : {}),
+    final_metrics: {
+      total_prompt_tokens: session.usage.input_tokens,
+      total_completion_tokens: session.usage.output_tokens,
+      total_cached_tokens: session.usage.cached_tokens,
+      total_steps: steps.length,
+      extra: {
+        aic_model_calls: session.stepCount,
+        billable_tokens: session.usage.billable_tokens,
+        estimated: session.usage.estimated === true,
+      },
+    },
+    extra: {
+      aic_session_version: SESSION_VERSION,
+      updated_at: session.updatedAt ?? null,
+      reason: session.reason ?? null,
+    },
+  };
+}
+
+/** The steps, numbered from 1; a tool message becomes a result of the agent step whose call it answers. */
+function stepsOf(messages: readonly Message[], model: string | null): AtifStep[] {
+  const steps: AtifStep[] = [];
+  for (const m of messages) {
+    if (m.role === "tool") {
+      attachResult(steps, m);
+      continue;
+    }
+    const step = stepOf(m, steps.length + 1, model);
+    if (step) steps.push(step);
+  }
+  return steps;
+}
+
+function stepOf(m: Message, stepId: number, model: string | null): AtifStep | undefined {
+  const message = atifText(m.content);
+  if (m.role === "system") return message ? { step_id: stepId, source: "system", message } : undefined;
+  if (m.role === "user") return { step_id: stepId, source: "user", message };
+  if (m.role !== "assistant") return undefined;
+  const step: AtifStep = { step_id: stepId, source: "agent", message, model_name: model };
+  const reasoning = reasoningOf(m);
+  if (reasoning) step.reasoning_content = reasoning;
+  if (m.tool_calls?.length) {
+    step.tool_calls = m.tool_calls.map(atifToolCall);
+    step.observation = { results: [] };
+  }
+  const metrics = metricsOf(m.usage);
+  if (metrics) step.metrics = metrics;
+  return step;
+}
+
+function atifToolCall(call: ToolCall): AtifToolCall {
+  return {
+    tool_call_id: call.id,
+    function_name: call.function.name,
+    arguments: argumentsObject(call.function.arguments),
+  };
+}
+
+/** A call's arguments as ATIF wants them, an object; text that is not a JSON object is kept whole. */
+function argumentsObject(text: string): Record<string, unknown> {
+  try {
+    const parsed: unknown = JSON.parse(text);
+    if (parsed && typeof parsed === "object" && !Array.isArray(parsed)) return parsed as Record<string, unknown>;
+  } catch {
+    /* kept as text below */
+  }
+  return { raw_arguments: text };
+}
+
+/** A tool answer, as a result of the latest agent step that made the call it answers. */
+function attachResult(steps: AtifStep[], m: Message): void {
+  const id = typeof m.tool_call_id === "string" ? m.tool_call_id : undefined;
+  const owner = [...steps]
+    .reverse()
+    .find((s) => s.source === "agent" && s.tool_calls?.some((c) => c.tool_call_id === id));
+  if (!owner?.observation) return; // repairMessages already dropped answers to no call
+  owner.observation.results.push({ source_call_id: id ?? null, content: atifText(m.content) });
+}
+
+/** Message content as text: a string as is, the text of content parts joined, anything else as JSON. */
+function atifText(content: unknown): string {
+  if (Array.isArray(content) && content.every(isTextPart)) return content.map((p) => p.text).join("");
+  return contentText(content);
+}
+
+function isTextPart(part: unknown): part is { type: "text"; text: string } {
+  return (
+    typeof part === "object" &&
+    part !== null &&
+    (part as { type?: unknown }).type === "text" &&
+    typeof (part as { text?: unknown }).text === "string"
+  );
+}
+
+/** The model's reasoning, where the message kept it (providers name it reasoning_content, reasoning or thinking). */
+function reasoningOf(m: Message): string | undefined {
+  const text = [m.reasoning_content, m.reasoning, m.thinking].find((v) => typeof v === "string" && v);
+  return typeof text === "string" ? text : undefined;
+}
+
+/** Per-call token counts, where the message records them as the API reports them (`usage`). */
+function metricsOf(raw: unknown): AtifMetrics | undefined {
+  if (!raw || typeof raw !== "object") return undefined;
+  const u = raw as Record<string, unknown>;
+  const n = (v: unknown) => (typeof v === "number" && Number.isFinite(v) ? Math.max(0, Math.floor(v)) : 0);
+  if (typeof u.prompt_tokens !== "number" && typeof u.completion_tokens !== "number") return undefined;
+  return {
+    prompt_tokens: n(u.prompt_tokens),
+    completion_tokens: n(u.completion_tokens),
+    cached_tokens: n(u.cached_tokens),
+  };
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -16438,6 +17747,8 @@ async function main(argv: string[]): Promise<number> {
         return await runUndo(parsed.kind, parsed.count, parsed.session);
       case "diff":
         return await runDiff(parsed.count, parsed.session);
+      case "export":
+        return runExport(parsed.session);
       case "run": {
         const config = parsed.config;
         secretsToRedact = credentialsOf(config);
@@ -16466,6 +17777,7 @@ if (import.meta.main) {
 export {
   Agent,
   classifyForeground,
+  judgeInput,
   MODEL_TEXTS,
   ModelClient,
   ModelError,

@@ -226,7 +226,12 @@ describe("what checkpoints leave alone", () => {
     expect(readFileSync(join(dir, "index.js"), "utf8")).toBe("console.log(1)\n");
     expect(readFileSync(join(dir, "node_modules", "dep", "index.js"), "utf8")).toBe("v2\n");
     expect((await runAic(["redo", "--session", session], { cwd: dir, env })).code).toBe(0);
-    expect(dotGit()).toEqual(gitBefore);
+    // Untouched but for the one line that keeps the session out of commits (README: "Sessions").
+    const { "info/exclude": excludeAfter, ...restAfter } = dotGit();
+    const { "info/exclude": excludeBefore, ...restBefore } = gitBefore;
+    expect(restAfter).toEqual(restBefore);
+    expect(excludeAfter).not.toEqual(excludeBefore);
+    expect(readFileSync(join(dir, ".git", "info", "exclude"), "utf8")).toEndWith("\n/s.json*\n");
     // The shadow repository holds no path under node_modules.
     const state = join(env.XDG_STATE_HOME!, "aic", "checkpoints");
     const [shadow] = readdirSync(state);

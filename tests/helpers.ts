@@ -185,9 +185,10 @@ process.env[TEST_RUN_VAR] = TEST_RUN;
  * what they pass.
  */
 export function cleanEnv(extra: Record<string, string | undefined> = {}): Record<string, string> {
-  const env: Record<string, string> = { XDG_STATE_HOME: testStateHome() };
+  // The developer's own ~/.config/aic/config.toml never reaches a test: the config home is the (empty) state home.
+  const env: Record<string, string> = { XDG_STATE_HOME: testStateHome(), XDG_CONFIG_HOME: testStateHome() };
   for (const [k, v] of Object.entries(process.env)) {
-    if (v === undefined || /^(AIC_|OPENAI_|XDG_STATE_HOME$|CI$)/.test(k) || FROM_NPM.test(k)) continue;
+    if (v === undefined || /^(AIC_|OPENAI_|XDG_(STATE|CONFIG)_HOME$|CI$)/.test(k) || FROM_NPM.test(k)) continue;
     env[k] = v;
   }
   env[TEST_RUN_VAR] = TEST_RUN;

@@ -64,6 +64,46 @@ describe("a prompt and a REPL", () => {
   });
 });
 
+describe("what is typed, and when", () => {
+  // A program that empties its input at each prompt (as npm init does) loses lines sent in one write: aic types line
+  // by line, each once the program reads again. Then a raw read sees Enter as a terminal sends it: CR, byte 13.
+  test.skipIf(!onPath("python3"))(
+    "lines typed at once reach a program that flushes its input at each prompt; Enter is CR",
+    async () => {
+      const cwd = scratch();
+      writeFileSync(
+        join(cwd, "ask.py"),
+        [
+          "import os, sys, termios, tty",
+          'for q in ("name", "version", "license"):',
+          '    sys.stdout.write(q + "? "); sys.stdout.flush()',
+          "    termios.tcflush(0, termios.TCIFLUSH)",
+          '    print("got", q, "=", input())',
+          "tty.setraw(0)",
+          'sys.stdout.write("byte=%d\\r\\n" % os.read(0, 1)[0])',
+        ].join("\n"),
+      );
+      const { results } = await drive([bash("python3 ask.py"), keys("pkg\n1.0\nMIT\n"), keys("\n")], cwd);
+      expect(results[0]).toStartWith(WAITS);
+      for (const line of ["got name = pkg", "got version = 1.0", "got license = MIT"])
+        expect(results[1]).toContain(line);
+      expect(results[2]).toStartWith("Command executed with exit code 0.");
+      expect(results[2]).toContain("byte=13");
+    },
+  );
+
+  // Output moments ago means the program is busy, whatever it reads between its lines.
+  test("a program that prints all the time while it polls the terminal is left to run to its end", async () => {
+    const { results, events } = await drive([
+      bash("for i in $(seq 25); do echo tick $i; read -t 0.1 x; done; echo finished", "tick"),
+    ]);
+    expect(results[0]).toStartWith("Command executed with exit code 0.");
+    expect(results[0]).toContain("finished");
+    const statuses = events.filter((e) => e.type === "command_result" && e.id === "tick").map((e) => e.status);
+    expect(statuses).toEqual(["exited"]);
+  });
+});
+
 describe("full-screen programs", () => {
   test.skipIf(!onPath("vim"))("vim -u NONE: the whole screen, a line added, saved with :wq", async () => {
     const cwd = scratch();
@@ -154,6 +194,23 @@ describe("one waiting command at a time, and the rules", () => {
     expect(existsSync(join(cwd, "victim.txt"))).toBe(true);
     expect(events.find((e) => e.type === "approval" && e.id === "rm")?.decision).toBe("denied");
     expect(results[2]).toStartWith("Command executed with exit code 0.");
+  });
+
+  // Without a person (no --auto-approve, no terminal) only rules let keys through: the rule that let vim start does
+  // not let what is typed into it through (vim's :sh would be a shell). How keys into a shell are judged line by
+  // line is in rules-hold.test.ts.
+  test("a rule that lets a program start does not let keys typed into it through", async () => {
+    const cwd = scratch();
+    writeFileSync(join(cwd, ".aicrules"), "allow vim *\ndeny git push *\n");
+    const srv = fixtures.serve([bash("vim -u NONE -n f.txt", "vim"), keys(":sh\n", "escape"), done] as never);
+    const run = await runAic([...headless(srv.url), "--json", "edit"], { cwd });
+    expect(run.code).toBe(0);
+    const decisions = jsonLines(run.stdout).filter((e) => e.type === "approval");
+    expect(decisions.map((e) => [e.id, e.decision])).toEqual([
+      ["vim", "allowed"],
+      ["escape", "no_input"],
+    ]);
+    expect(toolResults(srv)[1]).toContain("still waits for input");
   });
 
   test("the session records the input as the model sent it", async () => {

@@ -117,6 +117,8 @@ const rendered: Record<keyof typeof T, string> = {
     )
     .join("\n---\n"),
   stoppedWaitingNote: [T.stoppedWaitingNote("python3", 143), T.stoppedWaitingNote("less", null)].join("\n"),
+  endedBeforeInputNote: T.endedBeforeInputNote("bash"),
+  stillWaitingNote: T.stillWaitingNote("python3"),
 };
 
 test("the catalogue of model-facing texts is whole, and each text is as the snapshot holds it", () => {

@@ -912,6 +912,18 @@ export const RULES_CASES: RulesCase[] = [
   { command: "env -u HOME git push", verdict: "deny", rule: R.denyPush, why: "env -u takes a name", parts: [GP] },
   { command: "env", verdict: "ask", why: "env alone prints the environment: a normal command", parts: [["env"]] },
   {
+    command: "env --ignore-signal=INT git push",
+    verdict: "ask",
+    why: "an env option not listed: what env runs is not known, never judged as env itself",
+    parts: [[dyn("env --ignore-signal=INT git push")]],
+  },
+  {
+    command: "env --foo rm x",
+    verdict: "ask",
+    why: "an unknown env option",
+    parts: [[dyn("env --foo rm x")]],
+  },
+  {
     command: "env -S 'git push'",
     verdict: "deny",
     rule: R.denyPush,

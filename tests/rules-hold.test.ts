@@ -9,7 +9,7 @@
  */
 import { describe, expect, test } from "bun:test";
 import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
-import { alwaysAllowLines, judgeCommand, parseRuleLines } from "../aic.ts";
+import { CommandRules, alwaysAllowLines, judgeCommand, judgeInput, parseRuleLines } from "../aic.ts";
 import { join } from "node:path";
 import {
   bash,
@@ -375,5 +375,50 @@ describe("always allow proposes a program and subcommand, never literal argument
     ];
     for (const [command, lines] of cases)
       expect([command, alwaysAllowLines(rules, judgeCommand(rules, command))]).toEqual([command, lines]);
+  });
+});
+
+// Keys the model types into a waiting program are judged as what the program will make of them: a shell runs each
+// line it reads, whatever separates them, and keys that edit the line leave the judgement unsure.
+describe("keys typed into a waiting program", () => {
+  const dir = scratch("aic-rules-input-");
+  writeFileSync(join(dir, "rules"), "allow echo *\nallow vim *\ndeny git push *\n");
+  const rules = CommandRules.load({ rules: join(dir, "rules") });
+  const shell = { program: "bash", kind: "shell", several: false, reading: true } as const;
+  const judge = (input: string, reader: Parameters<typeof judgeInput>[1] = shell) =>
+    judgeInput(rules, reader, input, dir);
+
+  test("every line a shell reads is judged, whatever ends it", () => {
+    for (const input of [
+      "echo hi<C-m>git push o x\n",
+      "echo hi<C-j>git push o x\n",
+      "echo hi<Enter>git push o x\n",
+      "echo hi\rgit push o x\n",
+      "<a\ngit push o x\n>\n",
+    ])
+      expect([input, judge(input).verdict]).toEqual([input, "deny"]);
+    expect(judge("echo plain\n")).toMatchObject({ verdict: "allow" });
+  });
+
+  test("keys that edit the line, and a terminal read by several programs, are unsure: never allowed or read-only", () => {
+    for (const input of [
+      "echo hi<C-u>git push o x\n",
+      "echo junk<C-w><C-w>git push\n",
+      "git\u0000 push o x\n",
+      "ls<Tab>\n",
+    ]) {
+      const v = judge(input);
+      expect([input, v.verdict, v.readOnly ?? false]).toEqual([input, "ask", false]);
+      expect(v.unsure).toContain("control characters");
+    }
+    expect(judge("echo plain\n", { ...shell, several: true }).unsure).toContain("more than one program");
+  });
+
+  test("into anything else keys are data: no rule lets them through, even the one that let the program start", () => {
+    const vim = { program: "vim", kind: "data", several: false, reading: true } as const;
+    expect(judge(":sh\n", vim)).toEqual({ verdict: "ask" });
+    expect(judge("echo plain\n", vim)).toEqual({ verdict: "ask" });
+    const python = { program: "python3", kind: "interpreter", several: false, reading: true } as const;
+    expect(judge("import os; os.system('git push o x')\n", python).verdict).not.toBe("allow");
   });
 });

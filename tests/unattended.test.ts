@@ -70,6 +70,7 @@ describe("the JSON stream", () => {
     expect(Array.isArray(start.sandbox.unreadable)).toBe(true);
     const result = events.find((e) => e.type === "command_result");
     expect(result).toMatchObject({ id: "c1", status: "exited", exit_code: 0 });
+    expect(result.saved_to).toBeUndefined(); // short output: nothing saved aside
     expect(result.duration_ms).toBeGreaterThanOrEqual(0);
     // What the person saw, without aic's own words for the model.
     expect(result.output).toBe("hello\nworld");
@@ -103,6 +104,22 @@ describe("the JSON stream", () => {
     expect(existsSync(join(cwd, "needs-a-person"))).toBe(false);
     expect(events.at(-1)).toMatchObject({ type: "end", status: "completed", refused: 1 });
     expect(run.stdout).not.toContain("Approve command?");
+  });
+
+  test("output over the cap: command_result names the file that holds all of it, the one the model is told of", async () => {
+    const cwd = scratch();
+    const srv = fixtures.serve([bash("seq 1 100000", "long"), done]);
+    // With a session the saved outputs outlive the run (without one they go when it ends).
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--json", "--session", "s.json", "count"], {
+      cwd,
+    });
+    expect(run.code).toBe(0);
+    const result = everyLineIsJson(run.stdout).find((e) => e.type === "command_result");
+    expect(typeof result.saved_to).toBe("string");
+    expect(toolAnswer(srv.requests[1], "long")).toContain(result.saved_to);
+    const whole = readFileSync(result.saved_to, "utf8").trim().split("\n");
+    expect(whole).toHaveLength(100000);
+    expect(whole.at(-1)).toBe("100000");
   });
 
   test("--fail-on-refusal turns a run that refused commands into exit 4", async () => {
