@@ -15535,6 +15535,7 @@ class ApprovalDialog {
   readonly overlay: BoxNode;
   /** "Always allow": approves and adds the request's rule lines to the rules file. Only a click or /always gives it. */
   private readonly always: BoxNode & { label: TextNode };
+  private readonly alwaysRow: BoxNode;
   private waiting: { request: ApprovalRequest; resolve(a: Approval): void } | undefined;
   private readonly body: ScrollBoxNode;
   private readonly text: TextNode;
@@ -15602,6 +15603,9 @@ class ApprovalDialog {
       flexShrink: 0,
     });
     alwaysRow.add(this.always);
+    // The row takes its line only while the button is offered.
+    alwaysRow.visible = false;
+    this.alwaysRow = alwaysRow;
     this.overlay.add(this.body);
     this.overlay.add(hint);
     this.overlay.add(buttons);
@@ -15647,6 +15651,7 @@ class ApprovalDialog {
     this.text.content = visibleControls(request.command);
     this.body.scrollTo(Number.MAX_SAFE_INTEGER);
     this.always.visible = request.alwaysAllow !== undefined;
+    this.alwaysRow.visible = this.always.visible;
     // The dialog is 80% of the screen, less its border, padding and the button's own padding.
     const room = Math.max(12, Math.floor(this.screenWidth() * 0.8) - 6);
     if (request.alwaysAllow)

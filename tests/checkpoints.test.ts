@@ -226,7 +226,7 @@ describe("what checkpoints leave alone", () => {
     expect(readFileSync(join(dir, "index.js"), "utf8")).toBe("console.log(1)\n");
     expect(readFileSync(join(dir, "node_modules", "dep", "index.js"), "utf8")).toBe("v2\n");
     expect((await runAic(["redo", "--session", session], { cwd: dir, env })).code).toBe(0);
-    // Untouched but for the one line that keeps the session out of commits (README: "Sessions").
+    // Untouched but for the one line that keeps the session out of commits (README: "Session files").
     const { "info/exclude": excludeAfter, ...restAfter } = dotGit();
     const { "info/exclude": excludeBefore, ...restBefore } = gitBefore;
     expect(restAfter).toEqual(restBefore);
