@@ -659,6 +659,20 @@ function configFromFlags(
   };
   for (const f of FLAGS) {
     const raw = given.get(f)?.[0] ?? fromEnv(f) ?? f.default;
+    // A bad value from the config file names the file: the person never typed that flag.
+    const fromFile = !given.has(f) && envValue(f) === undefined && file.values.has(f);
+    try {
+      setFlag(f, raw);
+    } catch (error) {
+      if (!(error instanceof UsageError) || !fromFile) throw error;
+      throw new UsageError(`${file.path}: ${error.message.replace(f.name, f.name.slice(2))}`);
+    }
+  }
+  const named = FLAGS.filter((f) => file.values.has(f) && !given.has(f) && envValue(f) === undefined);
+  if (named.length) config.warnings.push(`settings from ${file.path}: ${named.map((f) => f.name.slice(2)).join(", ")}`);
+  return config as Config;
+
+  function setFlag(f: FlagSpec, raw: string | undefined): void {
     switch (f.kind) {
       case "header": // from the environment first, then the flags (a flag overrides the same name)
         set(
@@ -702,7 +716,6 @@ function configFromFlags(
         setChoice(f, raw, config);
     }
   }
-  return config as Config;
 }
 
 /** A choice flag's word, or its fallback (with a warning) when it names none of the choices. */
@@ -885,7 +898,7 @@ function tomlErrorLine(text: string, message: string): string {
   const lines = text.split("\n");
   for (let n = 1; n <= lines.length; n++) {
     try {
-      Bun.TOML.parse(lines.slice(0, n).join("\n"));
+      Bun.TOML.parse(`${lines.slice(0, n).join("\n")}\n`);
     } catch (error) {
       if ((error as Error).message === message) return `, line ${n}`;
     }
@@ -938,7 +951,10 @@ function recordedEndpoint(sessionFile: string | undefined): RecordedEndpoint {
   } catch {
     /* never written by aic here */
   }
-  if (last !== now) return { why: `; ${sessionFile} records one, but the file changed since aic wrote it` };
+  if (last !== now)
+    return {
+      why: `; ${sessionFile} records one, but aic cannot tell the file is as it wrote it (edited, copied or moved since), so it is not used`,
+    };
   const field = (key: string): string | undefined => {
     const m = new RegExp(`"${key}"\\s*:\\s*("(?:[^"\\\\]|\\\\.)*")`).exec(head);
     try {
@@ -6682,6 +6698,8 @@ interface CommandProcess {
   readonly eof: Promise<void>;
   /** Types into the command's terminal. */
   write(data: string | Uint8Array): void;
+  /** Gives the command's terminal another size (its programs get SIGWINCH and redraw). */
+  resize(cols: number, rows: number): void;
   /** Closes aic's side of the terminal. */
   close(): void;
 }
@@ -6694,6 +6712,7 @@ function unconfinedCommand(argv: string[], opts: PtyOptions): CommandProcess {
     exited: drainedExit(proc, eof),
     eof,
     write: (data) => terminal.write(data),
+    resize: (cols, rows) => terminal.resize(cols, rows),
     close: () => terminal.close(),
   };
 }
@@ -6981,6 +7000,8 @@ const FRAME = {
   input: 2,
   /** aic → launcher: aic is done with the command's terminal. */
   close: 3,
+  /** aic → launcher: u16 columns, u16 rows: the command's terminal is that size now (a person's pane). */
+  resize: 4,
   /** launcher → aic: confined (it got here through restrict and execve, which is the proof). */
   ready: 10,
   /** launcher → aic: i32 pid. */
@@ -7126,7 +7147,10 @@ async function runSandboxLauncher(): Promise<number> {
     for (const frame of reader.push(chunk)) {
       if (frame.kind === FRAME.spawn) spawn(frame.id, JSON.parse(utf8Decoder.decode(frame.payload)) as LaunchRequest);
       else if (frame.kind === FRAME.input) terminals.get(frame.id)?.write(frame.payload);
-      else if (frame.kind === FRAME.close) {
+      else if (frame.kind === FRAME.resize && frame.payload.length === 4) {
+        const size = new DataView(frame.payload.buffer, frame.payload.byteOffset, 4);
+        terminals.get(frame.id)?.resize(size.getUint16(0), size.getUint16(2));
+      } else if (frame.kind === FRAME.close) {
         terminals.get(frame.id)?.close();
         terminals.delete(frame.id);
       }
@@ -7400,6 +7424,12 @@ class SandboxLauncher {
       exited,
       eof,
       write: (data) => send(encodeFrame(FRAME.input, id, typeof data === "string" ? utf8.encode(data) : data)),
+      resize: (cols, rows) => {
+        const size = new Uint8Array(4);
+        new DataView(size.buffer).setUint16(0, cols);
+        new DataView(size.buffer).setUint16(2, rows);
+        send(encodeFrame(FRAME.resize, id, size));
+      },
       close: () => {
         if (live.commands.delete(id)) send(encodeFrame(FRAME.close, id));
       },
@@ -7747,6 +7777,11 @@ class TerminalRenderer {
       convertEol: false,
       logLevel: "off",
     });
+  }
+
+  /** The command's terminal changed size (a person's pane): the screen the model is shown follows. */
+  resize(cols: number, rows: number): void {
+    this.term.resize(cols, rows);
   }
 
   /** Bytes handed to xterm and not parsed yet. */
@@ -8272,6 +8307,14 @@ class ScreenWatch {
 // waiting-for-input rules, and the result the agent turns into a tool message.
 // ════════════════════════════════════════════════════════════════════════════
 
+/** What a front end gets of a running command for a person at the keyboard: their keys, and their pane's size. */
+interface CommandKeyboard {
+  write(data: string | Uint8Array): void;
+  /** Several lines typed ahead: one at a time, each once the program reads again. */
+  type(bytes: string): Promise<void>;
+  resize(cols: number, rows: number): void;
+}
+
 interface RunOptions {
   command: string;
   cwd: string;
@@ -8288,7 +8331,7 @@ interface RunOptions {
   /** A person can answer (`canAnswerInput`) and the command has been waiting for input a while: told once. */
   onWaitingForInput?(): void;
   /** Lets the caller forward a person's keystrokes to the command; returns a detach function. */
-  attachInput?(write: (data: string | Uint8Array) => void): () => void;
+  attachInput?(io: CommandKeyboard): () => void;
   /** Takes over what the command leaves running as background jobs (without one, leftovers die with the terminal). */
   jobs?: JobTable;
 }
@@ -8440,6 +8483,13 @@ class CommandRun {
     return foregroundProgram(foregroundGroups(this.shell));
   }
 
+  /** The command's terminal at another size, and the emulator that renders it for the model with it. */
+  resize(cols: number, rows: number): void {
+    if (this.finished) return;
+    this.child.resize(cols, rows);
+    this.renderer?.resize(cols, rows);
+  }
+
   /** Who would take keys typed now (see inputReader). */
   reader(): InputReader {
     return inputReader(this.shell);
@@ -8530,7 +8580,11 @@ class CommandRun {
       },
       personAnswers ? PERSON_INPUT_POLL_MS : INPUT_WAIT_POLL_MS,
     );
-    const detachInput = opts.attachInput?.((data) => this.child.write(data));
+    const detachInput = opts.attachInput?.({
+      write: (data) => this.child.write(data),
+      type: (bytes) => this.typeLines(bytes),
+      resize: (cols, rows) => this.resize(cols, rows),
+    });
     return () => {
       clearTimeout(this.timeoutTimer);
       clearInterval(watcher);
@@ -8569,6 +8623,11 @@ class CommandRun {
     this.handedOver = false;
     this.screenWatch.input();
     this.armTimeout();
+    await this.typeLines(bytes);
+  }
+
+  /** `bytes` a line at a time, each once the program reads again (see type). */
+  async typeLines(bytes: string): Promise<void> {
     const lines = bytes.split(/(?<=\r)/);
     for (const [i, line] of lines.entries()) {
       if (this.finished || this.stopping) return;
@@ -14348,7 +14407,7 @@ async function runHeadless(config: Config, prepared: PreparedRun): Promise<numbe
       approve: plainApproval(stdin, !config.json || Boolean(process.stdin.isTTY)),
       attended: false,
       canAnswerInput: () => stdinIsTerminal,
-      attachInput: stdinIsTerminal ? (write) => stdin.attach(write) : undefined,
+      attachInput: stdinIsTerminal ? (io) => stdin.attach(io.write) : undefined,
     },
     request,
   );
@@ -15887,7 +15946,10 @@ class AgentView {
     this.consolePane = new LogPane(ot, r, { flexGrow: 1, width: "100%" });
     this.consoleStream = new ConsoleStream(ot, this.consolePane, (flush) => r.requestAnimationFrame(flush));
     this.screen = new CommandScreen(ot, r, Terminal, (full) => {
+      // The Console's size as laid out, taken before it gives its place to the screen.
+      if (full) this.consoleSize = { cols: this.consolePane.box.width, rows: this.consolePane.box.height };
       this.consolePane.box.visible = !full;
+      this.onFullScreen?.(full);
     });
   }
 
@@ -15938,8 +16000,8 @@ class AgentView {
         this.screen.reset();
         break;
       case "command_output":
-        this.screen.write(e.data);
-        return this.consoleStream.write(e.data);
+        for (const piece of this.screen.write(e.data)) this.consoleStream.write(piece);
+        return;
       case "command_result":
         if (e.exit_code !== null || (e.status !== "waiting_for_input" && e.status !== "waiting_on_time"))
           this.screen.reset();
@@ -15982,6 +16044,11 @@ class AgentView {
     this.agentPane.clear();
     this.consolePane.clear();
   }
+
+  /** Where a full-screen program is drawn: the Console's place. */
+  consoleSize = { cols: 0, rows: 0 };
+  /** Told when a full-screen program comes on or leaves (the TUI fits the command's terminal to the pane). */
+  onFullScreen: ((full: boolean) => void) | undefined;
 
   /** The run's start event, for /sandbox. */
   started: Extract<AgentEvent, { type: "start" }> | undefined;
@@ -16189,6 +16256,9 @@ function layOutTui(
 // screen of a full-screen program drawn in the Console's place.
 // ════════════════════════════════════════════════════════════════════════════
 
+/** The footer while a command has the person's keys (short: the footer keeps its other fields whole at 80 columns). */
+const KEYS_TO_COMMAND_NOTICE = "⌨ keys go to the command · Ctrl+C twice stops it";
+
 /** How long after a command starts by the person's approval their typing is held for it (see TypeAhead). */
 const TYPE_AHEAD_MS = 1500;
 
@@ -16237,9 +16307,13 @@ class TypeAhead {
     return true;
   }
 
-  toCommand(write: (data: string) => void): void {
+  toCommand(type: (bytes: string) => void): void {
     this.close();
-    for (const key of this.held.splice(0)) write(key.bytes);
+    const bytes = this.held
+      .splice(0)
+      .map((key) => key.bytes)
+      .join("");
+    if (bytes) type(bytes);
   }
 
   toPrompt(): void {
@@ -16262,7 +16336,12 @@ class TypeAhead {
 }
 
 /** Switches a terminal to the alternate screen and back (xterm's 1049, and the older 1047 and 47). */
-const ALTERNATE_SCREEN = /\x1b\[\?(?:1049|1047|47)[hl]/;
+/**
+ * A full-screen program announces itself: the alternate screen (xterm's 1049,
+ * the older 1047 and 47: vim, less), or application cursor keys (DECCKM, 1:
+ * top, which draws on the ordinary screen); the same sequence with `l` ends it.
+ */
+const FULL_SCREEN_MODE = /\x1b\[\?(?:1049|1047|47|1)[hl]/;
 
 /**
  * vim, less, top or git's editor, run by hand: their screen is drawn as a
@@ -16303,19 +16382,37 @@ class CommandScreen {
     return this.full;
   }
 
-  write(bytes: Uint8Array): void {
-    if (!this.active) {
-      const text = Buffer.from(bytes).toString("latin1");
-      const at = text.search(ALTERNATE_SCREEN);
-      if (at < 0) return;
-      this.active = true;
-      bytes = bytes.subarray(at);
+  /**
+   * Takes a piece of the command's output; returns what of it belongs to the
+   * ordinary screen (for the Console's lines): a full-screen program's
+   * drawing is the emulator's alone, never the log's.
+   */
+  write(bytes: Uint8Array): Uint8Array[] {
+    const text = Buffer.from(bytes).toString("latin1");
+    if (!this.active && !FULL_SCREEN_MODE.test(text)) return [bytes];
+    this.active = true;
+    const normal: Uint8Array[] = [];
+    let from = 0;
+    for (const m of text.matchAll(new RegExp(FULL_SCREEN_MODE.source, "g"))) {
+      if (!this.inFullScreen && m.index > from) normal.push(bytes.subarray(from, m.index));
+      const on = m[0].endsWith("h");
+      if (m[0].startsWith("\x1b[?1") && m[0].length === 5) this.appCursor = on;
+      else this.alternate = on;
+      from = m.index + m[0].length;
     }
-    this.term.write(bytes, () => this.sync());
+    if (!this.inFullScreen && from < bytes.length) normal.push(bytes.subarray(from));
+    const full = this.inFullScreen;
+    this.term.write(bytes, () => this.sync(full));
+    return normal;
+  }
+  /** The modes the bytes seen so far set (the emulator's own state follows a moment later). */
+  private alternate = false;
+  private appCursor = false;
+  private get inFullScreen(): boolean {
+    return this.alternate || this.appCursor;
   }
 
-  private sync(): void {
-    const full = this.term.buffer.active.type === "alternate";
+  private sync(full: boolean): void {
     if (full === this.full) return;
     this.full = full;
     this.node.visible = full;
@@ -16323,12 +16420,21 @@ class CommandScreen {
     this.onFullScreen(full);
   }
 
+  /** The emulator at the size the command's terminal was given. */
+  resize(cols: number, rows: number): void {
+    this.term.resize(cols, rows);
+    this.node.invalidate();
+  }
+
   /** A new command, or the end of one: back to the Console's lines. */
   reset(): void {
     if (!this.active) return;
     this.active = false;
+    this.alternate = false;
+    this.appCursor = false;
     this.term.reset();
-    this.sync();
+    this.term.resize(COMMAND_COLUMNS, COMMAND_ROWS);
+    this.sync(false);
   }
 }
 
@@ -16559,6 +16665,22 @@ class Tui implements EventSink {
   /** Where the person's keys go for a command that waits for input (auto-approve off): set while one runs. */
   private commandInput: ((data: string | Uint8Array) => void) | undefined;
   private commandWaiting = false;
+  private commandResize: ((cols: number, rows: number) => void) | undefined;
+  private commandType: ((bytes: string) => void) | undefined;
+
+  /**
+   * A full-screen program the person drives gets a terminal the size of the
+   * Console, so all of it shows (vim's status line, less's prompt); it gets
+   * the usual size back when it leaves the alternate screen.
+   */
+  private fitCommandScreen(): void {
+    if (!this.commandResize || !this.commandWaiting) return;
+    const { cols, rows } = this.view.consoleSize;
+    if (this.view.screen.fullScreen && cols >= 20 && rows >= 5) {
+      this.view.screen.resize(cols, rows);
+      this.commandResize(cols, rows);
+    } else if (!this.view.screen.fullScreen) this.commandResize(COMMAND_COLUMNS, COMMAND_ROWS);
+  }
   /** Keys typed right after approving a command, held until aic knows whether the command reads them. */
   private readonly typeAhead = new TypeAhead((text, submit) => {
     this.prompt.value = this.prompt.value + text;
@@ -16586,6 +16708,7 @@ class Tui implements EventSink {
     this.figures = initialFigures(config, prepared);
 
     this.view = new AgentView(ot, r, !config.noThinking, o.Terminal);
+    this.view.onFullScreen = () => this.fitCommandScreen();
     this.shellTab = new ShellTab(ot, r, o.Terminal, {
       onCwd: (dir) => this.agent.moveTo(dir),
       onError: (message) => this.agentPane.line(message, COLORS.error),
@@ -16621,7 +16744,10 @@ class Tui implements EventSink {
     this.figures.tokens = this.run.restored?.usage?.billable_tokens ?? 0;
     if (this.run.restored?.messages) this.view.showConversation(this.run.restored.messages);
     this.setTab("console");
+    for (const w of config.warnings) this.agentPane.line(`warning: ${w}`, COLORS.warning);
     this.refreshStatus();
+    // The start-up warning goes after its time even if nothing else redraws the status (one timer, not a tick).
+    setTimeout(() => !this.exiting && this.refreshStatus(), BANNER_HIDE_MS + 100).unref();
     if (config.request) void this.submit(config.request);
     setTimeout(() => {
       if (this.exiting) return;
@@ -16639,11 +16765,15 @@ class Tui implements EventSink {
       attended: true,
       // A person sits at the TUI: with auto-approve off, a command waiting for input gets their keys instead of being stopped.
       canAnswerInput: () => true,
-      attachInput: (write) => {
-        this.commandInput = write;
+      attachInput: (io) => {
+        this.commandInput = io.write;
+        this.commandType = (bytes) => void io.type(bytes);
+        this.commandResize = io.resize;
         this.typeAhead.extend();
         return () => {
           this.commandInput = undefined;
+          this.commandResize = undefined;
+          this.commandType = undefined;
           this.commandWaiting = false;
           this.figures.notice = undefined;
           this.typeAhead.toPrompt();
@@ -16711,6 +16841,8 @@ class Tui implements EventSink {
     const text = raw.trim();
     this.prompt.clear();
     if (!text) return;
+    // What answers it (a slash command's lines, the run) is at the end: show the end.
+    this.agentPane.toEnd();
     if (text.startsWith("/")) return this.runSlash(text);
     this.prompt.remember(text, (why) => this.agentPane.line(`cannot save the prompt history: ${why}`, COLORS.warning));
     if (this.awaitingApproval) return this.answerApproval({ kind: "suggest", text });
@@ -16870,6 +17002,11 @@ class Tui implements EventSink {
     this.ctrlCAt = Date.now();
     write("\x03");
     this.figures.notice = "Ctrl+C again stops the command";
+    clearTimeout(this.ctrlCTimer);
+    this.ctrlCTimer = setTimeout(() => {
+      if (this.figures.notice === "Ctrl+C again stops the command") this.figures.notice = KEYS_TO_COMMAND_NOTICE;
+      this.refreshStatus();
+    }, CTRL_C_QUIT_WINDOW_MS);
     this.refreshStatus();
   }
 
@@ -16950,9 +17087,9 @@ class Tui implements EventSink {
         break;
       case "command_waiting":
         this.commandWaiting = this.commandInput !== undefined;
-        if (this.commandInput) this.typeAhead.toCommand(this.commandInput);
-        if (this.commandWaiting)
-          this.figures.notice = "⌨ the command reads the keyboard: your keys go to it (Ctrl+C twice stops it)";
+        if (this.commandType) this.typeAhead.toCommand(this.commandType);
+        this.fitCommandScreen();
+        if (this.commandWaiting) this.figures.notice = KEYS_TO_COMMAND_NOTICE;
         this.refreshStatus();
         break;
       case "end":

@@ -259,6 +259,8 @@ describe("without a terminal", () => {
     const env = { XDG_CONFIG_HOME: config };
     const run = await runAic(["--nogui", "do it"], { cwd, env });
     expect(run.code).toBe(0);
+    // Where auto-approve came from is said, since nobody typed it.
+    expect(run.stderr).toContain(`settings from ${file}: api-base, model, auto-approve, max-steps`);
     expect(srv.requests[0]!.body.model).toBe("model-from-file");
     expect(toolAnswer(srv.requests[1], "call_1")).toContain("from-config");
 
@@ -274,6 +276,8 @@ describe("without a terminal", () => {
       [`model = "m"\napi-base = "${srv.url}"\nmax-steps = = 3\n`, /config\.toml, line 3: /],
       [`modle = "m"\n`, /unknown setting 'modle'/],
       [`auto-approve = "yes"\n`, /auto-approve takes true or false/],
+      [`api-base = "${srv.url}"\nmodel = "m\nmax-steps = 3\n`, /config\.toml, line 2: /],
+      [`api-base = "${srv.url}"\nmodel = "m"\ntimeout = 0\n`, /config\.toml: timeout .*positive whole number, got '0'/],
     ];
     for (const [text, message] of bad) {
       writeFileSync(file, text);
@@ -306,7 +310,7 @@ describe("without a terminal", () => {
     writeFileSync(file, readFileSync(file, "utf8").replace(srv.url, "http://127.0.0.1:9/v1"));
     const refused = await runAic(["--nogui", "--session", "s.json", "third"], { cwd });
     expect(refused.code).toBe(2);
-    expect(refused.stderr).toContain("changed since aic wrote it");
+    expect(refused.stderr).toContain("cannot tell the file is as it wrote it");
     expect(srv.requests).toHaveLength(2);
     expect(statSync(file).size).toBeGreaterThan(0);
   });

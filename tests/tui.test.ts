@@ -1031,7 +1031,7 @@ describe("a TUI a person can trust (round 2)", () => {
       const h = await openTui({ request: "run: printf 'Name? '; read n; echo hello-$n" });
       await h.until((f) => f.includes("Approve command?"));
       h.s.mockInput.pressKey("y");
-      await h.until((f) => footer(f).includes("reads the keyboard"));
+      await h.until((f) => footer(f).includes("keys go to the command"));
       await h.s.mockInput.typeText("Ada");
       h.s.mockInput.pressEnter();
       await h.idle(2);
