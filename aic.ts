@@ -935,8 +935,7 @@ function recordedEndpoint(sessionFile: string | undefined): RecordedEndpoint {
   try {
     const dir = HeldDirectory.open(path.dirname(absolute));
     try {
-      const st = fs.lstatSync(dir.at(path.basename(absolute)), { bigint: true });
-      now = `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}`;
+      now = identityOf(dir.at(path.basename(absolute))) ?? "";
       head = readOwnFile(dir.at(path.basename(absolute)), 64 * 1024, true).toString("utf8");
     } finally {
       dir.close();
@@ -1359,6 +1358,9 @@ function waitingMessage(o: {
 /** Said before a new command's result when it first stopped the command that waited. */
 const stoppedWaitingNote = (program: string, exitCode: number | null) =>
   `(The command that was waiting for input, ${program}, was stopped first${exitCode === null ? "" : ` (exit code ${exitCode})`}.)`;
+/** Lines of one input not typed because another program came to read the terminal (they were judged for the first). */
+const typingStoppedNote = (typed: number, of: number, program: string) =>
+  `Typing stopped after ${typed} of ${of} lines: another program than ${program} now reads the terminal, and keys are judged for the program that reads them. Send the rest again if you still mean it.`;
 /** Input that was not typed (refused or rejected): the program is still there, waiting. */
 const stillWaitingNote = (program: string) =>
   `Nothing was typed: ${program} still waits for input, its screen as before. Type something else, or stop it with {"input": "<C-c>"} or a new command.`;
@@ -1514,6 +1516,7 @@ const MODEL_TEXTS = {
   stoppedWaitingNote,
   endedBeforeInputNote,
   stillWaitingNote,
+  typingStoppedNote,
 } as const;
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -3432,6 +3435,20 @@ function readOwnFdInSlices(fd: number, each: (slice: Buffer) => void, reuse = fa
 const randomName = () => Math.random().toString(36).slice(2, 10);
 
 /**
+ * What a file is now, as far as telling a rewrite goes: device, inode, size,
+ * and both times (a process can put the modification time back, never the
+ * change time). Undefined when there is nothing there. A link is not followed.
+ */
+function identityOf(file: string): string | undefined {
+  try {
+    const st = fs.lstatSync(file, { bigint: true });
+    return `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}:${st.ctimeNs}`;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
  * A directory aic holds open. Files in it are reached through the
  * descriptor, so a command that renames the directory and puts a link in
  * its place cannot move aic's writes; `isStillAtPath` tells whether the path
@@ -4763,12 +4780,7 @@ class SessionStore {
   }
 
   private identityOnDisk(name = this.name): string | undefined {
-    try {
-      const st = fs.lstatSync(this.dir.at(name), { bigint: true });
-      return `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}`;
-    } catch {
-      return undefined;
-    }
+    return identityOf(this.dir.at(name));
   }
 
   /**
@@ -7748,6 +7760,22 @@ class RenderedOutput {
   }
 }
 
+/** The largest count a repeat, scroll, insert or delete sequence may carry: a whole screen of the largest terminal. */
+const MAX_SEQUENCE_COUNT = COMMAND_COLUMNS * COMMAND_ROWS;
+
+/**
+ * A command's output is hostile input for the emulator: xterm allocates a
+ * buffer of the count a REP sequence (`CSI 2147483647 b`) asks for, and loops
+ * as many times as a scroll or line insertion asks. A count beyond a whole
+ * screen does nothing on a real terminal that a screenful would not; here it
+ * is dropped, so 20 bytes of `cat` cannot exhaust aic's memory or time.
+ */
+function tameEmulator(term: XTerm): XTerm {
+  for (const final of ["b", "S", "T", "L", "M", "@", "P", "X", "Z", "I"])
+    term.parser.registerCsiHandler({ final }, (params) => (Number(params[0]) || 0) > MAX_SEQUENCE_COUNT);
+  return term;
+}
+
 /**
  * Feeds raw PTY bytes through a headless xterm and hands each finished line
  * to RenderedOutput. A line is finished once it scrolls above the screen (no
@@ -7769,14 +7797,16 @@ class TerminalRenderer {
     /** Back-pressure on the command: it is paused while xterm is far behind, so nothing is lost and memory stays flat. */
     private readonly flow: { pause(): void; resume(): void },
   ) {
-    this.term = new TerminalClass({
-      cols: COMMAND_COLUMNS,
-      rows: COMMAND_ROWS,
-      scrollback: TerminalRenderer.SLICE + COMMAND_ROWS,
-      allowProposedApi: true,
-      convertEol: false,
-      logLevel: "off",
-    });
+    this.term = tameEmulator(
+      new TerminalClass({
+        cols: COMMAND_COLUMNS,
+        rows: COMMAND_ROWS,
+        scrollback: TerminalRenderer.SLICE + COMMAND_ROWS,
+        allowProposedApi: true,
+        convertEol: false,
+        logLevel: "off",
+      }),
+    );
   }
 
   /** The command's terminal changed size (a person's pane): the screen the model is shown follows. */
@@ -8308,10 +8338,16 @@ class ScreenWatch {
 // ════════════════════════════════════════════════════════════════════════════
 
 /** What a front end gets of a running command for a person at the keyboard: their keys, and their pane's size. */
+/** How many of the lines given were typed (fewer when the command ended, or another program came to read them). */
+interface TypedLines {
+  typed: number;
+  of: number;
+}
+
 interface CommandKeyboard {
   write(data: string | Uint8Array): void;
   /** Several lines typed ahead: one at a time, each once the program reads again. */
-  type(bytes: string): Promise<void>;
+  type(bytes: string): Promise<TypedLines>;
   resize(cols: number, rows: number): void;
 }
 
@@ -8619,23 +8655,26 @@ class CommandRun {
    * with them. Line by line, as a person types: a program that flushes its
    * input when it prompts (npm init) would lose lines sent in one write.
    */
-  async type(bytes: string): Promise<void> {
+  async type(bytes: string, stillSameReader?: () => boolean): Promise<TypedLines> {
     this.handedOver = false;
     this.screenWatch.input();
     this.armTimeout();
-    await this.typeLines(bytes);
+    return this.typeLines(bytes, stillSameReader);
   }
 
   /** `bytes` a line at a time, each once the program reads again (see type). */
-  async typeLines(bytes: string): Promise<void> {
+  async typeLines(bytes: string, stillSameReader: () => boolean = () => true): Promise<TypedLines> {
     const lines = bytes.split(/(?<=\r)/);
     for (const [i, line] of lines.entries()) {
-      if (this.finished || this.stopping) return;
+      if (this.finished || this.stopping) return { typed: i, of: lines.length };
+      // Keys were judged for the program that read them: a line for a shell vim started is another judgement.
+      if (i > 0 && !stillSameReader()) return { typed: i, of: lines.length };
       const outputBefore = this.rawBytes;
       this.child.write(line);
       this.screenWatch.input();
       if (i < lines.length - 1) await this.untilReadingAgain(outputBefore);
     }
+    return { typed: lines.length, of: lines.length };
   }
 
   /** After a typed line: until the program has answered and reads the terminal again (at most a second). */
@@ -9782,12 +9821,7 @@ class ShadowRepository {
   }
 
   private indexIdentity(): string | undefined {
-    try {
-      const st = fs.statSync(path.join(this.gitDir, "index"), { bigint: true });
-      return `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}:${st.ctimeNs}`;
-    } catch {
-      return undefined;
-    }
+    return identityOf(path.join(this.gitDir, "index"));
   }
 
   /** A parentless commit of `tree` (its manifest in the message) with a ref of its own (dropping the ref frees it), made the newest. */
@@ -11268,6 +11302,69 @@ function partsOf(words: ShellWord[], c: ParsedCommand, depth: number, ctx: Judge
 type PartsReader = (words: ShellWord[], c: ParsedCommand, depth: number, ctx: JudgeContext) => CommandPart[];
 
 /**
+ * Programs that run a command their arguments name (or that the shell's
+ * history, bindings or another terminal hold), in syntaxes the rules do not
+ * read: each is itself and something unknown, so a deny rule the kernel cannot
+ * enforce keeps it from running unattended. `shopt -s expand_aliases` is
+ * among them: after it an alias defined on one line is a program on the next.
+ */
+const RUNS_WHAT_IT_IS_GIVEN = [
+  "unshare",
+  "nsenter",
+  "strace",
+  "ltrace",
+  "valgrind",
+  "perf",
+  "gdb",
+  "prlimit",
+  "setpriv",
+  "chrt",
+  "numactl",
+  "cgexec",
+  "cpulimit",
+  "trickle",
+  "runuser",
+  "su",
+  "doas",
+  "pkexec",
+  "sg",
+  "faketime",
+  "fakeroot",
+  "fakechroot",
+  "proot",
+  "torsocks",
+  "proxychains",
+  "proxychains4",
+  "systemd-run",
+  "systemd-nspawn",
+  "dbus-run-session",
+  "xvfb-run",
+  "firejail",
+  "bwrap",
+  "entr",
+  "parallel",
+  "rlwrap",
+  "unbuffer",
+  "expect",
+  "tmux",
+  "screen",
+  "at",
+  "batch",
+  "setarch",
+  "linux32",
+  "linux64",
+  "chpst",
+  "catchsegv",
+  "sshpass",
+  "ld.so",
+  "ld-linux.so.2",
+  "ld-linux-x86-64.so.2",
+  "ld-linux-aarch64.so.1",
+  "fc",
+  "bind",
+];
+
+/**
  * Programs that run other programs from their arguments, or write files they
  * are given: each says what a rule must see (the program it runs, the file it
  * writes) besides itself.
@@ -11336,6 +11433,8 @@ const PROGRAMS_THAT_RUN_PROGRAMS: Record<string, PartsReader> = {
   watch: (w, _c, d, x) => watchParts(w, d, x),
   script: (w, _c, d, x) => scriptProgramParts(w, d, x),
   flock: (w, c, d, x) => flockParts(w, c, d, x),
+  ...Object.fromEntries(RUNS_WHAT_IT_IS_GIVEN.map((name) => [name, (words: ShellWord[]) => [words, ...opaque(words)]])),
+  shopt: (words) => (words.some((w) => !w.known || w.value === "expand_aliases") ? [words, ...opaque(words)] : [words]),
 };
 
 /** `env [options] [NAME=value…] command…`: the command, and a part for each risky variable it sets. */
@@ -13020,6 +13119,8 @@ interface InputReader {
   several: boolean;
   /** Whether some process is blocked reading the terminal now. */
   reading: boolean;
+  /** The reader is the command's own shell at a `read` (its script takes the line as data). */
+  scriptRead: boolean;
 }
 
 /** Programs whose input is shell code, and interpreters whose input is code in their language. */
@@ -13065,6 +13166,7 @@ function inputReader(shellPid: number): InputReader {
     kind,
     several: new Set(named.map((n) => n.name)).size > 1,
     reading: readers.length > 0,
+    scriptRead: chosen !== undefined && chosen.pid === shellPid && kind === "data" && isCommandShell(shellPid),
   };
 }
 
@@ -13105,7 +13207,7 @@ async function typeIntoWaiting(id: string, input: string, ctx: ToolCallContext):
   const program = reader.program;
   ctx.emit({ type: "input", id, input, into: program, command_id: w.id });
   // The command's own shell at a `read` takes data: the dialog must not suggest the keys run as a command.
-  const into = reader.kind === "data" && SHELL_NAMES.test(program) ? `the command's read (${program})` : program;
+  const into = reader.scriptRead ? `the command's read (${program})` : program;
   const gate = await passApprovalGate(id, `${program} ⌨ ${input}`, ctx, {
     shown: `type into \`${into}\`: ${inputShown(input)}`,
     typedInto: into,
@@ -13118,45 +13220,45 @@ async function typeIntoWaiting(id: string, input: string, ctx: ToolCallContext):
   }
   await ctx.beforeRun(id, `${w.command} ⌨ ${inputShown(input)}`);
   const startedAt = performance.now();
-  await w.run.type(inputBytes(input));
+  const same = (r: InputReader) => r.program === reader.program && r.kind === reader.kind;
+  const typed = await w.run.type(inputBytes(input), () => same(w.run.reader()));
   const observed = await w.run.observe();
   if (observed.kind === "ended") ctx.waiting.current = undefined;
-  return finishObservation(id, observed, ctx, startedAt);
+  const stopped =
+    typed.typed < typed.of && observed.kind === "waiting" ? typingStoppedNote(typed.typed, typed.of, program) : "";
+  return finishObservation(id, observed, ctx, startedAt, stopped);
 }
 
-/** Keys that edit the line a program reads (erase, kill, completion, escapes): the rules could not see the result. */
-const LINE_EDITING = /[\x00-\x08\x09\x0b-\x1f\x7f]/;
+/** Why keys typed into each kind of program are more than the rules can read. */
+const UNSEEN_INPUT: Record<InputReader["kind"], string> = {
+  shell:
+    "keys typed into an interactive shell run with its aliases, functions, history and key bindings, which aic cannot see",
+  interpreter: "keys typed into an interpreter are code that aic does not read",
+  data: "keys typed into a program that can run commands of its own (vim's :!, less's !) are not read by the rules",
+};
 
 /**
- * The rules' verdict on keys typed into `reader`. A shell runs each line it
- * reads as a command: every line is judged, the strictest verdict wins. An
- * interpreter runs code: judged as code handed to it on its command line.
- * Into anything else the keys are data: never allowed by a rule (the rule
- * that let `vim` start does not let every keystroke through), never
- * read-only, so a person is asked unless auto-approve. Keys that edit the
- * line, or a terminal read by several programs, make it unsure.
+ * The rules' verdict on keys typed into `reader`. A line a shell will read
+ * that a deny rule names is denied outright. Otherwise keys typed into a
+ * program are never something a rule allows or aic proves read-only: an
+ * interactive shell has aliases and history aic cannot see, an interpreter
+ * runs code, vim and less run commands of their own. They are unsure, so a
+ * person is asked, and under --auto-approve they are refused while a deny
+ * rule holds that only this judgement enforces. The one exception is the
+ * command's own script at a `read`: what the script does with the line was
+ * judged with the command.
  */
 function judgeInput(rules: CommandRules, reader: InputReader, input: string, cwd: string): RuleVerdict {
-  const bytes = inputBytes(input);
-  if (reader.kind === "data") return { verdict: "ask" };
-  const lines = (reader.kind === "shell" ? bytes.split(/[\r\n]/) : [bytes.replace(/\r/g, "\n")]).filter((l) =>
-    l.trim(),
-  );
-  const quote = (code: string) => `'${code.replace(/'/g, "'\\''")}'`;
-  const verdicts = lines.map((line) =>
-    rules.judge(reader.kind === "shell" ? line : `${reader.program} -c ${quote(line)}`, cwd),
-  );
-  const denied = verdicts.find((v) => v.verdict === "deny");
-  if (denied) return denied;
-  const edits = lines.some((l) => LINE_EDITING.test(l))
-    ? "the keys hold control characters that edit the line the program reads"
-    : reader.several
-      ? "more than one program reads the terminal"
-      : undefined;
-  const unsure = edits ?? verdicts.find((v) => v.unsure)?.unsure;
-  if (unsure) return { verdict: "ask", unsure };
-  if (verdicts.length && verdicts.every((v) => v.verdict === "allow")) return verdicts[0]!;
-  return { verdict: "ask", readOnly: verdicts.every((v) => v.readOnly) };
+  const lines = inputBytes(input)
+    .split(/[\r\n]/)
+    .filter((l) => l.trim());
+  if (reader.kind === "shell") {
+    const denied = lines.map((line) => rules.judge(line, cwd)).find((v) => v.verdict === "deny");
+    if (denied) return denied;
+  }
+  if (reader.several) return { verdict: "ask", unsure: "more than one program reads the terminal" };
+  if (reader.scriptRead) return { verdict: "ask" };
+  return { verdict: "ask", unsure: UNSEEN_INPUT[reader.kind] };
 }
 
 /** Input as a person reads it in a dialog or a log: Enter as ⏎, keys by their names. */
@@ -15795,13 +15897,15 @@ class ShellTab {
       this.events.onError(`cannot start the shell ${shellPath}: ${(error as Error).message}`);
       return false;
     }
-    const started = new this.Terminal({
-      cols,
-      rows,
-      scrollback: SHELL_SCROLLBACK_LINES,
-      allowProposedApi: true,
-      logLevel: "off",
-    });
+    const started = tameEmulator(
+      new this.Terminal({
+        cols,
+        rows,
+        scrollback: SHELL_SCROLLBACK_LINES,
+        allowProposedApi: true,
+        logLevel: "off",
+      }),
+    );
     term = started;
     for (const bytes of early ?? []) started.write(bytes);
     early = undefined;
@@ -16368,13 +16472,15 @@ class CommandScreen {
   }
 
   private fresh(): XTerm {
-    return new this.Terminal({
-      cols: COMMAND_COLUMNS,
-      rows: COMMAND_ROWS,
-      scrollback: 0,
-      allowProposedApi: true,
-      logLevel: "off",
-    });
+    return tameEmulator(
+      new this.Terminal({
+        cols: COMMAND_COLUMNS,
+        rows: COMMAND_ROWS,
+        scrollback: 0,
+        allowProposedApi: true,
+        logLevel: "off",
+      }),
+    );
   }
 
   /** Whether a full-screen program is on screen now (Escape then goes to it). */

@@ -16,6 +16,7 @@ import {
   runCommand,
   scratch,
   startAic,
+  toolAnswer,
   toolResults,
   unique,
   waitFor,
@@ -194,4 +195,23 @@ describe("prompts that poll instead of read", () => {
     },
     90_000,
   );
+});
+
+// The emulator that renders a command's screen takes hostile bytes: a repeat count of 2^31 (REP, `CSI Ps b`) made
+// xterm allocate that many cells, and a scroll of 2^31 lines loops as long. Such counts are dropped.
+describe("escape sequences that ask the emulator for the impossible", () => {
+  test("a 20-byte file read with cat neither crashes aic nor stops the run", async () => {
+    const cwd = scratch();
+    writeFileSync(
+      join(cwd, "evil.txt"),
+      "readme\n\x1b[?1049hX\x1b[2147483647b\x1b[999999999S\x1b[999999999L\x1b[?1049l\nafter\n",
+    );
+    const srv = fixtures.serve([bash("cat evil.txt", "cat"), { content: "Read it.\nTASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "read the file"], { cwd });
+    expect(run.stderr).not.toContain("internal error");
+    expect(run.code).toBe(0);
+    const answer = toolAnswer(srv.requests[1], "cat");
+    expect(answer).toContain("Command executed with exit code 0.");
+    expect(answer).toContain("after");
+  });
 });

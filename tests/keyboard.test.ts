@@ -213,6 +213,21 @@ describe("one waiting command at a time, and the rules", () => {
     expect(toolResults(srv)[1]).toContain("still waits for input");
   });
 
+  // The keys were judged for the program that read the first line: when another program reads the next (the script
+  // execs a shell), typing stops there and the model is told, so the rest is judged for the new reader.
+  test("typing stops when another program comes to read the terminal", async () => {
+    const { results } = await drive([
+      bash("read -r a; echo got=$a; exec bash --norc --noprofile -i", "script"),
+      keys("first\necho second-$((6*7))\n", "two-lines"),
+    ]);
+    expect(results[0]).toStartWith(WAITS);
+    expect(results[1]).toStartWith(
+      "Typing stopped after 1 of 2 lines: another program than bash now reads the terminal",
+    );
+    expect(results[1]).toContain("got=first");
+    expect(results[1]).not.toContain("second-42");
+  });
+
   test("the session records the input as the model sent it", async () => {
     const cwd = scratch();
     const srv = fixtures.serve([bash('read -p "Name? " n; echo "hi $n"'), keys("Lin\n"), done] as never);

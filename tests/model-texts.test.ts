@@ -119,6 +119,7 @@ const rendered: Record<keyof typeof T, string> = {
   stoppedWaitingNote: [T.stoppedWaitingNote("python3", 143), T.stoppedWaitingNote("less", null)].join("\n"),
   endedBeforeInputNote: T.endedBeforeInputNote("bash"),
   stillWaitingNote: T.stillWaitingNote("python3"),
+  typingStoppedNote: T.typingStoppedNote(1, 3, "vim"),
 };
 
 test("the catalogue of model-facing texts is whole, and each text is as the snapshot holds it", () => {

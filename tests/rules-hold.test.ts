@@ -131,6 +131,12 @@ const PUSH_ROUTES = [
   "awk 'BEGIN{system(\"git push origin master\")}'",
   'python3 -c \'import subprocess; subprocess.run(["git","push","origin","master"])\'',
   "printf '[alias]\\n\\tq = push\\n' >> .git/config; git q origin master",
+  // Programs that run the command their arguments name, and the shell's own memory (a red team's routes).
+  "unshare git push origin master",
+  "strace -f -o /dev/null git push origin master",
+  "prlimit git push origin master",
+  "shopt -s expand_aliases\nalias p=git\np push origin master",
+  "set -o history; history -s 'git push origin master'; fc -s git",
   // Push under another name, and an alias the repository already had before the run.
   "git send-pack ../remote.git master",
   "git pu origin master",
@@ -378,17 +384,25 @@ describe("always allow proposes a program and subcommand, never literal argument
   });
 });
 
-// Keys the model types into a waiting program are judged as what the program will make of them: a shell runs each
-// line it reads, whatever separates them, and keys that edit the line leave the judgement unsure.
+// Keys the model types into a waiting program: a line a shell will read that a deny rule names is denied, whatever
+// separates it from the others; anything else typed into a program is unsure (never allowed by a rule, never
+// read-only), but for the line a command's own script reads with `read`.
 describe("keys typed into a waiting program", () => {
   const dir = scratch("aic-rules-input-");
   writeFileSync(join(dir, "rules"), "allow echo *\nallow vim *\ndeny git push *\n");
   const rules = CommandRules.load({ rules: join(dir, "rules") });
-  const shell = { program: "bash", kind: "shell", several: false, reading: true } as const;
-  const judge = (input: string, reader: Parameters<typeof judgeInput>[1] = shell) =>
-    judgeInput(rules, reader, input, dir);
+  const reader = (program: string, kind: "shell" | "interpreter" | "data", more = {}) => ({
+    program,
+    kind,
+    several: false,
+    reading: true,
+    scriptRead: false,
+    ...more,
+  });
+  const shell = reader("bash", "shell");
+  const judge = (input: string, into: Parameters<typeof judgeInput>[1] = shell) => judgeInput(rules, into, input, dir);
 
-  test("every line a shell reads is judged, whatever ends it", () => {
+  test("every line a shell reads is judged against the deny rules, whatever ends it", () => {
     for (const input of [
       "echo hi<C-m>git push o x\n",
       "echo hi<C-j>git push o x\n",
@@ -397,28 +411,31 @@ describe("keys typed into a waiting program", () => {
       "<a\ngit push o x\n>\n",
     ])
       expect([input, judge(input).verdict]).toEqual([input, "deny"]);
-    expect(judge("echo plain\n")).toMatchObject({ verdict: "allow" });
   });
 
-  test("keys that edit the line, and a terminal read by several programs, are unsure: never allowed or read-only", () => {
-    for (const input of [
-      "echo hi<C-u>git push o x\n",
-      "echo junk<C-w><C-w>git push\n",
-      "git\u0000 push o x\n",
-      "ls<Tab>\n",
-    ]) {
-      const v = judge(input);
-      expect([input, v.verdict, v.readOnly ?? false]).toEqual([input, "ask", false]);
-      expect(v.unsure).toContain("control characters");
+  test("nothing typed into a program is allowed by a rule or read-only: a shell's aliases, vim's :!, code", () => {
+    const cases: [string, Parameters<typeof judgeInput>[1]][] = [
+      ["echo plain\n", shell],
+      ["echo hi<C-u>git push o x\n", shell],
+      ["p push o x\n", shell], // `p` may be an alias of git defined on an earlier line
+      [":sh\n", reader("vim.basic", "data")],
+      ["import os; os.system('git push o x')\n", reader("python3.11", "interpreter")],
+      ["require('child_process').execSync('git push o x')\n", reader("node", "interpreter")],
+      ["echo plain\n", reader("bash", "shell", { several: true })],
+    ];
+    for (const [input, into] of cases) {
+      const v = judge(input, into);
+      expect([input, into.program, v.verdict, v.readOnly ?? false, typeof v.unsure]).toEqual([
+        input,
+        into.program,
+        "ask",
+        false,
+        "string",
+      ]);
     }
-    expect(judge("echo plain\n", { ...shell, several: true }).unsure).toContain("more than one program");
   });
 
-  test("into anything else keys are data: no rule lets them through, even the one that let the program start", () => {
-    const vim = { program: "vim", kind: "data", several: false, reading: true } as const;
-    expect(judge(":sh\n", vim)).toEqual({ verdict: "ask" });
-    expect(judge("echo plain\n", vim)).toEqual({ verdict: "ask" });
-    const python = { program: "python3", kind: "interpreter", several: false, reading: true } as const;
-    expect(judge("import os; os.system('git push o x')\n", python).verdict).not.toBe("allow");
+  test("the line a command's own script reads is data: asked for, not unsure", () => {
+    expect(judge("Ada\n", reader("bash", "data", { scriptRead: true }))).toEqual({ verdict: "ask" });
   });
 });
