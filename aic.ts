@@ -12468,6 +12468,10 @@ const NEVER_ALWAYS_ALLOWED = new Set([
   "su",
   "ssh",
   "parallel",
+  // Editors, pagers and clients that run commands of their own from what is typed into them (vim's :!, less's !,
+  // sqlite3's .shell): allowing the program would let every keystroke and every -c through.
+  ...["vi", "vim", "nvim", "view", "vimdiff", "rvim", "ex", "ed", "red", "emacs", "nano", "mc"],
+  ...["less", "more", "most", "man", "info", "sqlite3", "psql", "mysql", "mongosh", "ftp", "telnet"],
 ]);
 
 /** The rule lines that would let every asked part of `verdict` run from now on, or undefined when no such line can be written. */

@@ -133,8 +133,8 @@ describe.skipIf(!has.tmux)("the TUI at 80×24", () => {
 
   test("the approval dialog's rows stay inside its border at 80×24 with a long command", async () => {
     const cwd = scratch("aic-person-");
-    // vim is offered an "always allow" rule: the dialog's longest row.
-    const long = `vim -u NONE -n ${"very-long-directory-name/".repeat(8)}notes.txt ${"another-file-name.txt ".repeat(6)}`;
+    // cargo build is offered an "always allow" rule: the dialog's longest row. (It is never approved here.)
+    const long = `cargo build --manifest-path ${"very-long-directory-name/".repeat(8)}Cargo.toml ${"--features some-feature ".repeat(6)}`;
     const srv = fixtures.serve([bash(long), { content: "TASKCOMPLETE" }]);
     const tmux = tui(srv.url, cwd, "make it");
     const screen = await tmux.waitFor("the dialog", (s) => s.includes("[Y] Approve") && s.includes("Always allow"));

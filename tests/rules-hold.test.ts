@@ -374,6 +374,8 @@ describe("always allow proposes a program and subcommand, never literal argument
       ["npm run test -- --watch=false", ["allow npm run test *"]],
       ["cargo build --release", ["allow cargo build *"]],
       ["python3 build.py", undefined],
+      ["vim -u NONE notes.txt", undefined], // vim's :! and -c run commands: every keystroke would be allowed
+      ["less build.log", undefined],
       ["bash -c 'make'", ["allow make *"]], // the script's program, never the shell
       ["timeout 5 make all", ["allow make all *"]],
       ["sudo apt-get install x", undefined],
