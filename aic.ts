@@ -33,6 +33,7 @@ import { createHash } from "node:crypto";
 import * as fs from "node:fs";
 import * as os from "node:os";
 import * as path from "node:path";
+import * as tty from "node:tty";
 
 // ════════════════════════════════════════════════════════════════════════════
 // Constants and defaults
@@ -615,6 +616,12 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
   }
   const c = configFromFlags(given, env, readConfigFile(env), () => recordedEndpoint(sessionToResume(given)));
   if (c.json && !c.nogui) throw new UsageError("--json needs --nogui");
+  // One of the two from the config file, the other on the command line: the command line wins.
+  const onLine = (name: string) => given.has(FLAGS.find((f) => f.name === name)!);
+  if (c.session !== undefined && c.noSession && onLine("--session") !== onLine("--no-session")) {
+    if (onLine("--session")) c.noSession = false;
+    else c.session = undefined;
+  }
   if (c.session !== undefined && c.noSession) throw new UsageError("--session and --no-session contradict each other");
   if (c.session === "") throw new UsageError("--session needs a file path");
   if (c.session !== undefined) {
@@ -8020,6 +8027,7 @@ const WAITING_ON_TIME_AFTER_MS = 2000;
 /** Between two lines the model types, aic waits for the program to read again, looking this often, this long at most. */
 const TYPED_LINE_POLL_MS = 15;
 const TYPED_LINE_WAIT_MS = 1000;
+const TYPED_LINE_QUIET_MS = 150;
 /** How often a hand-approved command is looked at: keys typed right after its prompt appears must reach it. */
 const PERSON_INPUT_POLL_MS = 100;
 
@@ -8682,7 +8690,9 @@ class CommandRun {
     const deadline = performance.now() + TYPED_LINE_WAIT_MS;
     while (performance.now() < deadline && !this.finished && !this.stopping) {
       await Bun.sleep(TYPED_LINE_POLL_MS);
-      if (this.rawBytes > outputBefore && this.reader().reading) return;
+      if (this.rawBytes <= outputBefore) continue;
+      // It answered: once it reads again, or has been quiet a moment (a reader aic cannot see in /proc).
+      if (this.screenWatch.facts().quietMs >= TYPED_LINE_QUIET_MS || this.reader().reading) return;
     }
   }
 
@@ -14409,17 +14419,34 @@ class StdinReader {
   private started = false;
   private waiters: ((line: string | null) => void)[] = [];
   private forward: ((data: string | Uint8Array) => void) | undefined;
+  private stream: NodeJS.ReadableStream = process.stdin;
 
   private start(): void {
     if (this.started) return;
     this.started = true;
-    const stdin = process.stdin;
+    this.listen(process.stdin);
+  }
+
+  /**
+   * On a terminal, Ctrl+D at the start of a line ends the stream: while a
+   * command has the keys it was meant for the command (python's exit), so it
+   * gets an end-of-file character and aic reads the terminal afresh.
+   */
+  private listen(stdin: NodeJS.ReadableStream): void {
+    this.stream = stdin;
+    let done = false;
     stdin.on("data", (chunk: Buffer) => {
       if (this.forward) return this.forward(chunk);
       this.buffer += chunk.toString("utf8");
       this.drain();
     });
     const end = () => {
+      if (done) return;
+      done = true;
+      if (this.forward && process.stdin.isTTY) {
+        this.forward("\x04");
+        return this.listen(new tty.ReadStream(0));
+      }
       this.ended = true;
       this.drain();
     };
@@ -14441,7 +14468,7 @@ class StdinReader {
         this.waiters.shift()!(rest ? rest : null);
       } else break;
     }
-    if (!this.waiters.length && this.started && !this.forward) process.stdin.pause();
+    if (!this.waiters.length && this.started && !this.forward) this.stream.pause();
   }
 
   /** Standard input was consumed elsewhere (the request, read with `-`): there is nothing left to answer with. */
@@ -14453,7 +14480,7 @@ class StdinReader {
   /** The next line, or null at end of input. */
   readLine(): Promise<string | null> {
     this.start();
-    process.stdin.resume();
+    this.stream.resume();
     return new Promise((resolve) => {
       this.waiters.push(resolve);
       this.drain();
@@ -14463,10 +14490,10 @@ class StdinReader {
   attach(write: (data: string | Uint8Array) => void): () => void {
     this.start();
     this.forward = write;
-    process.stdin.resume();
+    this.stream.resume();
     return () => {
       this.forward = undefined;
-      process.stdin.pause();
+      this.stream.pause();
     };
   }
 }
@@ -16364,6 +16391,9 @@ function layOutTui(
 // screen of a full-screen program drawn in the Console's place.
 // ════════════════════════════════════════════════════════════════════════════
 
+/** How long after the terminal is resized the layout is taken as settled. */
+const RESIZE_SETTLE_MS = 50;
+
 /** The footer while a command has the person's keys (short: the footer keeps its other fields whole at 80 columns). */
 const KEYS_TO_COMMAND_NOTICE = "⌨ keys go to the command · Ctrl+C twice stops it";
 
@@ -16785,7 +16815,10 @@ class Tui implements EventSink {
    */
   private fitCommandScreen(): void {
     if (!this.commandResize || !this.commandWaiting) return;
-    const { cols, rows } = this.view.consoleSize;
+    const node = this.view.screen.node;
+    // The screen's own size once it is laid out; before that, the Console's whose place it takes.
+    const { cols, rows } =
+      node.visible && node.width > 0 ? { cols: node.width, rows: node.height } : this.view.consoleSize;
     if (this.view.screen.fullScreen && cols >= 20 && rows >= 5) {
       this.view.screen.resize(cols, rows);
       this.commandResize(cols, rows);
@@ -16838,7 +16871,11 @@ class Tui implements EventSink {
     this.dialog = new ApprovalDialog(ot, r, (answer) => this.answerApproval(answer));
     this.tooSmall = tooSmallOverlay(ot, r);
     r.root.add(this.tooSmall);
-    r.on("resize", () => this.checkSize());
+    r.on("resize", () => {
+      this.checkSize();
+      // A full-screen program follows the pane, once the layout has its new size.
+      if (this.view.screen.fullScreen) setTimeout(() => this.fitCommandScreen(), RESIZE_SETTLE_MS);
+    });
     this.checkSize();
 
     r.keyInput.on("keypress", (key: KeyEvent) => this.onKey(key));
@@ -17197,8 +17234,9 @@ class Tui implements EventSink {
         break;
       case "command_waiting":
         this.commandWaiting = this.commandInput !== undefined;
-        if (this.commandType) this.typeAhead.toCommand(this.commandType);
+        // The terminal takes the pane's size first: keys typed ahead then reach a program drawn as it will be seen.
         this.fitCommandScreen();
+        if (this.commandType) this.typeAhead.toCommand(this.commandType);
         if (this.commandWaiting) this.figures.notice = KEYS_TO_COMMAND_NOTICE;
         this.refreshStatus();
         break;

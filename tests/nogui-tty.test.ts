@@ -33,3 +33,26 @@ test.skipIf(!has.tmux)(
   },
   60_000,
 );
+
+// On a terminal Ctrl+D at the start of a line ends aic's standard input; while a command has the keys it was meant
+// for the command: python's REPL gets its end of file and exits, and the run goes on. Needs tmux and python3.
+test.skipIf(!has.tmux || !Bun.which("python3"))(
+  "Ctrl+D typed to a hand-approved REPL in --nogui ends the REPL, not the run",
+  async () => {
+    const srv = fixtures.serve([bash("python3 -q", "repl"), { content: "Done.\nTASKCOMPLETE" }]);
+    const dir = fixtures.disposable(scratch());
+    const cmd = `${AIC} --nogui --api-base ${srv.url} --model m 'use python'; echo EXIT=$?.; sleep 60`;
+    tmux = new Tmux(cleanEnv(), dir, [cmd], { width: 120, height: 30 });
+    await tmux.waitFor("the approval prompt", (s) => s.includes("Approve command?"));
+    tmux.keys("y", "Enter");
+    await tmux.waitFor("python's prompt", (s) => s.includes(">>>"));
+    tmux.type("print(6*7)");
+    tmux.keys("Enter");
+    await tmux.waitFor("python's answer", (s) => /^42$/m.test(s));
+    tmux.keys("C-d");
+    const screen = await tmux.waitFor("aic's exit", (s) => /EXIT=\d+\./.test(s));
+    expect(screen).toContain("EXIT=0.");
+    expect(srv.requests[1]!.body.messages.at(-1).content).toContain("exit code 0");
+  },
+  60_000,
+);

@@ -292,6 +292,14 @@ describe("without a terminal", () => {
     expect(open.code).toBe(2);
     expect(open.stderr).toContain("holds an API key and others may read it");
     expect(open.stderr).not.toContain("sk-in-file");
+
+    // no-session in the file, --session on the command line: the command line wins.
+    const third = fixtures.serve([{ content: "TASKCOMPLETE" }]);
+    writeFileSync(file, `api-base = "${third.url}"\nmodel = "m"\nno-session = true\n`);
+    chmodSync(file, 0o600);
+    const kept = await runAic(["--nogui", "--session", "kept.json", "hi"], { cwd, env });
+    expect(kept.code).toBe(0);
+    expect(statSync(join(cwd, "kept.json")).isFile()).toBe(true);
   });
 
   test("a resume without --model or --api-base uses what the session recorded, unless the file changed since", async () => {
