@@ -937,19 +937,20 @@ function sessionToResume(given: Map<FlagSpec, string[]>): string | undefined {
 function recordedEndpoint(sessionFile: string | undefined): RecordedEndpoint {
   if (!sessionFile) return {};
   const absolute = path.resolve(sessionFile);
-  let head: string;
+  let bytes: Buffer;
   let now: string;
   try {
     const dir = HeldDirectory.open(path.dirname(absolute));
     try {
       now = identityOf(dir.at(path.basename(absolute))) ?? "";
-      head = readOwnFile(dir.at(path.basename(absolute)), 64 * 1024, true).toString("utf8");
+      bytes = readOwnFile(dir.at(path.basename(absolute)));
     } finally {
       dir.close();
     }
   } catch {
     return {};
   }
+  const head = bytes.subarray(0, 64 * 1024).toString("utf8");
   let last = "";
   try {
     const record = sessionStateFile(absolute, "written");
@@ -957,7 +958,8 @@ function recordedEndpoint(sessionFile: string | undefined): RecordedEndpoint {
   } catch {
     /* never written by aic here */
   }
-  if (last !== now)
+  // Both what the file is (a later change) and what it holds (a change that raced aic's own stat of its write).
+  if (last !== `${now}\n${createHash("sha256").update(bytes).digest("hex")}`)
     return {
       why: `; ${sessionFile} records one, but aic cannot tell the file is as it wrote it (edited, copied or moved since), so it is not used`,
     };
@@ -1368,6 +1370,9 @@ const stoppedWaitingNote = (program: string, exitCode: number | null) =>
 /** Lines of one input not typed because another program came to read the terminal (they were judged for the first). */
 const typingStoppedNote = (typed: number, of: number, program: string) =>
   `Typing stopped after ${typed} of ${of} lines: another program than ${program} now reads the terminal, and keys are judged for the program that reads them. Send the rest again if you still mean it.`;
+/** A command's output the emulator could not render in time (hostile escape sequences): the rest is not shown. */
+const renderingCutNote = (ms: number) =>
+  `[aic stopped rendering this output after ${ms / 1000} s: it asks the terminal for more work than text ever needs]`;
 /** Input that was not typed (refused or rejected): the program is still there, waiting. */
 const stillWaitingNote = (program: string) =>
   `Nothing was typed: ${program} still waits for input, its screen as before. Type something else, or stop it with {"input": "<C-c>"} or a new command.`;
@@ -1524,6 +1529,7 @@ const MODEL_TEXTS = {
   endedBeforeInputNote,
   stillWaitingNote,
   typingStoppedNote,
+  renderingCutNote,
 } as const;
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -3441,6 +3447,14 @@ function readOwnFdInSlices(fd: number, each: (slice: Buffer) => void, reuse = fa
 
 const randomName = () => Math.random().toString(36).slice(2, 10);
 
+/** The pieces of a file as they are written, each added to `digest` on its way. */
+function* hashedAsWritten(pieces: Iterable<Uint8Array>, digest: ReturnType<typeof createHash>): Iterable<Uint8Array> {
+  for (const piece of pieces) {
+    digest.update(piece);
+    yield piece;
+  }
+}
+
 /**
  * What a file is now, as far as telling a rewrite goes: device, inode, size,
  * and both times (a process can put the modification time back, never the
@@ -4737,10 +4751,15 @@ class SessionStore {
       const durableAlready = this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
       this.noticePlantedLink();
       this.noticeTampering();
-      this.dir.replace(this.name, this.writer.pieces(doc, state.messages, steps), !durableAlready);
+      const digest = createHash("sha256");
+      this.dir.replace(
+        this.name,
+        hashedAsWritten(this.writer.pieces(doc, state.messages, steps), digest),
+        !durableAlready,
+      );
       if (!durableAlready) this.durable = signature;
       this.written = this.identityOnDisk();
-      this.recordWritten();
+      this.recordWritten(digest.digest("hex"));
       return true;
     } catch (error) {
       if (!this.failureReported) {
@@ -4763,10 +4782,11 @@ class SessionStore {
   private written: string | undefined;
 
   /** Where aic keeps what it last wrote, so the next aic can tell whether the file changed since. */
-  private recordWritten(): void {
+  private recordWritten(contentHash: string): void {
     const record = sessionStateFile(this.path, "written");
     try {
-      if (record && this.written) writeOwnFile(record, this.written);
+      // The identity tells a later change apart at once; the hash, what aic wrote, whatever raced its stat.
+      if (record && this.written) writeOwnFile(record, `${this.written}\n${contentHash}`);
     } catch {
       /* a read-only state directory: the next start simply cannot tell */
     }
@@ -4777,7 +4797,7 @@ class SessionStore {
     const record = sessionStateFile(this.path, "written");
     let last: string;
     try {
-      last = record ? readOwnFile(record, 4096).toString("utf8") : "";
+      last = record ? (readOwnFile(record, 4096).toString("utf8").split("\n")[0] ?? "") : "";
     } catch {
       return undefined;
     }
@@ -4953,6 +4973,9 @@ function excludeSessionFromGit(sessionPath: string): string | undefined {
     if (!info) return undefined;
     let old = "";
     try {
+      // A hard link in its place could be another file of the person's (a key): its bytes must not be copied out.
+      if (fs.lstatSync(info.at("exclude")).nlink > 1)
+        return `left ${path.join(top, ".git/info/exclude")} alone: it has other names (hard links); do not commit the session`;
       old = info.read("exclude", MAX_EXCLUDE_BYTES).toString("utf8");
     } catch (error) {
       if (!ownFileError(error).missing)
@@ -7767,8 +7790,11 @@ class RenderedOutput {
   }
 }
 
-/** The largest count a repeat, scroll, insert or delete sequence may carry: a whole screen of the largest terminal. */
-const MAX_SEQUENCE_COUNT = COMMAND_COLUMNS * COMMAND_ROWS;
+/** The largest counts sequences may carry: a line's width for characters, a screen's height for lines. */
+const MAX_CHARACTER_COUNT = COMMAND_COLUMNS;
+const MAX_LINE_COUNT = COMMAND_ROWS;
+/** How long rendering what a command printed may take once it has ended; the rest is cut, and said so. */
+const RENDER_FINISH_MAX_MS = 5000;
 
 /**
  * A command's output is hostile input for the emulator: xterm allocates a
@@ -7778,8 +7804,11 @@ const MAX_SEQUENCE_COUNT = COMMAND_COLUMNS * COMMAND_ROWS;
  * is dropped, so 20 bytes of `cat` cannot exhaust aic's memory or time.
  */
 function tameEmulator(term: XTerm): XTerm {
-  for (const final of ["b", "S", "T", "L", "M", "@", "P", "X", "Z", "I"])
-    term.parser.registerCsiHandler({ final }, (params) => (Number(params[0]) || 0) > MAX_SEQUENCE_COUNT);
+  const cap = (finals: string[], max: number) => {
+    for (const final of finals) term.parser.registerCsiHandler({ final }, (params) => (Number(params[0]) || 0) > max);
+  };
+  cap(["b", "@", "P", "X", "Z", "I"], MAX_CHARACTER_COUNT);
+  cap(["S", "T", "L", "M"], MAX_LINE_COUNT);
   return term;
 }
 
@@ -7900,11 +7929,20 @@ class TerminalRenderer {
     return { text: lines.join("\n"), full: buffer.type === "alternate" };
   }
 
-  /** Waits until everything written is parsed, then reads the screen too. */
+  /**
+   * Waits until everything written is parsed, then reads the screen too. A
+   * command's output that costs the emulator more than RENDER_FINISH_MAX_MS
+   * (thousands of scrolls or resets a second) is not waited for: what is
+   * rendered by then is the result, with a note.
+   */
   async finish(): Promise<void> {
     if (this.backlog.length) this.catchUp();
-    await new Promise<void>((resolve) => this.term.write("", resolve));
+    const parsed = await Promise.race([
+      new Promise<boolean>((resolve) => this.term.write("", () => resolve(true))),
+      Bun.sleep(RENDER_FINISH_MAX_MS).then(() => false),
+    ]);
     this.extract(true);
+    if (!parsed) this.sink.add(renderingCutNote(RENDER_FINISH_MAX_MS));
     this.term.dispose();
   }
 
@@ -13243,6 +13281,14 @@ async function typeIntoWaiting(id: string, input: string, ctx: ToolCallContext):
   return finishObservation(id, observed, ctx, startedAt, stopped);
 }
 
+/**
+ * Even the command's own `read` is not plain data: `read -e` runs readline
+ * (Esc Ctrl+E expands `$(…)`), an integer variable evaluates what it is given,
+ * and keys it does not take are left for the next program to read.
+ */
+const UNSEEN_SCRIPT_READ =
+  "keys typed into a script's read can run code (read -e, integer variables) or be left for the next program";
+
 /** Why keys typed into each kind of program are more than the rules can read. */
 const UNSEEN_INPUT: Record<InputReader["kind"], string> = {
   shell:
@@ -13256,11 +13302,10 @@ const UNSEEN_INPUT: Record<InputReader["kind"], string> = {
  * that a deny rule names is denied outright. Otherwise keys typed into a
  * program are never something a rule allows or aic proves read-only: an
  * interactive shell has aliases and history aic cannot see, an interpreter
- * runs code, vim and less run commands of their own. They are unsure, so a
- * person is asked, and under --auto-approve they are refused while a deny
- * rule holds that only this judgement enforces. The one exception is the
- * command's own script at a `read`: what the script does with the line was
- * judged with the command.
+ * runs code, vim and less run commands of their own, and even a script's
+ * `read` can (see UNSEEN_SCRIPT_READ). They are unsure, so a person is asked,
+ * and under --auto-approve they are refused while a deny rule holds that only
+ * this judgement enforces.
  */
 function judgeInput(rules: CommandRules, reader: InputReader, input: string, cwd: string): RuleVerdict {
   const lines = inputBytes(input)
@@ -13271,8 +13316,7 @@ function judgeInput(rules: CommandRules, reader: InputReader, input: string, cwd
     if (denied) return denied;
   }
   if (reader.several) return { verdict: "ask", unsure: "more than one program reads the terminal" };
-  if (reader.scriptRead) return { verdict: "ask" };
-  return { verdict: "ask", unsure: UNSEEN_INPUT[reader.kind] };
+  return { verdict: "ask", unsure: reader.scriptRead ? UNSEEN_SCRIPT_READ : UNSEEN_INPUT[reader.kind] };
 }
 
 /** Input as a person reads it in a dialog or a log: Enter as ⏎, keys by their names. */

@@ -214,4 +214,15 @@ describe("escape sequences that ask the emulator for the impossible", () => {
     expect(answer).toContain("Command executed with exit code 0.");
     expect(answer).toContain("after");
   });
+
+  // 300 KB of scrolls by 8000 lines once kept the emulator busy for minutes after cat had ended, past --timeout and
+  // --max-time: such counts are dropped, and rendering a finished command's output is bounded in time.
+  test("a file of huge scroll counts is rendered at once", async () => {
+    const cwd = scratch();
+    writeFileSync(join(cwd, "scrolls.txt"), `${"\x1b[8000S".repeat(40_000)}end-of-scrolls\n`);
+    const srv = fixtures.serve([bash("cat scrolls.txt", "cat"), { content: "Read it.\nTASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--max-time", "60", "read the file"], { cwd });
+    expect(run.code).toBe(0);
+    expect(toolAnswer(srv.requests[1], "cat")).toContain("end-of-scrolls");
+  });
 });

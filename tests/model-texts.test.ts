@@ -120,6 +120,7 @@ const rendered: Record<keyof typeof T, string> = {
   endedBeforeInputNote: T.endedBeforeInputNote("bash"),
   stillWaitingNote: T.stillWaitingNote("python3"),
   typingStoppedNote: T.typingStoppedNote(1, 3, "vim"),
+  renderingCutNote: T.renderingCutNote(5000),
 };
 
 test("the catalogue of model-facing texts is whole, and each text is as the snapshot holds it", () => {
