@@ -11764,6 +11764,8 @@ function gitParts(words: ShellWord[]): CommandPart[] {
   if (sub && GIT_PUSHES.has(sub)) parts.push([words[0]!, known("push"), ...words.slice(i + 1)]);
   else if (sub && !sub.startsWith("-") && !GIT_COMMANDS.has(sub) && !gitExternalCommand(sub))
     parts.push([dynamic(`git ${sub} (not one of git's own commands: an alias, which can stand for anything)`)]);
+  const runs = sub ? gitRunsWhatItIsGiven(sub, words.slice(i + 1)) : undefined;
+  if (runs) parts.push([dynamic(`git ${sub} ${runs} (runs a program it is given)`)]);
   // log, diff, show and archive write the file of --output (-o for archive) instead of printing.
   for (let k = i + 1; k < words.length; k++) {
     const v = valueOf(words[k]);
@@ -11772,6 +11774,54 @@ function gitParts(words: ShellWord[]): CommandPart[] {
       parts.push(writePart(words[++k]!));
   }
   return [[words[0]!, ...words.slice(i)], ...parts];
+}
+
+/**
+ * git subcommands' own options (and operands) that run a command they are
+ * given: `rebase --exec`, `bisect run`, `fetch --upload-pack=`, `submodule
+ * foreach`, `difftool -x`, `grep -O`, filter-branch's filters. Global options
+ * that do so are read in gitParts.
+ */
+const GIT_SUBCOMMAND_RUNS: Record<string, { options: string[]; operands?: string[] }> = {
+  rebase: { options: ["--exec", "-x"] },
+  bisect: { options: [], operands: ["run"] },
+  submodule: { options: [], operands: ["foreach"] },
+  fetch: { options: ["--upload-pack"] },
+  pull: { options: ["--upload-pack"] },
+  clone: { options: ["--upload-pack", "-u", "--template"] },
+  "ls-remote": { options: ["--upload-pack", "--exec"] },
+  push: { options: ["--receive-pack", "--exec"] },
+  "send-pack": { options: ["--receive-pack", "--exec"] },
+  "fetch-pack": { options: ["--upload-pack", "--exec"] },
+  archive: { options: ["--exec"] },
+  difftool: { options: ["-x", "--extcmd", "-t", "--tool"] },
+  mergetool: { options: ["-t", "--tool"] },
+  grep: { options: ["-O", "--open-files-in-pager"] },
+  "filter-branch": {
+    options: [
+      "--env-filter",
+      "--tree-filter",
+      "--index-filter",
+      "--parent-filter",
+      "--msg-filter",
+      "--commit-filter",
+      "--tag-name-filter",
+    ],
+  },
+};
+
+/** The option or operand of `git SUB ARGS…` that runs a program it is given, if any. */
+function gitRunsWhatItIsGiven(sub: string, args: ShellWord[]): string | undefined {
+  const spec = GIT_SUBCOMMAND_RUNS[sub];
+  if (!spec) return undefined;
+  for (const w of args) {
+    if (!w.known) continue;
+    const name = w.value.includes("=") ? w.value.slice(0, w.value.indexOf("=")) : w.value;
+    if (spec.options.some((o) => name === o || (o.length === 2 && name.startsWith(o) && !o.startsWith("--"))))
+      return w.value;
+    if (spec.operands?.includes(w.value)) return w.value;
+  }
+  return undefined;
 }
 
 /** find's actions that run a command (up to `;` or `+`), and those that write a file they name. */

@@ -441,3 +441,22 @@ describe("keys typed into a waiting program", () => {
     expect(judge("Ada\n", reader("bash", "data", { scriptRead: true })).unsure).toContain("script's read");
   });
 });
+
+// git's subcommands that run a program they are given (found by the third red team): unsure, so a deny rule that
+// only the judgement enforces keeps them from running unattended.
+test("git subcommand options that run a program are never taken at face value", () => {
+  const { rules } = parseRuleLines("deny git push *\n");
+  for (const line of [
+    "git rebase --exec 'git push origin master' HEAD~1",
+    "git rebase -x 'git push origin master' HEAD~1",
+    "git bisect run sh -c 'git push origin master'",
+    "git fetch --upload-pack='git push origin master; git-upload-pack' origin",
+    "git submodule foreach 'git push origin master'",
+    "git difftool -x 'git push origin master' HEAD",
+    "git grep -O'git push origin master' x",
+  ]) {
+    const v = judgeCommand(rules, line);
+    expect([line, v.verdict === "deny" || v.unsure !== undefined]).toEqual([line, true]);
+  }
+  expect(judgeCommand(rules, "git rebase main").unsure).toBeUndefined();
+});
