@@ -110,7 +110,7 @@ function personsTmux(user: User, where: ReturnType<typeof place>): string {
   const name = unique("aic-jail-tmux-");
   const r = runAs(
     user,
-    ["tmux", "-L", name, "-f", "/dev/null", "new-session", "-d", "sleep 600"],
+    ["tmux", "-L", name, "-f", "/dev/null", "new-session", "-d", "cat"],
     where.cwd,
     // tmux runs the session through $SHELL, else the account's shell: nobody's is nologin (CI may not set SHELL).
     { ...where.env, SHELL: "/bin/sh" },
@@ -147,7 +147,7 @@ async function personsAbstractServer(user: User): Promise<string> {
       ...user.wrap,
       PYTHON,
       "-c",
-      `import socket,time\ns=socket.socket(socket.AF_UNIX)\ns.bind("\\0${name}")\ns.listen(5)\ntime.sleep(600)`,
+      `import signal,socket\ns=socket.socket(socket.AF_UNIX)\ns.bind("\\0${name}")\ns.listen(5)\nsignal.pause()`,
     ],
     { stdout: "ignore", stderr: "ignore", env: cleanEnv() },
   );
@@ -445,7 +445,7 @@ describe.skipIf(!jailUsable)("the jail", () => {
             ...wrap,
             PYTHON,
             "-c",
-            `import socket,sys,time\ns=socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(5)\ntime.sleep(600)`,
+            `import signal,socket,sys\ns=socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(5)\nsignal.pause()`,
             sock,
           ],
           { cwd, stdout: "ignore", stderr: "ignore", env: cleanEnv() },

@@ -18,9 +18,9 @@ test.skipIf(!has.tmux)(
   async () => {
     const srv = fixtures.serve([bash("read answer; echo got-$answer")]);
     const dir = fixtures.disposable(scratch());
-    // `sleep 60` keeps the pane (and what aic left on it) on screen after aic exits; "." ends the exit code, so
-    // the wait below cannot match a code caught halfway through.
-    const cmd = `${AIC} --nogui --auto-approve --api-base ${srv.url} --model m 'ask me'; echo EXIT=$?.; sleep 60`;
+    // `read` keeps the pane (and what aic left on it) on screen after aic exits, until the tmux server is killed;
+    // "." ends the exit code, so the wait below cannot match a code caught halfway through.
+    const cmd = `${AIC} --nogui --auto-approve --api-base ${srv.url} --model m 'ask me'; echo EXIT=$?.; read -r _`;
     tmux = new Tmux(cleanEnv(), dir, [cmd], { width: 120, height: 30 });
     await tmux.waitFor("the command's echo on screen", (s) => /\$ read answer/.test(s));
     tmux.keys("typed-by-a-person", "Enter");
@@ -41,7 +41,7 @@ test.skipIf(!has.tmux || !Bun.which("python3"))(
   async () => {
     const srv = fixtures.serve([bash("python3 -q", "repl"), { content: "Done.\nTASKCOMPLETE" }]);
     const dir = fixtures.disposable(scratch());
-    const cmd = `${AIC} --nogui --api-base ${srv.url} --model m 'use python'; echo EXIT=$?.; sleep 60`;
+    const cmd = `${AIC} --nogui --api-base ${srv.url} --model m 'use python'; echo EXIT=$?.; read -r _`;
     tmux = new Tmux(cleanEnv(), dir, [cmd], { width: 120, height: 30 });
     await tmux.waitFor("the approval prompt", (s) => s.includes("Approve command?"));
     tmux.keys("y", "Enter");

@@ -210,7 +210,7 @@ describe.skipIf(!has.tmux)("the TUI at 80×24", () => {
     const cwd = scratch("aic-person-");
     const marker = unique("hangup-job-");
     const srv = fixtures.serve([
-      bash(`(exec -a ${marker} sleep 600) & echo started`, "call_job"),
+      bash(`(exec -a ${marker} sleep infinity) & echo started`, "call_job"),
       { content: "Started it.\nTASKCOMPLETE" },
     ]);
     const tmux = tui(srv.url, cwd, "start a job", ["--auto-approve"]);

@@ -276,7 +276,7 @@ async function runOnce(c: Case, root: string, detector: DetectorModule, costs: n
         /* gone */
       }
     }
-    await Promise.race([proc.exited, Bun.sleep(500)]);
+    await proc.exited; // the shell leads one of the groups just killed
     proc.terminal?.close();
   }
   return result;
