@@ -951,15 +951,8 @@ function recordedEndpoint(sessionFile: string | undefined): RecordedEndpoint {
     return {};
   }
   const head = bytes.subarray(0, 64 * 1024).toString("utf8");
-  let last = "";
-  try {
-    const record = sessionStateFile(absolute, "written");
-    last = record ? readOwnFile(record, 4096).toString("utf8") : "";
-  } catch {
-    /* never written by aic here */
-  }
-  // Both what the file is (a later change) and what it holds (a change that raced aic's own stat of its write).
-  if (last !== `${now}\n${createHash("sha256").update(bytes).digest("hex")}`)
+  const last = readWrittenRecord(absolute);
+  if (last?.identity !== now || last.hash !== createHash("sha256").update(bytes).digest("hex"))
     return {
       why: `; ${sessionFile} records one, but aic cannot tell the file is as it wrote it (edited, copied or moved since), so it is not used`,
     };
@@ -4402,6 +4395,32 @@ function stateLockFor(file: string): number | undefined {
   }
 }
 
+/**
+ * What aic last wrote to the session file `file`, as the next aic reads it:
+ * the file's identity (a later change shows at once) and the SHA-256 of the
+ * bytes (a change that raced aic's own stat of its write shows too).
+ */
+interface WrittenRecord {
+  identity: string;
+  hash: string;
+}
+
+function writeWrittenRecord(file: string, record: WrittenRecord): void {
+  const at = sessionStateFile(file, "written");
+  if (at) writeOwnFile(at, `${record.identity}\n${record.hash}`);
+}
+
+/** The record of aic's last write of `file`, or undefined when there is none (or it cannot be read). */
+function readWrittenRecord(file: string): WrittenRecord | undefined {
+  const at = sessionStateFile(file, "written");
+  try {
+    const [identity = "", hash = ""] = at ? readOwnFile(at, 4096).toString("utf8").split("\n") : [];
+    return identity ? { identity, hash } : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
 /** A file of aic's about the session file `file`, in its state directory: `locks/<hash of its path>.<kind>`. */
 function sessionStateFile(file: string, kind: "lock" | "written"): string | undefined {
   const state = aicStateDir();
@@ -4783,10 +4802,8 @@ class SessionStore {
 
   /** Where aic keeps what it last wrote, so the next aic can tell whether the file changed since. */
   private recordWritten(contentHash: string): void {
-    const record = sessionStateFile(this.path, "written");
     try {
-      // The identity tells a later change apart at once; the hash, what aic wrote, whatever raced its stat.
-      if (record && this.written) writeOwnFile(record, `${this.written}\n${contentHash}`);
+      if (this.written) writeWrittenRecord(this.path, { identity: this.written, hash: contentHash });
     } catch {
       /* a read-only state directory: the next start simply cannot tell */
     }
@@ -4794,13 +4811,7 @@ class SessionStore {
 
   /** Said at load: the file is not what aic last wrote (a person's edit, or a command's while no aic ran). */
   private changedSinceWritten(): string | undefined {
-    const record = sessionStateFile(this.path, "written");
-    let last: string;
-    try {
-      last = record ? (readOwnFile(record, 4096).toString("utf8").split("\n")[0] ?? "") : "";
-    } catch {
-      return undefined;
-    }
+    const last = readWrittenRecord(this.path)?.identity;
     const now = this.identityOnDisk();
     if (!last || now === undefined || now === last) return undefined;
     return `${this.path} changed since aic last wrote it: by you, or by a command while aic was not running; if you did not edit it, read it before you go on`;
@@ -8315,23 +8326,14 @@ function classifyForeground(pgids: readonly number[], screen: ScreenFacts): { ve
   return { verdict: "busy", reason: "sleeping or waiting for a child" };
 }
 
-/**
- * The program in the foreground a person would say they type into: of the
- * foreground's processes, the one not merely waiting for a child (git
- * waits for the editor it started; the editor is what reads the keys).
- */
-function foregroundProgram(pgids: readonly number[]): string {
+/** Whether `pid` is blocked waiting for a child (git for the editor it started, a shell for its command). */
+function waitsForChild(pid: number): boolean {
   const table = BLOCKING_SYSCALLS[process.arch] ?? {};
-  const procs = allProcesses().filter((p) => pgids.includes(p.pgid) && !p.zombie);
-  const waitsForChild = (pid: number) => {
-    try {
-      return table[Number(fs.readFileSync(`/proc/${pid}/syscall`, "utf8").split(" ")[0])] === "wait";
-    } catch {
-      return false;
-    }
-  };
-  const reader = procs.filter((p) => !waitsForChild(p.pid)).at(-1) ?? procs.at(-1);
-  return reader ? commOf(reader.pid) : "?";
+  try {
+    return table[Number(fs.readFileSync(`/proc/${pid}/syscall`, "utf8").split(" ")[0])] === "wait";
+  } catch {
+    return false;
+  }
 }
 
 /** How many processes of a command's foreground one look examines at most (see MAX_DESCRIPTORS_LOOKED_AT). */
@@ -8345,6 +8347,10 @@ function commOf(pid: number): string {
     return "?";
   }
 }
+
+/** The private modes that switch a terminal to its alternate screen and back: xterm's 1049, the older 1047 and 47. */
+const ALTERNATE_SCREEN_MODES = "1049|1047|47";
+const ALTERNATE_SCREEN_SWITCH = new RegExp(`\\x1b\\[\\?(?:${ALTERNATE_SCREEN_MODES})([hl])`, "g");
 
 /** The screen facts, from the command's output and what was typed into it. */
 class ScreenWatch {
@@ -8363,7 +8369,7 @@ class ScreenWatch {
     this.sawOutput = true;
     this.lastOutput = now;
     const s = this.tail + this.decoder.decode(bytes, { stream: true });
-    for (const m of s.matchAll(/\x1b\[\?(?:1049|1047|47)([hl])/g)) this.alt = m[1] === "h";
+    for (const m of s.matchAll(ALTERNATE_SCREEN_SWITCH)) this.alt = m[1] === "h";
     this.tail = s.slice(-12);
   }
 
@@ -8383,13 +8389,13 @@ class ScreenWatch {
 // waiting-for-input rules, and the result the agent turns into a tool message.
 // ════════════════════════════════════════════════════════════════════════════
 
-/** What a front end gets of a running command for a person at the keyboard: their keys, and their pane's size. */
 /** How many of the lines given were typed (fewer when the command ended, or another program came to read them). */
 interface TypedLines {
   typed: number;
   of: number;
 }
 
+/** What a front end gets of a running command for a person at the keyboard: their keys, and their pane's size. */
 interface CommandKeyboard {
   write(data: string | Uint8Array): void;
   /** Several lines typed ahead: one at a time, each once the program reads again. */
@@ -8560,9 +8566,9 @@ class CommandRun {
     return this.child.pid;
   }
 
-  /** The program in the foreground now, as a person would name it. */
+  /** The program in the foreground now, by its executable (see inputReader). */
   get program(): string {
-    return foregroundProgram(foregroundGroups(this.shell));
+    return this.reader().program;
   }
 
   /** The command's terminal at another size, and the emulator that renders it for the model with it. */
@@ -8579,9 +8585,9 @@ class CommandRun {
 
   /** Whether the command has ended (a `read -t` that timed out ends while the model thinks). */
   get finished(): boolean {
-    return this.exitedAt !== undefined;
+    return this.exited;
   }
-  private exitedAt: number | undefined;
+  private exited = false;
 
   private receive(bytes: Uint8Array): void {
     if (this.stopping && this.status === "runaway") return;
@@ -8753,7 +8759,7 @@ class CommandRun {
     let exitCode: number | null = null;
     try {
       exitCode = await this.child.exited;
-      this.exitedAt = performance.now();
+      this.exited = true;
       if (this.stopping) await this.stopping;
       jobs = this.opts.jobs?.adopt({
         command: this.opts.command,
@@ -13251,7 +13257,12 @@ function inputReader(shellPid: number): InputReader {
     }
   };
   const readers = procs.filter((p) => readsTerminal(p.pid));
-  const named = (readers.length ? readers : procs).map((p) => ({ pid: p.pid, name: executableName(p.pid) }));
+  // Nobody reads the terminal (tail -f, a redraw on a timer): the newest process that is not waiting for a child.
+  const fallback = procs.filter((p) => !waitsForChild(p.pid)).at(-1) ?? procs.at(-1);
+  const named = (readers.length ? readers : fallback ? [fallback] : []).map((p) => ({
+    pid: p.pid,
+    name: executableName(p.pid),
+  }));
   const kindOf = (r: { pid: number; name: string }): InputReader["kind"] =>
     r.pid === shellPid && isCommandShell(shellPid)
       ? "data"
@@ -16567,24 +16578,24 @@ class TypeAhead {
   }
 }
 
-/** Switches a terminal to the alternate screen and back (xterm's 1049, and the older 1047 and 47). */
 /**
- * A full-screen program announces itself: the alternate screen (xterm's 1049,
- * the older 1047 and 47: vim, less), or application cursor keys (DECCKM, 1:
+ * A full-screen program announces itself: the alternate screen (see
+ * ALTERNATE_SCREEN_MODES: vim, less), or application cursor keys (DECCKM, 1:
  * top, which draws on the ordinary screen); the same sequence with `l` ends it.
  */
-const FULL_SCREEN_MODE = /\x1b\[\?(?:1049|1047|47|1)[hl]/;
+const FULL_SCREEN_MODE = new RegExp(`\\x1b\\[\\?(?:${ALTERNATE_SCREEN_MODES}|1)[hl]`);
 
 /**
- * vim, less, top or git's editor, run by hand: their screen is drawn as a
- * terminal draws it, in the Console's place, from the moment they switch to
- * the alternate screen until they leave it. Only then are the bytes fed to an
- * emulator, so a long build log costs nothing here. The command's terminal is
- * wider than the pane: the screen is shown from its top-left corner.
+ * vim, less, top or git's editor: their screen is drawn as a terminal draws
+ * it, in the Console's place, from the moment they announce themselves until
+ * they leave. Only then are the bytes fed to an emulator, so a long build log
+ * costs nothing here. A program the model drives keeps its 160×50 terminal,
+ * shown from its top-left corner; one the person drives is given the pane's
+ * size (Tui.fitCommandScreen).
  */
 class CommandScreen {
   readonly node: TerminalViewNode;
-  private term: XTerm;
+  private readonly term: XTerm;
   private active = false;
   private full = false;
 
@@ -16622,6 +16633,8 @@ class CommandScreen {
    * drawing is the emulator's alone, never the log's.
    */
   write(bytes: Uint8Array): Uint8Array[] {
+    // Most output holds no escape at all: nothing to decode or look for.
+    if (!this.active && bytes.indexOf(0x1b) < 0) return [bytes];
     const text = Buffer.from(bytes).toString("latin1");
     if (!this.active && !FULL_SCREEN_MODE.test(text)) return [bytes];
     this.active = true;
@@ -16897,10 +16910,9 @@ class Tui implements EventSink {
   private readonly pacing: TuiPacing;
   readonly figures: TuiFigures;
   /** Where the person's keys go for a command that waits for input (auto-approve off): set while one runs. */
-  private commandInput: ((data: string | Uint8Array) => void) | undefined;
+  /** The running command's keyboard while it runs (its keys, its size), for a person to type into. */
+  private keyboard: CommandKeyboard | undefined;
   private commandWaiting = false;
-  private commandResize: ((cols: number, rows: number) => void) | undefined;
-  private commandType: ((bytes: string) => void) | undefined;
 
   /**
    * A full-screen program the person drives gets a terminal the size of the
@@ -16908,15 +16920,15 @@ class Tui implements EventSink {
    * the usual size back when it leaves the alternate screen.
    */
   private fitCommandScreen(): void {
-    if (!this.commandResize || !this.commandWaiting) return;
+    if (!this.keyboard || !this.commandWaiting) return;
     const node = this.view.screen.node;
     // The screen's own size once it is laid out; before that, the Console's whose place it takes.
     const { cols, rows } =
       node.visible && node.width > 0 ? { cols: node.width, rows: node.height } : this.view.consoleSize;
     if (this.view.screen.fullScreen && cols >= 20 && rows >= 5) {
       this.view.screen.resize(cols, rows);
-      this.commandResize(cols, rows);
-    } else if (!this.view.screen.fullScreen) this.commandResize(COMMAND_COLUMNS, COMMAND_ROWS);
+      this.keyboard.resize(cols, rows);
+    } else if (!this.view.screen.fullScreen) this.keyboard.resize(COMMAND_COLUMNS, COMMAND_ROWS);
   }
   /** Keys typed right after approving a command, held until aic knows whether the command reads them. */
   private readonly typeAhead = new TypeAhead((text, submit) => {
@@ -17007,14 +17019,10 @@ class Tui implements EventSink {
       // A person sits at the TUI: with auto-approve off, a command waiting for input gets their keys instead of being stopped.
       canAnswerInput: () => true,
       attachInput: (io) => {
-        this.commandInput = io.write;
-        this.commandType = (bytes) => void io.type(bytes);
-        this.commandResize = io.resize;
+        this.keyboard = io;
         this.typeAhead.extend();
         return () => {
-          this.commandInput = undefined;
-          this.commandResize = undefined;
-          this.commandType = undefined;
+          this.keyboard = undefined;
           this.commandWaiting = false;
           this.figures.notice = undefined;
           this.typeAhead.toPrompt();
@@ -17172,13 +17180,13 @@ class Tui implements EventSink {
       return this.shellTab.key(key, id);
     }
     if (!this.commandWaiting && this.prompt.value === "" && this.typeAhead.hold(key, id)) return take();
-    if (this.commandWaiting && this.commandInput) {
+    if (this.commandWaiting && this.keyboard) {
       take();
-      if (id === "C-c") return this.ctrlCToCommand(this.commandInput);
+      if (id === "C-c") return this.ctrlCToCommand(this.keyboard.write);
       // A full-screen program needs Escape (vim's normal mode); a line program is stopped by it.
       if (id === "escape" && !this.view.screen.fullScreen) return this.interrupt();
       const bytes = keyToBytes(key);
-      if (bytes) this.commandInput(bytes);
+      if (bytes) this.keyboard.write(bytes);
       return;
     }
     if (this.dialog.visible) {
@@ -17205,9 +17213,9 @@ class Tui implements EventSink {
       event.preventDefault();
       return this.shellTab.paste(event.bytes);
     }
-    if (this.commandWaiting && this.commandInput) {
+    if (this.commandWaiting && this.keyboard) {
       event.preventDefault();
-      this.commandInput(event.bytes);
+      this.keyboard.write(event.bytes);
     }
     // Otherwise the prompt takes the paste, newlines and all.
   }
@@ -17327,10 +17335,11 @@ class Tui implements EventSink {
         this.pacing.token();
         break;
       case "command_waiting":
-        this.commandWaiting = this.commandInput !== undefined;
+        this.commandWaiting = this.keyboard !== undefined;
         // The terminal takes the pane's size first: keys typed ahead then reach a program drawn as it will be seen.
         this.fitCommandScreen();
-        if (this.commandType) this.typeAhead.toCommand(this.commandType);
+        const keyboard = this.keyboard;
+        if (keyboard) this.typeAhead.toCommand((bytes) => void keyboard.type(bytes));
         if (this.commandWaiting) this.figures.notice = KEYS_TO_COMMAND_NOTICE;
         this.refreshStatus();
         break;
@@ -18161,6 +18170,9 @@ if (import.meta.main) {
 export {
   Agent,
   classifyForeground,
+  COMMAND_ENV,
+  INPUT_QUIET_MS,
+  INPUT_WAIT_POLL_MS,
   judgeInput,
   MODEL_TEXTS,
   ModelClient,

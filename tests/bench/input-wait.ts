@@ -29,6 +29,7 @@
  */
 import { existsSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
+import { COMMAND_ENV, INPUT_QUIET_MS, INPUT_WAIT_POLL_MS } from "../../aic.ts";
 import { scratch } from "../helpers.ts";
 import { type Benchmark, type Metric, median } from "./lib.ts";
 
@@ -47,23 +48,12 @@ interface DetectorModule {
 
 const DETECTOR = process.env.AIC_INPUT_WAIT_DETECTOR ?? new URL("./aic-detector.ts", import.meta.url).pathname;
 const RUNS = Number(process.env.AIC_BENCH_INPUT_WAIT_RUNS) || 3;
-const QUIET_MS = 1000;
-const POLL_MS = 250;
+// The runner's own schedule and environment, so the bench measures what aic does.
+const QUIET_MS = INPUT_QUIET_MS;
+const POLL_MS = INPUT_WAIT_POLL_MS;
 /** How long a run may take to reach a verdict, and how long a must-stay-busy program is watched. */
 const WINDOW_MS = 4000;
 const TARGET_MS = 2000;
-
-/** aic's COMMAND_ENV. */
-const COMMAND_ENV: Record<string, string> = {
-  TERM: "xterm-256color",
-  PAGER: "cat",
-  GIT_PAGER: "cat",
-  MANPAGER: "cat",
-  GIT_TERMINAL_PROMPT: "0",
-  DEBIAN_FRONTEND: "noninteractive",
-  GIT_ASKPASS: "",
-  SSH_ASKPASS: "",
-};
 
 interface Case {
   name: string;
