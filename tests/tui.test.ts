@@ -1057,6 +1057,55 @@ describe("a TUI a person can trust (round 2)", () => {
     expect(text).not.toContain("task number 5 ");
   });
 
+  // A resumed conversation shows its commands as commands (and keys as keys), never the call's JSON.
+  test("after a resume, restored tool calls read as the commands they ran", async () => {
+    const dir = scratch("aic-tui-");
+    const call = (id: string, args: object) => ({
+      id,
+      type: "function",
+      function: { name: "execute_bash", arguments: JSON.stringify(args) },
+    });
+    const history = [
+      { role: "system", content: "s" },
+      { role: "user", content: "count the files" },
+      { role: "assistant", content: null, tool_calls: [call("c1", { command: "ls | wc -l" })] },
+      { role: "tool", tool_call_id: "c1", content: "Command executed with exit code 0.\nOutput:\n3" },
+      { role: "assistant", content: null, tool_calls: [call("c2", { input: "q\n" })] },
+      { role: "tool", tool_call_id: "c2", content: "Command executed with exit code 0." },
+      { role: "assistant", content: "There are 3 files." },
+    ];
+    writeFileSync(join(dir, ".aicsession"), JSON.stringify({ aic_session_version: 1, messages: history }));
+    const h = await openTui({ dir });
+    const frame = await h.until(showsAll("restored conversation above", "$ ls | wc -l", "⌨ q⏎"));
+    expect(frame).not.toContain('{"command"');
+    expect(frame).not.toContain('{"input"');
+  });
+
+  // The start is one line; /sandbox has the details.
+  test("the start is one line naming model, endpoint and confinement", async () => {
+    const h = await openTui({ width: 200, height: 40 });
+    const frame = await h.until((f) => f.includes("aic ") && f.includes("· test-model @ 127.0.0.1:"));
+    const start = agentColumn(frame).filter((row) => row.includes("test-model @"));
+    expect(start).toHaveLength(1);
+    expect(start[0]).toContain("sandbox: OFF · /sandbox, /help");
+    expect(frame).not.toContain("Sandbox: off (");
+  });
+
+  // A dialog is about the newest lines: it brings the agent pane back to its end, wherever the person had scrolled.
+  test("an approval dialog scrolls the agent pane back to its newest line", async () => {
+    const h = await openTui({ width: 120, height: 30 });
+    for (let i = 1; i <= 80; i++) h.tui.agentPane.line(`old line ${i}`);
+    await h.until((f) => f.includes("old line 80"));
+    h.tui.page("agent", -1);
+    h.tui.page("agent", -1);
+    await h.until((f) => !f.includes("old line 80"));
+    await h.type("run: echo newest-$((6*7))");
+    const frame = await h.until(
+      (f) => f.includes("Approve command?") && agentColumn(f).join("\n").includes("$ echo newest"),
+    );
+    expect(agentColumn(frame).join("\n")).toContain("$ echo newest");
+  });
+
   // 8. The footer keeps what matters at every width; the start-up warning fits.
   test("at 80 columns the footer keeps auto-approve, step and context whole, and the warning fits", async () => {
     const h = await openTui({ width: 80, height: 24 });
