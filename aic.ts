@@ -173,6 +173,8 @@ interface Config {
   maxTime: number | undefined;
   /** A run that refused commands for want of a person exits 4. */
   failOnRefusal: boolean;
+  /** Background jobs and every other process of the run keep running after aic exits (a grader expects a server). */
+  keepJobs: boolean;
   /** The command rules file (default ./.aicrules, which may be absent). */
   rules: string | undefined;
   noCheckpoints: boolean;
@@ -430,6 +432,12 @@ const FLAGS: readonly FlagSpec[] = [
     env: ["AIC_MAX_TIME"],
     max: MAX_TIMEOUT_SEC,
     help: "Wall-clock budget for the run in seconds: the command in flight is stopped, the session saved (exit 5).",
+  },
+  {
+    name: "--keep-jobs",
+    kind: "bool",
+    key: "keepJobs",
+    help: "Leave background jobs (and every process the commands started) running when aic exits; the end lists them.",
   },
   {
     name: "--fail-on-refusal",
@@ -978,6 +986,17 @@ function recordedEndpoint(sessionFile: string | undefined): RecordedEndpoint {
 /** Environment variables whose values are secrets: commands never get them, and /proc shows asterisks. */
 const SECRET_ENV = ["AIC_API_KEY", "OPENAI_API_KEY", "AIC_HEADERS"];
 
+/**
+ * The other model providers' keys (a harness passes several; aic uses one):
+ * kept from commands too, so a prompt-injected command cannot send them
+ * anywhere. Other services' tokens (GITHUB_TOKEN, NPM_TOKEN) are the task's.
+ */
+const PROVIDER_KEY_ENV =
+  /^((ANTHROPIC|GEMINI|GOOGLE|VERTEX(AI)?|FIREWORKS(_AI)?|TOGETHER(_AI)?|OPENROUTER|GROQ|MISTRAL|CODESTRAL|DEEPSEEK|XAI|COHERE|CO|PERPLEXITY(AI)?|CEREBRAS|DEEPINFRA|NVIDIA(_NIM)?|NIM|AZURE(_OPENAI|_AI)?|HUGGINGFACE|HF|DASHSCOPE|MOONSHOT|KIMI|ZHIPUAI|ZAI|GLM|MINIMAX|SAMBANOVA|REPLICATE|VOYAGE|LITELLM(_PROXY)?|BASETEN|NEBIUS|HYPERBOLIC|NOVITA|LAMBDA|AI21|ANYSCALE|FRIENDLI|NSCALE|QWEN|OPENAI)_(API_KEY|API_TOKEN|AUTH_TOKEN|MASTER_KEY|KEY|TOKEN)|HF_TOKEN|HUGGING_FACE_HUB_TOKEN|AWS_BEARER_TOKEN_BEDROCK)$/;
+
+/** Whether a variable holds a secret aic keeps from commands. */
+const isSecretEnv = (name: string) => SECRET_ENV.includes(name) || PROVIDER_KEY_ENV.test(name);
+
 /** Options whose values are secrets, as `--option VALUE` or `--option=VALUE`. */
 const SECRET_OPTIONS = ["--api-key", "--header"];
 
@@ -1030,7 +1049,7 @@ function maskSecretVariables(env: Uint8Array): void {
   for (const [start, end] of blockStrings(env)) {
     const text = Buffer.from(env.buffer, env.byteOffset + start, end - start).toString("latin1");
     const eq = text.indexOf("=");
-    if (eq > 0 && SECRET_ENV.includes(text.slice(0, eq))) env.fill(MASK, start + eq + 1, end);
+    if (eq > 0 && isSecretEnv(text.slice(0, eq))) env.fill(MASK, start + eq + 1, end);
   }
 }
 
@@ -1410,6 +1429,16 @@ const disarmedMessage = (lines: readonly string[]) =>
 const droppedOutputNote = (bytes: number) =>
   `[… ${bytes} bytes arrived faster than they could be rendered and were left out …]`;
 
+/** How the person is told a job ended, by its state. */
+const JOB_ENDINGS: Record<Job["state"], string> = {
+  running: "ended",
+  ended: "ended",
+  killed: "stopped",
+  stopped_at_exit: "stopped as aic exits",
+  kept_at_exit: "left running",
+  refused: "stopped",
+};
+
 function jobStateText(job: Job): string {
   const code = job.exitCode === null ? "exit code unknown" : `exit code ${job.exitCode}`;
   const took = waitText((job.endedAt ?? Date.now()) - job.startedAt);
@@ -1420,6 +1449,8 @@ function jobStateText(job: Job): string {
       return `stopped by the person after ${took}`;
     case "stopped_at_exit":
       return `stopped when aic exited, after ${took}`;
+    case "kept_at_exit":
+      return `left running when aic exited (--keep-jobs), after ${took}`;
     case "refused":
       return `stopped at once: too many jobs`;
     default:
@@ -1475,6 +1506,25 @@ function describeCommandResult(r: CommandResult, limits: CommandLimits): string 
   }
 }
 
+/** Why the sandbox, not file permissions, refused an operation on a path a failed command names. */
+type SandboxRefusal = "secret" | "write" | "exec";
+
+/** One line per path the sandbox refused, so the model stops chasing "are you root?" or `--user` installs. */
+function sandboxRefusalMessage(refusals: { path: string; why: SandboxRefusal; detail: string }[]): string {
+  const reason = (why: SandboxRefusal, detail: string) =>
+    ({
+      secret: `it is in a secret store commands may not read (${detail})`,
+      write: `commands may write only under ${detail}; ask the person to rerun aic with --allow-write for this path, or work inside those directories`,
+      exec: `a deny rule forbids running ${detail}`,
+    })[why];
+  return refusals
+    .map(
+      (r) =>
+        `[sandbox] The sandbox refused this, not file permissions or a missing root: ${r.path}: ${reason(r.why, r.detail)}.`,
+    )
+    .join("\n");
+}
+
 /**
  * Every text of this section by name, for the snapshot test that shows each
  * one as the model reads it (tests/model-texts.test.ts): a change to any of
@@ -1497,6 +1547,7 @@ const MODEL_TEXTS = {
   deniedByRuleMessage,
   unseenCommandMessage,
   needsPersonMessage,
+  sandboxRefusalMessage,
   CONTINUE_MESSAGE,
   SUMMARISER_SYSTEM,
   summariserRequest,
@@ -1547,6 +1598,10 @@ interface SandboxFacts {
   status: string;
   /** How commands are confined: `namespaces` (the jail: Landlock inside namespaces), `landlock` alone, or `off`. */
   jail: "namespaces" | "landlock" | "off";
+  /** Why the confinement is no stronger than `jail` (null in the jail). */
+  reason: string | null;
+  /** What the jail promises that does not hold in this mode, e.g. "processes outlive aic", "sockets". */
+  missing: string[];
   writable: string[];
   unreadable: string[];
   /** `on`, or `loopback` (--network off). */
@@ -1664,6 +1719,12 @@ type AgentEvent =
       refused: number;
       /** The model's last answer, without the completion marker ("" when it gave none). */
       result: string;
+      /** Why a run that looked finished failed: `commands_not_started` when no command could start after the last that failed to. */
+      reason?: "commands_not_started";
+      /** With --keep-jobs: the background jobs left running (pids as the person sees them)… */
+      kept?: { pid: number; command: string; log: string }[];
+      /** …and how many other processes of the commands' were left running. */
+      kept_others?: number;
     };
 
 type AgentEventType = AgentEvent["type"];
@@ -1894,7 +1955,7 @@ function describeEvent(e: AgentEvent): EventLine[] {
       return console("info", `[job ${e.id} started: pid ${e.pid}, ${e.command}; its terminal is logged to ${e.log}]`);
     case "job_ended": {
       const code = e.exit_code === null ? "exit code unknown" : `exit code ${e.exit_code}`;
-      const how = e.how === "killed" ? "stopped" : e.how === "stopped_at_exit" ? "stopped as aic exits" : "ended";
+      const how = JOB_ENDINGS[e.how];
       return console("dim", `[job ${e.id} ${how}: pid ${e.pid}, ${code}]`);
     }
     case "verify": {
@@ -1911,10 +1972,15 @@ function describeEvent(e: AgentEvent): EventLine[] {
     case "end": {
       const verified = e.verified ? " · verified by --done-when" : "";
       const refused = e.refused ? ` · ${e.refused} command(s) refused for want of a person` : "";
-      return agent(
-        e.exit_code === 0 ? "ok" : "warning",
-        `[${e.status}] ${e.steps} step(s) · ${usageText(e.usage)}${verified}${refused}`,
-      );
+      const kept = (e.kept ?? []).map((j) => `[kept running: pid ${j.pid}, ${j.command}; log ${j.log}]`);
+      const others = e.kept_others ? [`[kept running: ${e.kept_others} other process(es) the commands started]`] : [];
+      return [
+        ...agent(
+          e.exit_code === 0 ? "ok" : "warning",
+          `[${e.status}] ${e.steps} step(s) · ${usageText(e.usage)}${verified}${refused}`,
+        ),
+        ...[...kept, ...others].flatMap((line) => agent("dim", line)),
+      ];
     }
     default:
       return [];
@@ -2144,7 +2210,21 @@ interface Message {
   content?: unknown;
   tool_calls?: ToolCall[];
   tool_call_id?: string;
+  /** aic's own record, never sent: when the message was made (ISO 8601), for trajectories. */
+  aic_at?: string;
+  /** aic's own record, never sent: the token figures of the call that produced an assistant message. */
+  aic_usage?: { prompt_tokens: number; completion_tokens: number; cached_tokens: number };
   [key: string]: unknown;
+}
+
+/** Where providers stream a model's reasoning, and where each wants it back (DeepSeek, GLM, Kimi: reasoning_content). */
+const REASONING_FIELDS = ["reasoning_content", "reasoning", "thinking"] as const;
+type ReasoningField = (typeof REASONING_FIELDS)[number];
+
+/** A message stamped with the time it was made (aic's own field, which is never sent). */
+function stamped<M extends Message>(m: M): M {
+  m.aic_at = new Date().toISOString();
+  return m;
 }
 
 const PER_MESSAGE_OVERHEAD = 4;
@@ -2331,13 +2411,24 @@ class TokenCounter {
 }
 
 /** The same copy every step, so per-message token counts (cached by object) stay cached. */
-const emptyContentCopies = new WeakMap<Message, Message>();
+const outgoingCopies = new WeakMap<Message, { copy: Message; reasoning: boolean; toolCalls: unknown }>();
 
-function withEmptyContent(m: Message): Message {
-  const hit = emptyContentCopies.get(m);
-  if (hit && hit.tool_calls === m.tool_calls) return hit;
-  const copy = { ...m, content: "" };
-  emptyContentCopies.set(m, copy);
+/**
+ * A message as it is sent: null content as "", aic's own fields left out,
+ * and the reasoning left out unless `reasoning` (the turn since the last user
+ * message, where thinking models with tools need it back).
+ */
+function outgoingCopy(m: Message, reasoning: boolean): Message {
+  const drop = (key: string) =>
+    key.startsWith("aic_") || (!reasoning && (REASONING_FIELDS as readonly string[]).includes(key));
+  const keys = Object.keys(m);
+  if (m.content !== null && m.content !== undefined && !keys.some(drop)) return m;
+  const hit = outgoingCopies.get(m);
+  if (hit && hit.reasoning === reasoning && hit.toolCalls === m.tool_calls) return hit.copy;
+  const copy: Message = { role: m.role };
+  for (const key of keys) if (!drop(key)) copy[key] = m[key];
+  if (copy.content === null || copy.content === undefined) copy.content = "";
+  outgoingCopies.set(m, { copy, reasoning, toolCalls: m.tool_calls });
   return copy;
 }
 
@@ -2349,11 +2440,13 @@ function withEmptyContent(m: Message): Message {
  */
 function validateOutgoing(messages: readonly Message[]): { messages: Message[]; terminal: boolean } {
   const out: Message[] = [];
-  for (const m of messages) {
+  let lastUser = -1;
+  for (let i = messages.length - 1; i >= 0 && lastUser < 0; i--) if (messages[i]!.role === "user") lastUser = i;
+  for (const [i, m] of messages.entries()) {
     if (!VALID_ROLES.has(m.role)) continue;
     if (m.role === "tool" && typeof m.tool_call_id !== "string") continue;
     if (m.role === "assistant" && out[out.length - 1]?.role === "assistant") out.pop();
-    out.push(m.content === null || m.content === undefined ? withEmptyContent(m) : m);
+    out.push(outgoingCopy(m, i > lastUser));
   }
   const last = out[out.length - 1];
   return { messages: out, terminal: last?.role === "assistant" && !last.tool_calls?.length };
@@ -2702,6 +2795,8 @@ function modelErrorFrom(error: unknown, url: string, midStream: boolean): ModelE
 interface AssistantTurn {
   content: string;
   reasoning: string;
+  /** The field the provider streamed the reasoning in, which is the field it wants it back in. */
+  reasoningField?: ReasoningField;
   toolCalls: ToolCall[];
   /** Why the model stopped (`stop`, `tool_calls`, `length` when the output limit cut it), when the server said. */
   finishReason?: string;
@@ -2865,6 +2960,7 @@ class ModelClient implements ModelPort {
     const client = await this.client();
     let content = "";
     let reasoning = "";
+    let reasoningField: ReasoningField | undefined;
     let chunks = 0;
     let finished = false;
     let finishReason: string | undefined;
@@ -2897,10 +2993,10 @@ class ModelClient implements ModelPort {
         }
         const delta = chunk.choices?.[0]?.delta;
         if (!delta) continue;
-        const thought = [delta.reasoning_content, delta.reasoning, delta.thinking].find(
-          (v): v is string => typeof v === "string" && v !== "",
-        );
+        const field = REASONING_FIELDS.find((f) => typeof delta[f] === "string" && delta[f] !== "");
+        const thought = field && (delta[field] as string);
         if (thought) {
+          reasoningField ??= field;
           reasoning += thought;
           cb.onReasoning?.(thought);
         }
@@ -2925,7 +3021,7 @@ class ModelClient implements ModelPort {
     if (!finished && !this.sawDone)
       throw new ModelError("the stream was cut off: it ended with neither a finish_reason nor data: [DONE]", "retry");
     this.answered = true;
-    return { content, reasoning, toolCalls: calls.finish(), usage, finishReason };
+    return { content, reasoning, reasoningField, toolCalls: calls.finish(), usage, finishReason };
   }
 
   /**
@@ -5041,6 +5137,8 @@ interface Sandbox {
   readonly deniedPrograms: readonly string[];
   /** How commands are confined: the jail (Landlock inside namespaces), Landlock alone, or not at all. */
   readonly jail: SandboxFacts["jail"];
+  /** Why commands get no more than `jail` (undefined in the jail). */
+  readonly weaker: string | undefined;
   readonly network: SandboxFacts["network"];
   /** The person's ssh-agent is passed through to commands (--allow-ssh-agent). */
   readonly sshAgent: boolean;
@@ -5054,6 +5152,8 @@ interface Sandbox {
    * `deep`: the whole tree, not only the first levels (the end of a run).
    */
   auditRepositories(deep?: boolean): string[];
+  /** --keep-jobs at exit: what commands started goes on running once aic has gone (the jail stays up until it empties). */
+  keepRunning(): void;
   /** Starts `argv` on a PTY of its own: confined, through the launcher, when on. */
   spawn(argv: string[], opts: PtyOptions): Promise<CommandProcess>;
 }
@@ -5153,6 +5253,8 @@ function sandboxFacts(s: Sandbox): SandboxFacts {
     enabled: s.enabled,
     status: s.status,
     jail: s.jail,
+    reason: s.weaker ?? null,
+    missing: s.jail === "namespaces" ? [] : [...JAIL_ONLY_PROPERTIES],
     writable: [...s.writable],
     unreadable: [...s.secrets],
     network: s.network,
@@ -5170,13 +5272,68 @@ function sandboxOff(reason: string): Sandbox {
     ruleCount: 0,
     deniedPrograms: [],
     jail: "off",
+    weaker: reason,
     network: "on",
     sshAgent: false,
     reaper: undefined,
     start: () => {},
     auditRepositories: () => [],
+    keepRunning: () => {},
     spawn: async (argv, opts) => unconfinedCommand(argv, opts),
   };
+}
+
+/** What tools print when a file operation is refused: touch, cp, apt ("are you root?"), pip, npm, Python's errno text. */
+const REFUSAL_WORDS =
+  /permission denied|operation not permitted|read-only file system|\bEACCES\b|\bEPERM\b|are you root/i;
+/** An absolute path in an error line: after a quote, a bracket, a space or `=`, up to a quote, bracket, comma or space. */
+const ERROR_LINE_PATH = /(?:^|[\s'"`(\[=‘“])(\/[^\s'"`()[\],;‘’“”]+)/g;
+
+/**
+ * The paths a failed command's output names in a refusal that the sandbox
+ * caused: a secret store, a write outside the writable set that aic itself
+ * (unconfined, the same user) could make, or a program a deny rule forbids.
+ * A refusal that file permissions would make anyway is not the sandbox's.
+ */
+function sandboxRefusals(
+  output: string,
+  s: Sandbox,
+  cwd: string,
+): { path: string; why: SandboxRefusal; detail: string }[] {
+  if (!s.enabled || !REFUSAL_WORDS.test(output)) return [];
+  const found = new Map<string, { path: string; why: SandboxRefusal; detail: string }>();
+  for (const line of output.split("\n", 5000)) {
+    if (found.size >= 3 || !REFUSAL_WORDS.test(line)) continue;
+    for (const m of line.matchAll(ERROR_LINE_PATH)) {
+      const p = path.resolve(cwd, m[1]!.replace(/[.:]+$/, ""));
+      const why = whySandboxRefused(p, s);
+      if (why && !found.has(p)) found.set(p, { path: p, ...why });
+    }
+  }
+  return [...found.values()].slice(0, 3);
+}
+
+function whySandboxRefused(p: string, s: Sandbox): { why: SandboxRefusal; detail: string } | undefined {
+  const under = (dirs: readonly string[]) => dirs.some((d) => p === d || isBeneath(p, d));
+  const secret = s.secrets.find((d) => p === d || isBeneath(p, d));
+  if (secret) return { why: "secret", detail: `${secret}; --allow-read-secrets lifts it` };
+  const denied = s.deniedPrograms.find((name) => programFiles(name).includes(p));
+  if (denied) return { why: "exec", detail: denied };
+  if (under(s.writable) || !writableUnconfined(p)) return undefined;
+  const shown = s.writable.filter((w) => !s.caches.includes(w));
+  return { why: "write", detail: `${shown.join(", ")}${s.caches.length ? " and the package caches" : ""}` };
+}
+
+/** Whether this user could write `p` (or create it, in its nearest existing directory) without the sandbox. */
+function writableUnconfined(p: string): boolean {
+  for (let at = p; ; at = path.dirname(at)) {
+    try {
+      fs.accessSync(at, fs.constants.W_OK);
+      return true;
+    } catch (error) {
+      if ((error as NodeJS.ErrnoException).code !== "ENOENT" || at === "/") return false;
+    }
+  }
 }
 
 const isBeneath = (inner: string, outer: string) => inner.startsWith(outer === "/" ? "/" : outer + "/");
@@ -5535,7 +5692,8 @@ function setUpSandbox(config: Config, deniedPrograms: readonly string[] = []): S
       `the aic script ${script} lives where commands may write, so they could change the sandbox launcher; run the compiled binary`,
     );
   const jail: JailChoice = {
-    refused: namespacesRefused(),
+    // Decided by trying: a container's seccomp profile or an AppArmor rule refuses what no file says it will.
+    refused: namespacesRefused() ?? namespacesTried(config.network === "off"),
     net: config.network === "off",
     allowSshAgent: config.allowSshAgent,
   };
@@ -5606,6 +5764,9 @@ function liveSandbox(
     get jail() {
       return jail.refused ? "landlock" : "namespaces";
     },
+    get weaker() {
+      return jail.refused;
+    },
     network: jail.net && !jail.refused ? "loopback" : "on",
     sshAgent: config.allowSshAgent,
     get reaper() {
@@ -5629,6 +5790,7 @@ function liveSandbox(
       });
     },
     auditRepositories: (deep) => guard?.audit(deep) ?? [],
+    keepRunning: () => commands?.keepRunning(),
     spawn: (argv, opts) => {
       if (!commands) throw new Error("the sandbox launcher was never started");
       return commands.spawn(argv, opts);
@@ -5783,6 +5945,43 @@ function namespacesRefused(): string | undefined {
   return undefined;
 }
 
+/** The jail's promises that need namespaces: what Landlock alone does not hold (the JSON start event lists them). */
+const JAIL_ONLY_PROPERTIES = [
+  "processes outlive aic",
+  "sockets",
+  "terminal",
+  "other processes' /proc",
+  ".git/config read-only",
+  "private /dev",
+] as const;
+
+/**
+ * Makes the namespaces the jail needs, once, with a program that only exits
+ * (a few milliseconds): where Docker's seccomp profile, Ubuntu's AppArmor
+ * rule, gVisor or qemu-user refuses them, the reason, in the kernel's words.
+ */
+function namespacesTried(net: boolean): string | undefined {
+  const argv = [UNSHARE, "--user", "--map-current-user", "--mount", "--pid", "--ipc", "--fork", "--kill-child"];
+  try {
+    const tried = Bun.spawnSync([...argv, "--mount-proc", ...(net ? ["--net"] : []), UNSHARE, "--version"], {
+      stdin: "ignore",
+      stdout: "ignore",
+      stderr: "pipe",
+      env: { PATH: "/usr/bin:/bin", LANG: "C" },
+    });
+    if (tried.exitCode === 0) return undefined;
+    const said =
+      tried.stderr
+        .toString()
+        .trim()
+        .split("\n")[0]
+        ?.replace(/^unshare: /, "") ?? "";
+    return `the kernel refused namespaces (${said || `unshare exited ${tried.exitCode ?? tried.signalCode}`})`;
+  } catch (error) {
+    return `namespaces could not be tried (${(error as Error).message})`;
+  }
+}
+
 /**
  * `dir` with the links of its last components followed (`/var/run` is
  * `/run`), without opening anything: a command may have bound the socket
@@ -5791,11 +5990,20 @@ function namespacesRefused(): string | undefined {
  */
 function directoryBehindLinks(dir: string): string | undefined {
   for (let hops = 0; hops < 8; hops++) {
-    const st = fs.lstatSync(dir, { throwIfNoEntry: false });
+    let st: fs.Stats | undefined;
+    try {
+      st = fs.lstatSync(dir, { throwIfNoEntry: false });
+    } catch {
+      return undefined; // below a directory aic may not search (another user's): no command can reach it either
+    }
     if (!st) return undefined;
     if (st.isDirectory()) return dir;
     if (!st.isSymbolicLink()) return undefined;
-    dir = path.resolve(path.dirname(dir), fs.readlinkSync(dir));
+    try {
+      dir = path.resolve(path.dirname(dir), fs.readlinkSync(dir));
+    } catch {
+      return undefined; // replaced since the lstat
+    }
   }
   return undefined;
 }
@@ -6053,6 +6261,23 @@ function pinPath(p: string, identity?: { dev: number; ino: number }): number {
   return fd;
 }
 
+/** Errors that mean a path is out of reach of the jail's init, and so of every command it starts. */
+const UNREACHABLE_ERRORS = new Set(["EACCES", "EPERM", "ENOENT", "ENOTDIR", "ELOOP"]);
+
+/**
+ * pinPath for something to hide: one the jail cannot reach (another user's
+ * directory, gone since aic looked) needs no hiding, as commands cannot reach
+ * it either, and must not keep the jail from being built.
+ */
+function pinUnlessUnreachable(p: string): number | undefined {
+  try {
+    return pinPath(p);
+  } catch (error) {
+    if (UNREACHABLE_ERRORS.has((error as NodeJS.ErrnoException).code ?? "")) return undefined;
+    throw error;
+  }
+}
+
 const JAIL_DEV_NODES = ["null", "zero", "full", "random", "urandom", "tty"];
 
 /**
@@ -6127,7 +6352,8 @@ function buildJail(plan: JailPlan): void {
   const reveals = plan.reveal.map((r) => ({ ...r, fd: pinPath(r.path, r) }));
   for (const d of plan.hideDirs) {
     const inside = reveals.filter((r) => isBeneath(r.path, d.path));
-    const fd = pinPath(d.path);
+    const fd = pinUnlessUnreachable(d.path);
+    if (fd === undefined) continue;
     try {
       const options = d.writable ? "mode=0700,size=1m" : `mode=0555,size=${inside.length ? "64k" : "4k,nr_inodes=2"}`;
       const flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | (d.writable || inside.length ? 0 : MS_RDONLY);
@@ -6141,7 +6367,8 @@ function buildJail(plan: JailPlan): void {
   const empty = pinPath("/dev/.empty");
   try {
     for (const f of plan.hideFiles) {
-      const fd = pinPath(f);
+      const fd = pinUnlessUnreachable(f);
+      if (fd === undefined) continue;
       try {
         bindReadOnly(empty, fd, f);
       } finally {
@@ -6997,7 +7224,7 @@ const SOCKET_ENV = [
 /** aic's environment minus the API key and the person's server addresses, for commands (the Shell tab keeps the latter). */
 function commandEnvironment(keep: { sockets?: boolean; sshAgent?: boolean } = {}): Record<string, string | undefined> {
   const env: Record<string, string | undefined> = { ...process.env };
-  for (const name of SECRET_ENV) delete env[name];
+  for (const name of Object.keys(env)) if (isSecretEnv(name)) delete env[name];
   if (!keep.sockets) for (const name of SOCKET_ENV) if (!(keep.sshAgent && name === "SSH_AUTH_SOCK")) delete env[name];
   return env;
 }
@@ -7055,6 +7282,8 @@ const FRAME = {
   close: 3,
   /** aic → launcher: u16 columns, u16 rows: the command's terminal is that size now (a person's pane). */
   resize: 4,
+  /** aic → launcher (id 0): aic is leaving with --keep-jobs: outlive it until no command's process is left. */
+  keep: 5,
   /** launcher → aic: confined (it got here through restrict and execve, which is the proof). */
   ready: 10,
   /** launcher → aic: i32 pid. */
@@ -7163,7 +7392,17 @@ async function runSandboxLauncher(): Promise<number> {
   } catch {
     /* started without it */
   }
-  const send = (frame: Uint8Array) => writeOut(1, frame);
+  // Once aic has gone (--keep-jobs), nobody reads: frames are dropped, never an EPIPE that ends the jail's init.
+  let aicGone = false;
+  let keep = false;
+  const send = (frame: Uint8Array) => {
+    if (aicGone) return;
+    try {
+      writeOut(1, frame);
+    } catch {
+      aicGone = true;
+    }
+  };
   // A namespace's init gets from inside only the signals it handles, and Bun handles crash signals: ignored here, a
   // `kill -SEGV 1` from a command does nothing (a real fault still ends the process, as the kernel forces it).
   if (process.pid === 1) for (const sig of INIT_IGNORED_SIGNALS) libc()?.symbols.signal(sig, SIG_IGN);
@@ -7206,10 +7445,16 @@ async function runSandboxLauncher(): Promise<number> {
       } else if (frame.kind === FRAME.close) {
         terminals.get(frame.id)?.close();
         terminals.delete(frame.id);
-      }
+      } else if (frame.kind === FRAME.keep) keep = true;
     }
   }
-  return 0; // aic has gone: the commands' terminals close with this process
+  aicGone = true;
+  // aic has gone. The jail's namespaces end with their init, so with --keep-jobs it stays until its last process ends.
+  while (keep && process.pid === 1 && childrenOf(1).some((pid) => !processInfo(pid)?.zombie)) {
+    reapAdoptedZombies();
+    await Bun.sleep(JOB_POLL_MS);
+  }
+  return 0; // the commands' terminals close with this process
 }
 
 /** A command the launcher was asked for, from aic's side. */
@@ -7230,6 +7475,8 @@ interface LauncherProcess {
   hostPid: number;
   /** Stops it if it stops answering (stopped, or gone silent with commands waiting). */
   watchdog?: ReturnType<typeof setInterval>;
+  /** It said it is confined: a launcher that ends after that is started again as it was, never weaker. */
+  ready?: boolean;
 }
 
 /** How many times the jail is swept for processes to stop before a checkpoint, and how long they may take to stop. */
@@ -7291,9 +7538,25 @@ class SandboxLauncher {
     private readonly fallback?: { argv: string[]; onRefused(why: string): void },
   ) {
     process.on("exit", () => {
+      if (this.keeping) return;
       this.live?.proc.kill("SIGKILL");
       if (this.live && this.live.hostPid !== this.live.proc.pid) signalProcess(this.live.hostPid, "SIGKILL");
     });
+  }
+
+  private keeping = false;
+
+  /** --keep-jobs: aic exits and leaves the launcher (the jail's init) to outlive it while commands' processes run. */
+  keepRunning(): void {
+    const live = this.live;
+    if (!live) return;
+    this.keeping = true;
+    try {
+      live.proc.stdin.write(encodeFrame(FRAME.keep, 0));
+      void live.proc.stdin.flush();
+    } catch {
+      /* gone already: nothing to keep */
+    }
   }
 
   /** The launcher's pid in aic's view while it runs: every orphan in the jail becomes its child. */
@@ -7304,7 +7567,14 @@ class SandboxLauncher {
   /** Starts the launcher unless one runs; resolves once it is confined (undefined) or with why it is not. */
   start(): Promise<string | undefined> {
     if (this.live && !this.starting) return Promise.resolve(undefined);
-    return (this.starting ??= this.launch().finally(() => (this.starting = undefined)));
+    return (this.starting ??= this.launchOrFallBack().finally(() => (this.starting = undefined)));
+  }
+
+  /** A jail that could not be built degrades to Landlock alone at once: the command that waited runs there. */
+  private async launchOrFallBack(): Promise<string | undefined> {
+    const wasJailed = this.jailed;
+    const why = await this.launch();
+    return why && wasJailed && !this.jailed ? this.launch() : why;
   }
 
   private launch(): Promise<string | undefined> {
@@ -7360,8 +7630,10 @@ class SandboxLauncher {
     try {
       for await (const chunk of proc.stdout)
         for (const frame of reader.push(chunk)) {
-          if (frame.kind === FRAME.ready) ready();
-          else this.dispatch(live, frame);
+          if (frame.kind === FRAME.ready) {
+            live.ready = true;
+            ready();
+          } else this.dispatch(live, frame);
         }
     } catch (error) {
       broken = (error as Error).message;
@@ -7380,7 +7652,8 @@ class SandboxLauncher {
     }
     await proc.exited;
     const said = (await new Response(proc.stderr).text()).trim().replace(/^aic (sandbox|jail): /, "");
-    if (this.jailed && this.fallback && exitCodeOf(proc) === JAIL_REFUSED_EXIT) {
+    // Whatever kept the jail from being built (namespaces refused, a mount the container forbids), commands still run.
+    if (this.jailed && this.fallback && !live.ready) {
       this.argv = this.fallback.argv;
       this.jailed = false;
       this.fallback.onRefused(said);
@@ -7630,9 +7903,9 @@ class OutputStore {
     this.onDirectory(undefined);
   }
 
-  /** At exit: a session keeps its outputs; otherwise nothing refers to them any more. */
-  close(): void {
-    if (this.persistent) this.dir?.close();
+  /** At exit: a session keeps its outputs, and --keep-jobs the logs the end names; otherwise nothing refers to them. */
+  close(keep = false): void {
+    if (this.persistent || keep) this.dir?.close();
     else this.dir?.remove();
     this.dir = undefined;
   }
@@ -7820,7 +8093,52 @@ function tameEmulator(term: XTerm): XTerm {
   };
   cap(["b", "@", "P", "X", "Z", "I"], MAX_CHARACTER_COUNT);
   cap(["S", "T", "L", "M"], MAX_LINE_COUNT);
+  const handler = guardSequenceHandlers(term);
+  // xterm 6.0's "erase above" (CSI 1 J) with the cursor in the last cell of a screen that has not scrolled yet reads
+  // a line past the buffer and throws: 12 bytes of output ended aic. There it erases the whole screen, as ED 2 does.
+  for (const prefix of [undefined, "?"])
+    term.parser.registerCsiHandler({ prefix, final: "J" }, (params) => {
+      const buffer = term.buffer.active;
+      const lastCell = buffer.cursorX >= term.cols - 1 && buffer.cursorY + 1 >= buffer.length;
+      if (Number(params[0]) !== 1 || !lastCell || !handler) return false;
+      handler.eraseInDisplay({ params: [2] }, prefix === "?");
+      return true;
+    });
   return term;
+}
+
+/** The emulator's handler of parsed sequences: xterm keeps it private, so it is reached by name and may be missing. */
+interface SequenceHandler {
+  eraseInDisplay(params: { params: number[] }, selective: boolean): boolean;
+}
+
+/**
+ * Every method of xterm's sequence handler, made unable to throw: a sequence
+ * that trips a bug in the emulator is dropped (what it had drawn so far
+ * stays), never an exception that ends aic or wedges the emulator's queue.
+ * The fuzz test (tests/emulator-fuzz.test.ts) feeds it what a hostile command prints.
+ */
+function guardSequenceHandlers(term: XTerm): SequenceHandler | undefined {
+  const handler = (term as unknown as { _core?: { _inputHandler?: object } })._core?._inputHandler;
+  if (!handler) return undefined;
+  const own = handler as Record<string, unknown>;
+  for (
+    let proto = Object.getPrototypeOf(handler);
+    proto && proto !== Object.prototype;
+    proto = Object.getPrototypeOf(proto)
+  )
+    for (const name of Object.getOwnPropertyNames(proto)) {
+      const method = Object.getOwnPropertyDescriptor(proto, name)?.value;
+      if (name === "constructor" || typeof method !== "function" || Object.hasOwn(own, name)) continue;
+      own[name] = function (this: unknown, ...args: unknown[]) {
+        try {
+          return (method as (...a: unknown[]) => unknown).apply(this, args);
+        } catch {
+          return true;
+        }
+      };
+    }
+  return typeof own.eraseInDisplay === "function" ? (handler as SequenceHandler) : undefined;
 }
 
 /**
@@ -8954,7 +9272,7 @@ interface Job {
   startedAt: number;
   endedAt?: number;
   exitCode: number | null;
-  state: "running" | "ended" | "killed" | "stopped_at_exit" | "refused";
+  state: "running" | "ended" | "killed" | "stopped_at_exit" | "kept_at_exit" | "refused";
   /** The model has been told this job ended. */
   told: boolean;
 }
@@ -9241,6 +9559,33 @@ class JobTable {
     for (const job of running) this.finish(job, "stopped_at_exit");
     if (this.timer) clearInterval(this.timer);
     this.timer = undefined;
+  }
+
+  /**
+   * With --keep-jobs, what aic leaves running if it exits now: each running
+   * job (pid as the person sees it), and how many other processes of the
+   * run's commands live (daemons that left their session, helpers).
+   */
+  kept(): { jobs: { pid: number; command: string; log: string }[]; others: number } {
+    if (this.running.length) this.poll();
+    const running = this.running;
+    const inJobs = new Set(running.flatMap((job) => [...job.groups]));
+    const ours = `${process.pid}.`;
+    const others = allProcesses().filter(
+      (p) => !p.zombie && !inJobs.has(p.pgid) && jobMarkerOf(p.pid)?.startsWith(ours),
+    ).length;
+    return { jobs: running.map((job) => ({ pid: job.pid, command: job.command, log: job.terminal.path })), others };
+  }
+
+  /** --keep-jobs at exit: nothing is stopped; the jobs are recorded as left running. */
+  keepAll(): void {
+    liveJobTables.delete(this);
+    if (this.timer) clearInterval(this.timer);
+    this.timer = undefined;
+    for (const job of this.running) {
+      job.state = "kept_at_exit";
+      job.endedAt = Date.now();
+    }
   }
 
   /** The lines every tool result ends with: each running job, and each that ended since the last result. */
@@ -13011,6 +13356,9 @@ async function finishObservation(
   let content = observed.kind === "ended" ? describeCommandResult(result, o.config.limits) : waitingMessage(observed);
   if (note) content = `${note}\n${content}`;
   if (changed && changedFilesNote(changed)) content += `\n${changedFilesNote(changed)}`;
+  // Whatever the exit code: a pipeline (`apt-get install … | tail`) hides the failure's.
+  const refused = sandboxRefusals(result.output, o.sandbox, ctx.cwd());
+  if (refused.length) content += `\n${sandboxRefusalMessage(refused)}`;
   const disarmed = o.sandbox.auditRepositories();
   if (disarmed.length) {
     content += `\n${disarmedMessage(disarmed)}`;
@@ -13665,6 +14013,48 @@ class StallWatch {
   }
 }
 
+/** How a command's result says it ran (or still runs): any status but a refusal to start or a decision not to run. */
+const COMMAND_RAN = new Set<string>([
+  "exited",
+  "timed_out",
+  "waiting_for_input",
+  "waiting_on_time",
+  "runaway",
+  "stopped",
+  "interrupted",
+] satisfies (CommandStatus | "waiting_on_time")[]);
+
+function keptFields(kept: ReturnType<JobTable["kept"]>): { kept: typeof kept.jobs; kept_others: number } {
+  return { kept: kept.jobs, kept_others: kept.others };
+}
+
+/**
+ * Whether a run's commands could start at all (the sandbox, the launcher or
+ * the shell failing): a run cannot end in success on the marker while the
+ * last command it tried never started, nor end quietly when none ever did.
+ */
+class StartWatch {
+  private ran = false;
+  private notStarted: string | undefined;
+
+  seen(e: AgentEvent): void {
+    if (e.type !== "command_result") return;
+    if (e.status === "not_started") this.notStarted = e.output.split("\n")[0] || "the command could not start";
+    else if (COMMAND_RAN.has(e.status)) {
+      this.ran = true;
+      this.notStarted = undefined;
+    }
+  }
+
+  /** The cause, when `status` must become `failed`. */
+  blocks(status: RunStatus): string | undefined {
+    if (!this.notStarted) return undefined;
+    if (status === "completed") return this.notStarted;
+    const gaveUp: RunStatus[] = ["stalled", "step_limit", "answered", "unverified", "token_budget", "time_budget"];
+    return !this.ran && gaveUp.includes(status) ? this.notStarted : undefined;
+  }
+}
+
 // ════════════════════════════════════════════════════════════════════════════
 // Agent loop: the agent
 // Owns: the ralph loop — history, steering suggestions, compression at the start
@@ -13700,6 +14090,7 @@ class Agent {
   private refused = 0;
   /** Whether the model is going round in circles (tool-less replies, the same command and result again). */
   private stall = new StallWatch();
+  private starts = new StartWatch();
   /** The command the model is at the keyboard of, kept across its calls (ended with the run). */
   private readonly waiting: { current: WaitingCommand | undefined } = { current: undefined };
   private readonly compression: CompressionPolicy;
@@ -13879,6 +14270,7 @@ class Agent {
   }
 
   private emit(e: AgentEvent): void {
+    this.starts.seen(e);
     this.o.sink.emit(e);
   }
 
@@ -13893,12 +14285,13 @@ class Agent {
     if (this.messages.length === 0)
       this.messages.push({ role: "system", content: systemContent(this.basePrompt, this.summary) });
     else this.refreshSystemPrompt();
-    const requestMessage: Message = { role: "user", content: request };
+    const requestMessage: Message = stamped({ role: "user", content: request });
     this.messages.push(requestMessage);
     this.model.newRun();
     this.refusedClaims = 0;
     this.refused = 0;
     this.stall = new StallWatch();
+    this.starts = new StartWatch();
     // A new request moves the conversation on: what was undone before it stays undone.
     if (this.o.checkpoints) this.o.checkpoints.redo = [];
     this.verified = false;
@@ -13967,7 +14360,13 @@ class Agent {
       time_budget: `the time budget is spent (--max-time ${this.o.config.maxTime} s): the run was stopped and the session saved`,
       stalled: `the model is going round in circles (${this.stall.reason}): the run was stopped and the session saved`,
     };
-    if (limits[status]) this.emit({ type: "warning", text: limits[status] });
+    const limit = limits[status];
+    if (limit) this.emit({ type: "warning", text: limit });
+    const notStarted = this.starts.blocks(status);
+    if (notStarted) {
+      this.emit({ type: "error", message: `no command could be run, so the task cannot be done: ${notStarted}` });
+      status = "failed";
+    }
     let exitCode = status === "stopped" ? this.stopExitCode : EXIT_FOR_STATUS[status];
     if (exitCode === EXIT.ok && this.refused > 0 && this.o.config.failOnRefusal) exitCode = EXIT.needsApproval;
     const last = [...this.messages].reverse().find((m) => m.role === "assistant");
@@ -13982,6 +14381,8 @@ class Agent {
       session_id: this.o.sessionId(),
       refused: this.refused,
       result: contentText(last?.content).split(MARKER).join("").trim(),
+      ...(notStarted ? { reason: "commands_not_started" as const } : {}),
+      ...(this.o.config.keepJobs ? keptFields(this.o.jobs.kept()) : {}),
     });
     return { status, exitCode };
   }
@@ -14011,8 +14412,14 @@ class Agent {
 
   /** Stores the assistant turn and acts on it; returns a final status, or undefined to go on. */
   private async handleTurn(turn: AssistantTurn, signal: AbortSignal): Promise<RunStatus | undefined> {
-    const message: Message = { role: "assistant", content: turn.content || (turn.toolCalls.length ? null : "") };
+    const message: Message = stamped({
+      role: "assistant",
+      content: turn.content || (turn.toolCalls.length ? null : ""),
+    });
     if (turn.toolCalls.length) message.tool_calls = turn.toolCalls;
+    // Kept in the provider's own field: thinking models that call tools refuse the next request without it.
+    if (turn.reasoning) message[turn.reasoningField ?? "reasoning_content"] = turn.reasoning;
+    if (turn.usage) message.aic_usage = turn.usage;
     if (this.messages[this.messages.length - 1]?.role === "assistant") this.messages.pop();
     this.messages.push(message);
     if (turn.reasoning) this.emit({ type: "reasoning", text: turn.reasoning });
@@ -14110,7 +14517,7 @@ class Agent {
   /** Every tool result ends with the background jobs' lines: those running, and those that ended since the last. */
   private answer(id: string, content: string): void {
     const jobs = this.o.jobs.report();
-    this.messages.push({ role: "tool", tool_call_id: id, content: jobs ? `${content}\n${jobs}` : content });
+    this.messages.push(stamped({ role: "tool", tool_call_id: id, content: jobs ? `${content}\n${jobs}` : content }));
     this.checkpoint("tool_result");
   }
 
@@ -14331,6 +14738,11 @@ function announceStart(
     request: o.request,
   });
   for (const report of prepared.rules.reports) sink.emit({ type: "warning", text: report });
+  if (config.keepJobs)
+    sink.emit({
+      type: "info",
+      text: "--keep-jobs: what commands leave running stays running after aic exits; the repository guard and the command rules no longer watch it then",
+    });
 }
 
 /**
@@ -14437,12 +14849,15 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
       if (closed) return;
       closed = true;
       // Jobs first, so the session records how each of them ended.
-      jobs.stopAll();
+      if (config.keepJobs) {
+        jobs.keepAll();
+        prepared.sandbox.keepRunning();
+      } else jobs.stopAll();
       const disarmed = prepared.sandbox.auditRepositories(true);
       if (disarmed.length) front.sink.emit({ type: "warning", text: disarmedMessage(disarmed) });
       agent.checkpoint(reason);
       session?.release();
-      outputs.close();
+      outputs.close(config.keepJobs);
       checkpoints?.dispose();
       workDir.close();
     },
@@ -17822,6 +18237,8 @@ interface AtifMetrics {
 
 interface AtifStep {
   step_id: number;
+  /** When the message was made, where the session recorded it. */
+  timestamp?: string;
   source: "system" | "user" | "agent";
   message: string;
   /** Agent steps only (ATIF forbids these on system and user steps). */
@@ -18029,17 +18446,18 @@ function stepsOf(messages: readonly Message[], model: string | null): AtifStep[]
 
 function stepOf(m: Message, stepId: number, model: string | null): AtifStep | undefined {
   const message = atifText(m.content);
-  if (m.role === "system") return message ? { step_id: stepId, source: "system", message } : undefined;
-  if (m.role === "user") return { step_id: stepId, source: "user", message };
+  const at = typeof m.aic_at === "string" && !Number.isNaN(Date.parse(m.aic_at)) ? { timestamp: m.aic_at } : {};
+  if (m.role === "system") return message ? { step_id: stepId, ...at, source: "system", message } : undefined;
+  if (m.role === "user") return { step_id: stepId, ...at, source: "user", message };
   if (m.role !== "assistant") return undefined;
-  const step: AtifStep = { step_id: stepId, source: "agent", message, model_name: model };
+  const step: AtifStep = { step_id: stepId, ...at, source: "agent", message, model_name: model };
   const reasoning = reasoningOf(m);
   if (reasoning) step.reasoning_content = reasoning;
   if (m.tool_calls?.length) {
     step.tool_calls = m.tool_calls.map(atifToolCall);
     step.observation = { results: [] };
   }
-  const metrics = metricsOf(m.usage);
+  const metrics = metricsOf(m.aic_usage ?? m.usage);
   if (metrics) step.metrics = metrics;
   return step;
 }
@@ -18203,6 +18621,8 @@ export {
   Tui,
   keyToBytes,
   loadXterm,
+  tameEmulator,
+  ConsoleStream,
   JsonSink,
   MarkerFilter,
   PlainSink,

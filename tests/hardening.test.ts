@@ -162,15 +162,20 @@ describe("never hangs, never hides", () => {
     expect(run.stderr).toContain("--timeout");
   });
 
-  // A command that cannot even start is reported to the model, and the run goes on.
+  // A command that cannot even start is reported to the model, and the run goes on; but a claim of completion right
+  // after it is no success (README: "Exit codes").
   test("a command that cannot start becomes a tool result, not the end of the run", async () => {
     const dir = join(scratch(), "doomed");
     mkdirSync(dir);
     const srv = fixtures.serve([bash(`rmdir "${dir}"; echo gone`), bash("echo after"), { content: "TASKCOMPLETE" }]);
-    const run = await runAic([...headless(srv.url), "--auto-approve", "--disable-sandbox", "go"], { cwd: dir });
-    expect(run.code).toBe(0);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--disable-sandbox", "--json", "go"], {
+      cwd: dir,
+    });
     expect(srv.requests.length).toBe(3);
     expect(toolResults(srv).at(-1)).toContain("Command could not be started");
+    const end = jsonLines(run.stdout).find((e) => e.type === "end");
+    expect(run.code).toBe(1);
+    expect(end).toMatchObject({ status: "failed", exit_code: 1, reason: "commands_not_started" });
   });
 });
 

@@ -67,6 +67,11 @@ const rendered: Record<keyof typeof T, string> = {
     "ls *",
     "git status",
   ]),
+  sandboxRefusalMessage: T.sandboxRefusalMessage([
+    { path: "/var/lib/dpkg/lock-frontend", why: "write", detail: "/work/proj, /tmp, /dev and the package caches" },
+    { path: "/home/p/.aws/credentials", why: "secret", detail: "/home/p/.aws; --allow-read-secrets lifts it" },
+    { path: "/usr/bin/curl", why: "exec", detail: "curl" },
+  ]),
   CONTINUE_MESSAGE: T.CONTINUE_MESSAGE,
   SUMMARISER_SYSTEM: T.SUMMARISER_SYSTEM,
   summariserRequest: JSON.stringify(

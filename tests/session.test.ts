@@ -321,14 +321,19 @@ describe("file format", () => {
     expect(doc.step_count).toBe(2);
     expect(doc.usage).toEqual({ input_tokens: 200, output_tokens: 20, cached_tokens: 60, billable_tokens: 160 });
     expect(doc.messages.map((m: any) => m.role)).toEqual(["system", "user", "assistant", "tool", "assistant"]);
-    expect(doc.messages[1]).toEqual({ role: "user", content: "say hi" });
+    expect(doc.messages[1]).toEqual({ role: "user", content: "say hi", aic_at: expect.any(String) });
+    expect(Date.parse(doc.messages[1].aic_at)).toBeGreaterThan(0);
     expect(doc.messages[2].tool_calls[0].id).toBe("c_hi");
     expect(doc.messages[3]).toEqual({
       role: "tool",
       tool_call_id: "c_hi",
       content: "Command executed with exit code 0.\nOutput:\nhi",
+      aic_at: expect.any(String),
     });
     expect(doc.messages[4].content).toBe("TASKCOMPLETE");
+    // aic's own fields never reach the model.
+    for (const req of srv.requests)
+      for (const m of req.body.messages) expect(Object.keys(m).filter((k) => k.startsWith("aic_"))).toEqual([]);
     expect(doc.messages[0].content).toBe(srv.requests[0]!.body.messages[0].content);
 
     expect(statSync(session).mode & 0o777).toBe(0o600);
@@ -476,7 +481,7 @@ describe("one file per live instance (locking)", () => {
     const fileOf = (n: string, task: string, instance: number) => {
       const doc = observe(join(cwd, n), `instance ${instance} waiting`);
       expect(doc.instance_number).toBe(instance);
-      expect(doc.messages.at(-1)).toEqual({ role: "user", content: task });
+      expect(doc.messages.at(-1)).toEqual({ role: "user", content: task, aic_at: expect.any(String) });
     };
     fileOf(".aicsession", "task A", 1);
     fileOf(".aicsession2", "task B", 2);
