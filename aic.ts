@@ -74,12 +74,18 @@ const UNREACHABLE_FIRST_ATTEMPTS = 3;
 
 const UNREACHABLE_FIRST_WAIT_MS = 500;
 
-/** The SDK's limit for a request before its headers arrive; the stream's own silence limit is STREAM_IDLE_MS. */
-const MODEL_REQUEST_TIMEOUT_MS = 10 * 60 * 1000;
+/**
+ * How long a request may wait for its first chunk (headers, then a local server reading a long prompt can take
+ * many minutes); between chunks the limit is STREAM_IDLE_MS. AIC_MODEL_REQUEST_TIMEOUT_MS shortens it (tests).
+ */
+const MODEL_REQUEST_TIMEOUT_MS =
+  Number(process.env.AIC_MODEL_REQUEST_TIMEOUT_MS) > 0
+    ? Number(process.env.AIC_MODEL_REQUEST_TIMEOUT_MS)
+    : 10 * 60 * 1000;
 
 const BACKOFF_CAP_MS = 60_000;
 
-/** Silence from a model stream (before the first chunk or between two) after which the attempt counts as failed. */
+/** Silence from a model stream between two chunks after which the attempt counts as failed. */
 const STREAM_IDLE_MS = Number(process.env.AIC_STREAM_IDLE_MS) > 0 ? Number(process.env.AIC_STREAM_IDLE_MS) : 300_000;
 
 const COMMAND_COLUMNS = 160;
@@ -193,6 +199,19 @@ interface Config {
   limits: CommandLimits;
   /** Derived once from the flags: the session file this run uses (--session, else .aicsession in the TUI, else none). */
   sessionPath: string | undefined;
+  /** Derived at start from the server's context window, when it says one (undefined: the flags alone decide). */
+  window?: ServerWindow;
+  /** --max-prompt-len was given (on the command line or in the config file), not the default. */
+  budgetGiven?: boolean;
+}
+
+/** The context window a server says it runs the model with, and the answer's share of it. */
+interface ServerWindow {
+  tokens: number;
+  /** The URL that said so. */
+  endpoint: string;
+  /** max_tokens: what aic asks the model to answer at most, fitted inside the window with the prompt. */
+  replyTokens: number;
 }
 
 /** What bounds one command, derived once from the flags. */
@@ -622,7 +641,10 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
     if (value === undefined) throw new UsageError(`${name} needs a value`);
     given.set(spec, spec.kind === "header" || spec.kind === "paths" ? [...(given.get(spec) ?? []), value] : [value]);
   }
-  const c = configFromFlags(given, env, readConfigFile(env), () => recordedEndpoint(sessionToResume(given)));
+  const file = readConfigFile(env);
+  const c = configFromFlags(given, env, file, () => recordedEndpoint(sessionToResume(given)));
+  const budgetFlag = FLAGS.find((f) => f.name === "--max-prompt-len")!;
+  c.budgetGiven = given.has(budgetFlag) || file.values.has(budgetFlag);
   if (c.json && !c.nogui) throw new UsageError("--json needs --nogui");
   // One of the two from the config file, the other on the command line: the command line wins.
   const onLine = (name: string) => given.has(FLAGS.find((f) => f.name === name)!);
@@ -819,8 +841,15 @@ function modelProfile(config: Pick<Config, "model"> & Partial<Pick<Config, "apiB
 }
 
 /** Budget for the prompt: the answer aic asks for is reserved inside the context window. */
-function promptBudget(config: Pick<Config, "maxPromptLen" | "model"> & Partial<Pick<Config, "apiBase">>): number {
-  return Math.max(0, config.maxPromptLen - (modelProfile(config).maxTokens ?? 0));
+function promptBudget(
+  config: Pick<Config, "maxPromptLen" | "model"> & Partial<Pick<Config, "apiBase" | "window">>,
+): number {
+  return Math.max(0, config.maxPromptLen - replyReserve(config));
+}
+
+/** The answer's reserve: from the server's window when it said one, else the model profile's. */
+function replyReserve(config: Pick<Config, "model"> & Partial<Pick<Config, "apiBase" | "window">>): number {
+  return config.window?.replyTokens ?? modelProfile(config).maxTokens ?? 0;
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -1161,10 +1190,29 @@ interface PromptFacts {
   cwd: string;
   /** Commands see CI=true. */
   ciEnv: boolean;
+  /** The run's wall-clock budget in seconds (--max-time), which the model is told and reminded of. */
+  maxTime?: number;
+}
+
+/** The time left of a --max-time budget, as the last line of every tool result. */
+function timeLeftLine(leftMs: number, totalSec: number): string {
+  return `[time left: ${durationWords(Math.max(0, leftMs))} of ${durationWords(totalSec * 1000)}]`;
+}
+
+/** 750 s as "12 min 30 s", 30 s as "30 s", 3600 s as "1 h". */
+function durationWords(ms: number): string {
+  const total = Math.round(ms / 1000);
+  const [h, m, sec] = [Math.floor(total / 3600), Math.floor((total % 3600) / 60), total % 60];
+  const parts = [h ? `${h} h` : "", m ? `${m} min` : "", sec || total === 0 ? `${sec} s` : ""];
+  return parts.filter(Boolean).join(" ");
 }
 
 function buildSystemPrompt(f: PromptFacts): string {
   const s = f.sandbox;
+  const clock =
+    f.maxTime === undefined
+      ? ""
+      : ` The whole task has a time budget of ${durationWords(f.maxTime * 1000)} (wall clock, from the user's request): when it is spent the run is stopped wherever it is. Every tool result ends with the time left; plan for it, keep commands short, and finish (or leave the work in a usable state) before it runs out.`;
   const caches = s.caches.length ? ` (the package-manager caches among them, so installing dependencies works)` : "";
   const secrets = s.secrets.length
     ? ` Files in the usual secret stores (${s.secrets.join(", ")}) cannot be read at all${s.jail === "namespaces" ? " (those directories look empty)" : ""}.`
@@ -1178,7 +1226,7 @@ function buildSystemPrompt(f: PromptFacts): string {
       ? ""
       : `To search the web run: ${f.selfCommand} search "QUERY" (it prints a JSON array of {title, href, body}). To read a page, fetch it with curl -sL or wget -qO-.`;
   const capRule = `Each command's output reaches you capped at ${f.maxOutputBytes} bytes. When it is longer you get its head and tail, a line naming a file that holds the whole output, and the final line "${TRUNCATION_SENTINEL}". When you see that, do not re-run the command: read the saved file in slices (sed -n '100,200p', head -c, tail -c) or search it with grep and wc. For commands you expect to be long, redirect their output to a file yourself and read it the same way.`;
-  const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds. Start long-running work (a server, a long build) in the background with & and its output redirected (cmd > log 2>&1 &): it keeps running after your command returns, as a background job (at most ${MAX_JOBS} at once), and every later tool result ends with a line per job saying whether it still runs and the exact command that stops it. Poll its log; stop it with that command when you are done with it. Otherwise split the work into smaller steps or bound it with timeout.`;
+  const timeoutRule = `Each command is killed after ${f.timeoutSec} seconds (its result then says it timed out). Start long-running work (a server, a long build) in the background with & and its output redirected (cmd > log 2>&1 &): it keeps running after your command returns, as a background job (at most ${MAX_JOBS} at once), and every later tool result ends with a line per job saying whether it still runs and the exact command that stops it. Poll its log; stop it with that command when you are done with it. Otherwise split the work into smaller steps or bound it with timeout.${clock}`;
   const shellName = path.basename(f.shell);
   const shellRule = `Every command runs in ${shellName} (${f.shell} -c), in a fresh shell that starts in ${f.cwd}: a cd or an export does not carry over to the next command, so chain steps with && or give paths from there.${f.ciEnv ? " Commands see CI=true, so test runners run once instead of watching, and tools do not prompt." : ""}`;
   const doneWhen = f.doneWhen
@@ -1548,6 +1596,7 @@ const MODEL_TEXTS = {
   unseenCommandMessage,
   needsPersonMessage,
   sandboxRefusalMessage,
+  timeLeftLine,
   CONTINUE_MESSAGE,
   SUMMARISER_SYSTEM,
   summariserRequest,
@@ -1623,6 +1672,8 @@ type AgentEvent =
       api_base: string;
       cwd: string;
       sandbox: SandboxFacts;
+      /** The prompt budget, and where it came from (the server's window, --max-prompt-len, or the default). */
+      budget: BudgetFacts;
       /** The command rules file in force, or null when there is none. */
       rules: string | null;
       session: string | null;
@@ -1637,6 +1688,8 @@ type AgentEvent =
   | { type: "assistant"; content: string; tool_calls: { id: string; name: string; arguments: string }[] }
   | { type: "reasoning"; text: string }
   | { type: "retry"; attempt: number; wait_ms: number; reason: string }
+  /** Waiting for the model's first chunk (a local server reading the prompt); llama.cpp says how far it has read. */
+  | { type: "model_wait"; elapsed_ms: number; prompt_progress?: { processed: number; total: number } }
   | { type: "discarded"; reason: string }
   | { type: "context"; estimate: number; budget: number }
   | { type: "command"; id: string; command: string }
@@ -1918,6 +1971,12 @@ function describeEvent(e: AgentEvent): EventLine[] {
       return [
         ...agent("dim", `aic ${VERSION} · model ${e.model} · ${e.api_base} · ${e.cwd}`),
         ...agent(e.sandbox.enabled ? "ok" : "error", `Sandbox: ${e.sandbox.status}`),
+        ...(e.budget.window === null
+          ? []
+          : agent(
+              "dim",
+              `Context: the server runs the model with ${e.budget.window} tokens (${e.budget.endpoint}): prompts up to ${e.budget.prompt_tokens}, answers up to ${e.budget.max_tokens}`,
+            )),
       ];
     case "info":
       return agent("dim", e.text);
@@ -1927,6 +1986,11 @@ function describeEvent(e: AgentEvent): EventLine[] {
       return agent("error", `error: ${e.message}`);
     case "retry":
       return agent("warning", `model request failed (${e.reason}); retry ${e.attempt} in ${waitText(e.wait_ms)}`);
+    case "model_wait": {
+      const p = e.prompt_progress;
+      const read = p && p.total ? `; read ${p.processed} of ${p.total} prompt tokens` : "";
+      return agent("dim", `waiting for the model (prefill) ${waitText(e.elapsed_ms)}${read}`);
+    }
     case "discarded":
       return agent("warning", `the model's attempt failed (${e.reason}); its partial answer was discarded`);
     case "command":
@@ -2825,6 +2889,175 @@ interface StreamCallbacks {
   onThinkingComplete?(): void;
 }
 
+/** A call the model wrote as text: the function's name and its arguments, as one format spells them. */
+interface WrittenCall {
+  name: unknown;
+  args: unknown;
+}
+
+/**
+ * The formats in which open models write tool calls when the server's
+ * parser misses them (the reply then arrives as plain content): each matches
+ * markup at the very end of the reply and reads the calls in it.
+ */
+const WRITTEN_CALL_FORMATS: { name: string; at: RegExp; read(markup: string): WrittenCall[] | undefined }[] = [
+  {
+    // Qwen3-Coder: <tool_call><function=NAME><parameter=KEY>VALUE</parameter>…</function></tool_call>
+    name: "Qwen3-Coder XML",
+    at: /(?:<tool_call>\s*)?<function=[\s\S]*<\/function>\s*(?:<\/tool_call>\s*)?$/,
+    read: (markup) =>
+      [...markup.matchAll(/<function=([\w.-]+)>([\s\S]*?)<\/function>/g)].map((f) => ({
+        name: f[1],
+        args: Object.fromEntries(
+          [...f[2]!.matchAll(/<parameter=([\w.-]+)>\n?([\s\S]*?)\n?<\/parameter>/g)].map((p) => [p[1], p[2]]),
+        ),
+      })),
+  },
+  {
+    // Hermes and Qwen2.5: <tool_call>{"name": …, "arguments": …}</tool_call>, one block per call.
+    name: "Hermes JSON",
+    at: /(?:<tool_call>\s*\{[\s\S]*?\}\s*<\/tool_call>\s*)+$/,
+    read: (markup) =>
+      [...markup.matchAll(/<tool_call>\s*(\{[\s\S]*?\})\s*<\/tool_call>/g)].map((m) => {
+        const call = record(parseJsonOrUndefined(m[1]!));
+        return { name: call.name, args: call.arguments ?? call.parameters };
+      }),
+  },
+  {
+    // Mistral, newer: [TOOL_CALLS]NAME[ARGS]{…}, repeated per call.
+    name: "Mistral [ARGS]",
+    at: /(?:\[TOOL_CALLS\][\w.-]+\[ARGS\]\{[\s\S]*?\}\s*)+$/,
+    read: (markup) =>
+      [...markup.matchAll(/\[TOOL_CALLS\]([\w.-]+)\[ARGS\](\{[\s\S]*?\})(?=\s*(?:\[TOOL_CALLS\]|$))/g)].map((m) => ({
+        name: m[1],
+        args: parseJsonOrUndefined(m[2]!),
+      })),
+  },
+  {
+    // Mistral: [TOOL_CALLS][{"name": …, "arguments": …}, …]
+    name: "Mistral JSON",
+    at: /\[TOOL_CALLS\]\s*\[[\s\S]*\]\s*$/,
+    read: (markup) => {
+      const list = parseJsonOrUndefined(markup.slice(markup.indexOf("[", 1)).trim());
+      return Array.isArray(list) ? list.map(record).map((c) => ({ name: c.name, args: c.arguments })) : undefined;
+    },
+  },
+  {
+    // Llama 3.x: <|python_tag|>{"name": …, "parameters": …}, perhaps ending in <|eom_id|> or <|eot_id|>.
+    name: "Llama python_tag",
+    at: /<\|python_tag\|>\s*\{[\s\S]*\}\s*(?:<\|eom_id\|>|<\|eot_id\|>)?\s*$/,
+    read: (markup) => {
+      const body = markup.replace(/^<\|python_tag\|>/, "").replace(/<\|eo[mt]_id\|>\s*$/, "");
+      const call = record(parseJsonOrUndefined(body.trim()));
+      return [{ name: call.name, args: call.parameters ?? call.arguments }];
+    },
+  },
+];
+
+function parseJsonOrUndefined(text: string): unknown {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return undefined;
+  }
+}
+
+/** Whether `at` in `text` lies inside a Markdown code fence (an odd number of ``` lines before it). */
+function insideCodeFence(text: string, at: number): boolean {
+  return (text.slice(0, at).match(/^\s*```/gm)?.length ?? 0) % 2 === 1;
+}
+
+/**
+ * A reply without tool calls whose text ends in calls to execute_bash in a
+ * format an open model writes (its server's parser missed them) becomes a
+ * turn with those calls, the markup gone from its text. Only the model's own
+ * words count: markup inside a code fence, followed by more text, calling
+ * another function or with arguments that are not a command stays text.
+ */
+function rescueWrittenCalls(turn: AssistantTurn): AssistantTurn {
+  if (turn.toolCalls.length || !turn.content.trim()) return turn;
+  for (const format of WRITTEN_CALL_FORMATS) {
+    const found = format.at.exec(turn.content);
+    if (!found || insideCodeFence(turn.content, found.index)) continue;
+    const calls = format.read(found[0]);
+    const valid = calls?.length ? calls.map(writtenExecuteBash) : [];
+    if (!valid.length || valid.some((c) => c === undefined)) continue;
+    const stamp = Date.now().toString(36);
+    return {
+      ...turn,
+      content: turn.content.slice(0, found.index).trimEnd(),
+      toolCalls: (valid as string[]).map((args, i) => ({
+        id: `call_text_${stamp}_${i + 1}`,
+        type: "function",
+        function: { name: EXECUTE_BASH_TOOL.function.name, arguments: args },
+      })),
+      finishReason: "tool_calls",
+    };
+  }
+  return turn;
+}
+
+/** A written call's arguments as JSON text, if it calls execute_bash with a command or input. */
+function writtenExecuteBash(call: WrittenCall): string | undefined {
+  if (call.name !== EXECUTE_BASH_TOOL.function.name) return undefined;
+  const args = typeof call.args === "string" ? parseJsonOrUndefined(call.args) : call.args;
+  const a = record(args);
+  const command = typeof a.command === "string" ? a.command : undefined;
+  const input = typeof a.input === "string" ? a.input : undefined;
+  if (!command && !input) return undefined;
+  return JSON.stringify(command ? { command } : { input });
+}
+
+/** The error for a stream that went silent: before its first chunk (the request's limit), or between two. */
+function silence(beforeFirstChunk: boolean): ModelError {
+  return new ModelError(
+    beforeFirstChunk
+      ? `no answer from the model within ${MODEL_REQUEST_TIMEOUT_MS / 1000} s`
+      : `no data from the model for ${STREAM_IDLE_MS / 1000} s`,
+    "retry",
+  );
+}
+
+/**
+ * The wait for a model's first chunk, which on a local server reading a long
+ * prompt takes minutes: a `model_wait` event after 1 s and every 10 s, and at
+ * each change of llama.cpp's prompt progress (chunks that carry only it).
+ */
+class PrefillWatch {
+  private readonly startedAt = Date.now();
+  private readonly ticker: ReturnType<typeof setInterval>;
+  private shownPercent = -1;
+  waiting = true;
+
+  constructor(private readonly emit: (e: AgentEvent) => void) {
+    this.ticker = setInterval(() => {
+      const seconds = Math.round((Date.now() - this.startedAt) / 1000);
+      if (seconds === 1 || seconds % 10 === 0)
+        this.emit({ type: "model_wait", elapsed_ms: Date.now() - this.startedAt });
+    }, 1000);
+    this.ticker.unref?.();
+  }
+
+  /** A chunk that only says how far the server has read the prompt: shown, and not the answer's first chunk. */
+  sawProgress(chunk: { choices?: unknown[]; prompt_progress?: Record<string, unknown> }): boolean {
+    const p = chunk.prompt_progress;
+    if (!this.waiting || !p || chunk.choices?.length) return false;
+    const processed = positiveInt(p.processed) ?? 0;
+    const total = positiveInt(p.total) ?? 0;
+    const percent = total ? Math.floor((processed / total) * 100) : 0;
+    if (percent !== this.shownPercent) {
+      this.shownPercent = percent;
+      this.emit({ type: "model_wait", elapsed_ms: Date.now() - this.startedAt, prompt_progress: { processed, total } });
+    }
+    return true;
+  }
+
+  answered(): void {
+    this.waiting = false;
+    clearInterval(this.ticker);
+  }
+}
+
 /** Builds tool calls from streamed fragments, by index; tolerates a missing index or a missing id. */
 class ToolCallAssembler {
   private readonly calls: { id: string; name: string; args: string }[] = [];
@@ -2950,7 +3183,8 @@ class ModelClient implements ModelPort {
     }
     if (this.config.reasoningEffort) params.reasoning_effort = this.config.reasoningEffort;
     const profile = modelProfile(this.config);
-    if (profile.maxTokens !== undefined) params.max_tokens = profile.maxTokens;
+    // Prompt plus max_tokens must fit the server's window (vLLM and llama.cpp refuse a request that passes it).
+    if (profile.maxTokens !== undefined) params.max_tokens = this.config.window?.replyTokens ?? profile.maxTokens;
     if (profile.chatTemplateKwargs) params.chat_template_kwargs = { enable_thinking: true };
     return params;
   }
@@ -2969,7 +3203,9 @@ class ModelClient implements ModelPort {
     this.sawDone = false;
     // The SDK's own timeout ends once headers arrive; a stream that then goes silent would hang forever.
     const idle = new AbortController();
-    let idleTimer = setTimeout(() => idle.abort(), STREAM_IDLE_MS);
+    // Before the first chunk the server may be reading a long prompt: only the request's own limit applies.
+    let idleTimer = setTimeout(() => idle.abort(), MODEL_REQUEST_TIMEOUT_MS);
+    const prefill = new PrefillWatch((e) => this.sink.emit(e));
     try {
       // The SDK's types do not know chat_template_kwargs; the boundary is narrowed chunk by chunk below.
       const stream = (await client.chat.completions.create(this.params(req) as never, {
@@ -2977,13 +3213,16 @@ class ModelClient implements ModelPort {
       })) as unknown as AsyncIterable<unknown>;
       for await (const raw of stream) {
         chunks++;
-        clearTimeout(idleTimer);
-        idleTimer = setTimeout(() => idle.abort(), STREAM_IDLE_MS);
         const chunk = raw as {
           error?: unknown;
           choices?: { delta?: Record<string, unknown>; finish_reason?: unknown }[];
           usage?: Record<string, unknown>;
+          prompt_progress?: Record<string, unknown>;
         };
+        if (prefill.sawProgress(chunk)) continue;
+        prefill.answered();
+        clearTimeout(idleTimer);
+        idleTimer = setTimeout(() => idle.abort(), STREAM_IDLE_MS);
         if (chunk.error) throw classifyModelFailure(undefined, chunk.error, undefined, true);
         if (chunk.usage) usage = readUsage(chunk.usage);
         const reason = chunk.choices?.[0]?.finish_reason;
@@ -3010,12 +3249,15 @@ class ModelClient implements ModelPort {
       }
     } catch (error) {
       if (signal.aborted) throw new StoppedError();
-      if (idle.signal.aborted) throw new ModelError(`no data from the model for ${STREAM_IDLE_MS / 1000} s`, "retry");
+      if (idle.signal.aborted) throw silence(prefill.waiting);
       throw modelErrorFrom(error, this.config.apiBase, chunks > 0);
     } finally {
       clearTimeout(idleTimer);
+      prefill.answered();
     }
     if (signal.aborted) throw new StoppedError();
+    // The SDK may end the stream quietly when the silence limit aborts it.
+    if (idle.signal.aborted && !finished) throw silence(false);
     if (chunks === 0) throw new ModelError("the stream ended without any data", "retry");
     // A complete stream ends with [DONE] or a finish_reason (the official SDK accepts either); a dropped connection has neither.
     if (!finished && !this.sawDone)
@@ -3081,6 +3323,133 @@ function readUsage(u: Record<string, unknown>): NonNullable<AssistantTurn["usage
     prompt_tokens: num(u.prompt_tokens),
     completion_tokens: num(u.completion_tokens),
     cached_tokens: num(details.cached_tokens) || num(u.prompt_cache_hit_tokens),
+  };
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Model client: the server's context window
+// Owns: asking the endpoint at start how large a context it runs the model
+// with (vLLM, LM Studio and OpenRouter in /models, llama.cpp's /props,
+// Ollama's /api/ps and /api/show), so a small local window is known before
+// the server silently cuts the prompt to it.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** How long each question about the window may take: a server that does not answer is asked nothing more. */
+const WINDOW_PROBE_MS = 3000;
+/** Ollama's own default when it says nothing of the model's context (its num_ctx). */
+const OLLAMA_DEFAULT_CONTEXT = 4096;
+
+/** One probe's answer: the window, or undefined when this endpoint does not say (or is not there). */
+async function probeJson(url: string, config: Config, init: RequestInit = {}): Promise<unknown> {
+  try {
+    const response = await fetch(url, {
+      ...init,
+      headers: {
+        ...(config.apiKey ? { Authorization: `Bearer ${config.apiKey}` } : {}),
+        ...config.headers,
+        ...(init.body ? { "Content-Type": "application/json" } : {}),
+      },
+      signal: AbortSignal.timeout(WINDOW_PROBE_MS),
+    });
+    return response.ok ? await response.json() : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+const positiveInt = (v: unknown): number | undefined =>
+  typeof v === "number" && Number.isFinite(v) && v > 0 ? Math.floor(v) : undefined;
+const record = (v: unknown): Record<string, unknown> =>
+  v && typeof v === "object" ? (v as Record<string, unknown>) : {};
+
+/** The model's entry in an OpenAI-style list (`data`), or Ollama's (`models`), by id or name. */
+function modelEntry(list: unknown, model: string): Record<string, unknown> | undefined {
+  const entries = Array.isArray(list) ? list.map(record) : [];
+  const names = (e: Record<string, unknown>) => [e.id, e.name, e.model].filter((n) => typeof n === "string");
+  return (
+    entries.find((e) => names(e).includes(model)) ??
+    entries.find((e) => names(e).some((n) => n.startsWith(`${model}:`)))
+  );
+}
+
+/** What the server says of the window, by the first of its shapes that answers. */
+async function askServerWindow(
+  config: Config,
+): Promise<{ tokens: number; endpoint: string } | { warning: string } | undefined> {
+  const base = config.apiBase.replace(/\/+$/, "");
+  const origin = new URL(base).origin;
+  const [models, props, ps] = await Promise.all([
+    probeJson(`${base}/models`, config),
+    probeJson(`${origin}/props`, config),
+    probeJson(`${origin}/api/ps`, config),
+  ]);
+  const listed = modelEntry(record(models).data, config.model);
+  const fromList =
+    positiveInt(listed?.max_model_len) ??
+    positiveInt(listed?.context_length) ??
+    positiveInt(listed?.max_context_length) ??
+    positiveInt(record(listed?.top_provider).context_length);
+  if (fromList) return { tokens: fromList, endpoint: `${base}/models` };
+  const settings = record(record(props).default_generation_settings);
+  const slot = positiveInt(settings.n_ctx) ?? positiveInt(record(props).n_ctx);
+  if (slot) return { tokens: slot, endpoint: `${origin}/props` };
+  if (ps === undefined) return undefined;
+  // Ollama: the loaded model's context, else the num_ctx it was given (context_length in model_info is the trained maximum).
+  const loaded = positiveInt(modelEntry(record(ps).models, config.model)?.context_length);
+  if (loaded) return { tokens: loaded, endpoint: `${origin}/api/ps` };
+  const show = record(
+    await probeJson(`${origin}/api/show`, config, { method: "POST", body: JSON.stringify({ model: config.model }) }),
+  );
+  const numCtx = /(?:^|\n)\s*num_ctx\s+(\d+)/.exec(typeof show.parameters === "string" ? show.parameters : "")?.[1];
+  if (numCtx) return { tokens: Number(numCtx), endpoint: `${origin}/api/show` };
+  return {
+    warning: `Ollama at ${origin} does not say the context of ${config.model} (not loaded, no num_ctx): assuming its default of ${OLLAMA_DEFAULT_CONTEXT} tokens; set OLLAMA_CONTEXT_LENGTH on the server, or --max-prompt-len`,
+  };
+}
+
+/** Where the prompt budget came from, as the start event reports it. */
+interface BudgetFacts {
+  prompt_tokens: number;
+  window: number | null;
+  max_tokens: number | null;
+  source: "server" | "flag" | "default";
+  endpoint: string | null;
+}
+
+/**
+ * Fits the budget to the server's window: the answer's reserve is a quarter
+ * of the window (at most OUTPUT_RESERVATION_TOKENS), and --max-prompt-len is
+ * capped to the window, with a warning when it was given larger. Returns the
+ * warnings to show.
+ */
+async function fitToServerWindow(config: Config, given: boolean): Promise<string[]> {
+  const said = await askServerWindow(config);
+  if (!said) return [];
+  const warnings: string[] = [];
+  let tokens: number;
+  let endpoint: string;
+  if ("warning" in said) {
+    warnings.push(said.warning);
+    tokens = OLLAMA_DEFAULT_CONTEXT;
+    endpoint = `${new URL(config.apiBase).origin}/api/show`;
+  } else ({ tokens, endpoint } = said);
+  if (config.maxPromptLen > tokens && given)
+    warnings.push(
+      `--max-prompt-len ${config.maxPromptLen} is larger than the context window ${endpoint} reports (${tokens} tokens): using ${tokens}`,
+    );
+  config.maxPromptLen = Math.min(config.maxPromptLen, tokens);
+  config.window = { tokens, endpoint, replyTokens: Math.min(OUTPUT_RESERVATION_TOKENS, Math.floor(tokens / 4)) };
+  return warnings;
+}
+
+function budgetFacts(config: Config, given: boolean): BudgetFacts {
+  const reply = replyReserve(config);
+  return {
+    prompt_tokens: promptBudget(config),
+    window: config.window?.tokens ?? null,
+    max_tokens: reply || null,
+    source: config.window ? "server" : given ? "flag" : "default",
+    endpoint: config.window?.endpoint ?? null,
   };
 }
 
@@ -14091,6 +14460,8 @@ class Agent {
   /** Whether the model is going round in circles (tool-less replies, the same command and result again). */
   private stall = new StallWatch();
   private starts = new StartWatch();
+  /** When this run's --max-time budget is spent (the model is told the time left in every tool result). */
+  private deadline: number | undefined;
   /** The command the model is at the keyboard of, kept across its calls (ended with the run). */
   private readonly waiting: { current: WaitingCommand | undefined } = { current: undefined };
   private readonly compression: CompressionPolicy;
@@ -14298,6 +14669,7 @@ class Agent {
     this.checkpoint("user_request");
     const maxTime = this.o.config.maxTime;
     const clock = maxTime === undefined ? undefined : setTimeout(() => abort.abort(TIME_BUDGET), maxTime * 1000);
+    this.deadline = maxTime === undefined ? undefined : Date.now() + maxTime * 1000;
     let status: RunStatus = "step_limit";
     let steps = 0;
     try {
@@ -14411,7 +14783,8 @@ class Agent {
   }
 
   /** Stores the assistant turn and acts on it; returns a final status, or undefined to go on. */
-  private async handleTurn(turn: AssistantTurn, signal: AbortSignal): Promise<RunStatus | undefined> {
+  private async handleTurn(streamed: AssistantTurn, signal: AbortSignal): Promise<RunStatus | undefined> {
+    const turn = rescueWrittenCalls(streamed);
     const message: Message = stamped({
       role: "assistant",
       content: turn.content || (turn.toolCalls.length ? null : ""),
@@ -14517,7 +14890,11 @@ class Agent {
   /** Every tool result ends with the background jobs' lines: those running, and those that ended since the last. */
   private answer(id: string, content: string): void {
     const jobs = this.o.jobs.report();
-    this.messages.push(stamped({ role: "tool", tool_call_id: id, content: jobs ? `${content}\n${jobs}` : content }));
+    const maxTime = this.o.config.maxTime;
+    const clock =
+      this.deadline !== undefined && maxTime !== undefined ? timeLeftLine(this.deadline - Date.now(), maxTime) : "";
+    const text = [content, jobs, clock].filter(Boolean).join("\n");
+    this.messages.push(stamped({ role: "tool", tool_call_id: id, content: text }));
     this.checkpoint("tool_result");
   }
 
@@ -14579,6 +14956,8 @@ interface PreparedRun {
   /** The system prompt without the rules' paragraph (which follows the rules as the person reloads them). */
   systemPrompt: string;
   rules: CommandRules;
+  /** What preparing found worth a warning line at start (the server's window smaller than --max-prompt-len). */
+  startWarnings?: string[];
 }
 
 /** The whole system prompt: the fixed part, then the rules in force. */
@@ -14653,13 +15032,16 @@ function prepareParts(config: Config): PreparedRun {
     shell: commandShell(),
     cwd: process.cwd(),
     ciEnv: !config.noCiEnv,
+    maxTime: config.maxTime,
   });
   return { sandbox, systemPrompt, rules };
 }
 
 /** What either front end needs before anything runs: the sandbox, the system prompt, and a budget with room in it. */
 async function prepareRun(config: Config): Promise<PreparedRun> {
+  const warnings = await fitToServerWindow(config, config.budgetGiven === true);
   const prepared = prepareParts(config);
+  prepared.startWarnings = warnings;
   await checkPromptRoom(config, fullSystemPrompt(prepared));
   return prepared;
 }
@@ -14733,11 +15115,13 @@ function announceStart(
     api_base: config.apiBase,
     cwd: process.cwd(),
     sandbox: sandboxFacts(prepared.sandbox),
+    budget: budgetFacts(config, config.budgetGiven === true),
     rules: prepared.rules.present ? prepared.rules.path : null,
     session: o.session ?? null,
     request: o.request,
   });
   for (const report of prepared.rules.reports) sink.emit({ type: "warning", text: report });
+  for (const text of prepared.startWarnings ?? []) sink.emit({ type: "warning", text });
   if (config.keepJobs)
     sink.emit({
       type: "info",

@@ -122,12 +122,26 @@ describe("secrets and the sandbox", () => {
 
 describe("never hangs, never hides", () => {
   // A model stream that goes silent is a failed attempt, retried, not a hang (the idle limit is shortened for the test).
-  test("a silent model stream is retried after the idle limit", async () => {
-    const srv = fixtures.serve([{ type: "hang" }, { content: "TASKCOMPLETE" }]);
-    const run = await runAic([...headless(srv.url), "hello"], { env: { AIC_STREAM_IDLE_MS: "1000" } });
+  test("a stream that goes silent between chunks is retried after the idle limit", async () => {
+    const srv = fixtures.serve([
+      { content: "TASK COMPLETE soon", contentPieces: 3, delayMs: 5000 },
+      { content: "TASKCOMPLETE" },
+    ]);
+    const run = await runAic([...headless(srv.url), "hello"], { env: { AIC_STREAM_IDLE_MS: "500" } });
     expect(run.code).toBe(0);
     expect(srv.requests.length).toBe(2);
-    expect(run.stderr).toContain("no data from the model");
+    expect(run.stderr).toContain("no data from the model for 0.5 s");
+  });
+
+  // Before the first chunk only the request's own limit applies (a local server may read a long prompt for minutes).
+  test("a server that never answers is retried after the request timeout, not the stream's silence limit", async () => {
+    const srv = fixtures.serve([{ type: "hang" }, { content: "TASKCOMPLETE" }]);
+    const env = { AIC_STREAM_IDLE_MS: "200", AIC_MODEL_REQUEST_TIMEOUT_MS: "1500" };
+    const run = await runAic([...headless(srv.url), "hello"], { env });
+    expect(run.code).toBe(0);
+    expect(srv.requests.length).toBe(2);
+    expect(run.stderr).toContain("no answer from the model within 1.5 s");
+    expect(run.stderr).toContain("waiting for the model (prefill)");
   });
 
   // After SIGTERM the JSON `end` event reports the same exit code the process ends with. The signal

@@ -53,6 +53,7 @@ const rendered: Record<keyof typeof T, string> = {
         shell: "/bin/bash",
         cwd: "/work/proj",
         ciEnv: true,
+        maxTime: fast ? undefined : 1800,
       }),
     )
     .join("\n\n=== fast ===\n\n"),
@@ -72,6 +73,7 @@ const rendered: Record<keyof typeof T, string> = {
     { path: "/home/p/.aws/credentials", why: "secret", detail: "/home/p/.aws; --allow-read-secrets lifts it" },
     { path: "/usr/bin/curl", why: "exec", detail: "curl" },
   ]),
+  timeLeftLine: [T.timeLeftLine(750_000, 1800), T.timeLeftLine(30_000, 3600), T.timeLeftLine(-5, 60)].join("\n"),
   CONTINUE_MESSAGE: T.CONTINUE_MESSAGE,
   SUMMARISER_SYSTEM: T.SUMMARISER_SYSTEM,
   summariserRequest: JSON.stringify(
