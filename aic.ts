@@ -208,7 +208,7 @@ interface Config {
 /** The context window a server says it runs the model with, and the answer's share of it. */
 interface ServerWindow {
   tokens: number;
-  /** The URL that said so. */
+  /** The URL that said so ("" when nothing did and a server's default is assumed). */
   endpoint: string;
   /** max_tokens: what aic asks the model to answer at most, fitted inside the window with the prompt. */
   replyTokens: number;
@@ -844,6 +844,9 @@ function modelProfile(config: Pick<Config, "model"> & Partial<Pick<Config, "apiB
 function promptBudget(
   config: Pick<Config, "maxPromptLen" | "model"> & Partial<Pick<Config, "apiBase" | "window">>,
 ): number {
+  // With the server's window: the smaller of what it leaves beside the answer and --max-prompt-len.
+  const w = config.window;
+  if (w) return Math.max(0, Math.min(w.tokens - w.replyTokens, config.maxPromptLen));
   return Math.max(0, config.maxPromptLen - replyReserve(config));
 }
 
@@ -1947,9 +1950,11 @@ function commandResultLines(e: Extract<AgentEvent, { type: "command_result" }>):
   const note =
     e.status === "exited"
       ? `exit code ${e.exit_code}`
-      : e.exit_code === null
-        ? status
-        : `${status} (exit code ${e.exit_code})`;
+      : e.status === "not_started"
+        ? `not started: ${e.output.split("\n")[0]}`
+        : e.exit_code === null
+          ? status
+          : `${status} (exit code ${e.exit_code})`;
   const files = e.changed_files ? changedFilesNote(e.changed_files) : "";
   return [
     { tone: e.exit_code === 0 ? "ok" : "bad", text: `[${note}]` },
@@ -3039,9 +3044,18 @@ class PrefillWatch {
   }
 
   /** A chunk that only says how far the server has read the prompt: shown, and not the answer's first chunk. */
-  sawProgress(chunk: { choices?: unknown[]; prompt_progress?: Record<string, unknown> }): boolean {
+  sawProgress(chunk: {
+    choices?: { delta?: Record<string, unknown> }[];
+    prompt_progress?: Record<string, unknown>;
+  }): boolean {
     const p = chunk.prompt_progress;
-    if (!this.waiting || !p || chunk.choices?.length) return false;
+    // llama.cpp sends its progress beside one choice whose delta holds nothing yet.
+    const said = (chunk.choices ?? []).some((c) =>
+      ["content", "tool_calls", ...REASONING_FIELDS].some(
+        (k) => c.delta?.[k] !== undefined && c.delta?.[k] !== null && c.delta?.[k] !== "",
+      ),
+    );
+    if (!this.waiting || !p || said) return false;
     const processed = positiveInt(p.processed) ?? 0;
     const total = positiveInt(p.total) ?? 0;
     const percent = total ? Math.floor((processed / total) * 100) : 0;
@@ -3186,6 +3200,8 @@ class ModelClient implements ModelPort {
     // Prompt plus max_tokens must fit the server's window (vLLM and llama.cpp refuse a request that passes it).
     if (profile.maxTokens !== undefined) params.max_tokens = this.config.window?.replyTokens ?? profile.maxTokens;
     if (profile.chatTemplateKwargs) params.chat_template_kwargs = { enable_thinking: true };
+    // llama.cpp streams how far it has read a long prompt when asked (only a server that said it is llama.cpp).
+    if (this.config.window?.endpoint.endsWith("/props")) params.return_progress = true;
     return params;
   }
 
@@ -3431,25 +3447,26 @@ async function fitToServerWindow(config: Config, given: boolean): Promise<string
   if ("warning" in said) {
     warnings.push(said.warning);
     tokens = OLLAMA_DEFAULT_CONTEXT;
-    endpoint = `${new URL(config.apiBase).origin}/api/show`;
+    endpoint = "";
   } else ({ tokens, endpoint } = said);
   if (config.maxPromptLen > tokens && given)
     warnings.push(
-      `--max-prompt-len ${config.maxPromptLen} is larger than the context window ${endpoint} reports (${tokens} tokens): using ${tokens}`,
+      `--max-prompt-len ${config.maxPromptLen} is larger than the context window ${endpoint || "the server"} runs the model with (${tokens} tokens): the prompt stays within the window`,
     );
-  config.maxPromptLen = Math.min(config.maxPromptLen, tokens);
   config.window = { tokens, endpoint, replyTokens: Math.min(OUTPUT_RESERVATION_TOKENS, Math.floor(tokens / 4)) };
   return warnings;
 }
 
 function budgetFacts(config: Config, given: boolean): BudgetFacts {
   const reply = replyReserve(config);
+  const w = config.window;
+  const byFlag = given && (!w || config.maxPromptLen < w.tokens - w.replyTokens);
   return {
     prompt_tokens: promptBudget(config),
-    window: config.window?.tokens ?? null,
+    window: w?.tokens ?? null,
     max_tokens: reply || null,
-    source: config.window ? "server" : given ? "flag" : "default",
-    endpoint: config.window?.endpoint ?? null,
+    source: byFlag ? "flag" : w?.endpoint ? "server" : "default",
+    endpoint: w?.endpoint || null,
   };
 }
 
@@ -6245,7 +6262,7 @@ function sandboxStatus(o: {
     (o.enforced.length ? `; denied programs cannot be executed: ${o.enforced.join(", ")}` : "");
   return () => {
     const jail = o.jail.refused
-      ? `no jail (${o.jail.refused}): commands can still reach your Unix sockets (tmux, ssh-agent) and your terminal, read other processes' /proc entries, write .git/config and hooks, and leave processes behind if aic is killed with -9`
+      ? `Landlock alone, no jail: ${o.jail.refused}; commands can reach Unix sockets and the terminal, see other processes, write .git/config and hooks, and outlive a kill -9 of aic`
       : `jail: own PID, mount and IPC namespaces (your processes, sockets and terminal out of reach; .git/config and hooks read-only; nothing outlives aic)${o.jail.net ? "; network: loopback only" : ""}${o.jail.allowSshAgent ? "; ssh-agent passed through (--allow-ssh-agent)" : ""}`;
     return `on (Landlock ABI ${o.abi}; ${jail}; writes only under ${writes}${notes})`;
   };
@@ -6345,7 +6362,7 @@ function namespacesTried(net: boolean): string | undefined {
         .trim()
         .split("\n")[0]
         ?.replace(/^unshare: /, "") ?? "";
-    return `the kernel refused namespaces (${said || `unshare exited ${tried.exitCode ?? tried.signalCode}`})`;
+    return `namespaces refused (${said || `unshare exited ${tried.exitCode ?? tried.signalCode}`}), as in a container or under AppArmor`;
   } catch (error) {
     return `namespaces could not be tried (${(error as Error).message})`;
   }
@@ -8473,6 +8490,16 @@ function tameEmulator(term: XTerm): XTerm {
       handler.eraseInDisplay({ params: [2] }, prefix === "?");
       return true;
     });
+  // Reflowing wrapped lines without scrollback can read past the buffer and throw: then the screen starts afresh.
+  const resize = term.resize.bind(term);
+  term.resize = (cols: number, rows: number) => {
+    try {
+      resize(cols, rows);
+    } catch {
+      term.reset();
+      resize(cols, rows);
+    }
+  };
   return term;
 }
 
@@ -13864,7 +13891,9 @@ async function startForAgent(
       ...io,
     });
   } catch (error) {
-    return { exitCode: null, status: "not_started", output: (error as Error).message };
+    // A spawn error names the shell it could not start; the usual cause is the directory, gone under aic.
+    const gone = !fs.existsSync(cwd) ? `the directory commands start in, ${cwd}, no longer exists` : undefined;
+    return { exitCode: null, status: "not_started", output: gone ?? (error as Error).message };
   }
 }
 
@@ -14752,7 +14781,8 @@ class Agent {
       duration_ms: durationMs,
       session_id: this.o.sessionId(),
       refused: this.refused,
-      result: contentText(last?.content).split(MARKER).join("").trim(),
+      // A claim no command could back is not the run's result.
+      result: notStarted ? "" : contentText(last?.content).split(MARKER).join("").trim(),
       ...(notStarted ? { reason: "commands_not_started" as const } : {}),
       ...(this.o.config.keepJobs ? keptFields(this.o.jobs.kept()) : {}),
     });

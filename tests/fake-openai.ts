@@ -6,11 +6,15 @@
  * all produced on the wire rather than mocked inside the process.
  *
  * Library use:   const srv = startFakeServer({ turns: [...] }); ... srv.requests; srv.close();
+ *                With `window`, it also answers the questions a client asks at start about the model's
+ *                context window, as vLLM, llama.cpp, Ollama, LM Studio or OpenRouter would (the shapes
+ *                are in fixtures/providers/); every such request is kept in `srv.probes`.
  * CLI use:       bun tests/fake-openai.ts --script turns.json [--port N] [--inflation X]
  *                prints the base URL (…/v1) on stdout and rewrites `turns.json.requests.json`
  *                after every chat request, so tmux-driven tests can inspect what was sent.
  */
 import { writeFileSync, readFileSync } from "node:fs";
+import { join } from "node:path";
 import { get_encoding, type Tiktoken } from "tiktoken";
 
 export type ToolCallSpec = { id?: string; name?: string; arguments: string };
@@ -42,7 +46,30 @@ export type ReplyTurn = {
   /** Send no usage chunk even when asked for one (some servers never report usage). */
   noUsage?: boolean;
   usage?: { prompt_tokens?: number; completion_tokens?: number; cached_tokens?: number };
+  /**
+   * Wait this long before the first chunk: a local server reading a long prompt (prefill). The
+   * silence is real on the wire: nothing but `promptProgress` frames (and, with `headersFirst`,
+   * the HTTP headers) is sent until it has passed.
+   */
+  firstChunkDelayMs?: number;
+  /**
+   * With firstChunkDelayMs: true (the default) sends the 200 and its SSE headers at once and the
+   * first chunk after the wait (vLLM, llama.cpp); false sends nothing at all, headers included,
+   * until the first frame is due (a proxy that buffers until the backend answers).
+   */
+  headersFirst?: boolean;
+  /**
+   * llama.cpp's prompt-processing progress, sent during the firstChunkDelayMs wait, evenly spread
+   * (frame i of k at (i+1)/(k+1) of the wait), each as llama.cpp sends it: a chunk whose only
+   * choice has the delta {role: "assistant", content: null} and a top-level `prompt_progress`.
+   * (The real server sends these only when the request asks with `return_progress: true`; this
+   * fake sends them whatever the request says.)
+   */
+  promptProgress?: PromptProgress[];
 };
+
+/** llama.cpp's `prompt_progress` object: overall progress is processed/total. */
+export type PromptProgress = { total: number; cache: number; processed: number; time_ms: number };
 
 export type Turn =
   | ReplyTurn
@@ -58,6 +85,8 @@ export type Turn =
   | { type: "hang" };
 
 export interface RecordedRequest {
+  /** GET, POST…: set on every request recorded (chat requests are always POST). */
+  method?: string;
   path: string;
   headers: Record<string, string>;
   body: any;
@@ -69,6 +98,12 @@ export interface FakeServer {
   url: string;
   /** Every POST /v1/chat/completions body, parsed, in order. */
   requests: RecordedRequest[];
+  /**
+   * Every other request (GET /v1/models, /props, /api/ps, POST /api/show, unknown paths…), in
+   * order, answered or not: what a client asked the server about itself. Body parsed when JSON,
+   * else the raw text, else null.
+   */
+  probes: RecordedRequest[];
   close(): void;
   /** Stops listening at once, resetting open connections without answering them (a server that died). */
   kill(): void;
@@ -82,7 +117,32 @@ export interface FakeServerOptions {
   port?: number;
   /** Called after each chat request has been recorded (the CLI uses it to dump requests to disk). */
   onRequest?: (req: RecordedRequest, index: number) => void;
+  /**
+   * The server states a context window of `n` tokens for `model` (default "test-model") the way
+   * `kind` does (fixtures/providers/<server>.json has each shape and the version it follows):
+   * - vllm:        GET /v1/models, the entry `max_model_len`
+   * - llamacpp:    GET /props, `default_generation_settings.n_ctx`; its GET /v1/models names only
+   *                `meta.n_ctx_train` (the trained maximum, larger), which is not the window
+   * - ollama-ps:   GET /api/ps, the loaded model's `context_length`; POST /api/show has no num_ctx
+   *                and a larger trained maximum in model_info
+   * - ollama-show: GET /api/ps lists another model; POST /api/show {model} has `num_ctx n` in
+   *                `parameters` (and a larger trained maximum in model_info)
+   * - ollama-none: GET /api/ps lists no model; POST /api/show has no num_ctx (n is not stated)
+   * - lmstudio:    GET /v1/models and GET /api/v0/models, LM Studio's /api/v0 shape, `max_context_length`
+   * - openrouter:  GET /v1/models, OpenRouter's shape, `context_length`
+   * The model lists hold other models, with other windows, before the one asked about.
+   */
+  window?: { kind: WindowKind; n: number; model?: string };
+  /**
+   * A thinking mode that wants the reasoning back: a chat request where an assistant message with
+   * tool_calls after the last user message lacks `field` (a string) gets `status` + `body` instead
+   * of an answer (DeepSeek's thinking mode: fixtures/providers/deepseek.json). The request is still
+   * recorded, and uses up its turn.
+   */
+  requireReasoning?: { field?: string; status: number; body: unknown };
 }
+
+export type WindowKind = "vllm" | "llamacpp" | "ollama-ps" | "ollama-show" | "ollama-none" | "lmstudio" | "openrouter";
 
 export const DEFAULT_TURN: Turn = { content: "TASKCOMPLETE" };
 
@@ -190,6 +250,62 @@ function streamFrames(frames: string[], delayMs: number, signal: AbortSignal): R
   return new Response(body, { status: 200, headers: SSE_HEADERS });
 }
 
+/** Resolves after `ms`, or at once when `signal` aborts (the client went away). */
+function sleepUnlessAborted(ms: number, signal: AbortSignal): Promise<void> {
+  if (ms <= 0 || signal.aborted) return Promise.resolve();
+  return new Promise<void>((resolve) => {
+    const timer = setTimeout(done, ms);
+    function done() {
+      clearTimeout(timer);
+      signal.removeEventListener("abort", done);
+      resolve();
+    }
+    signal.addEventListener("abort", done, { once: true });
+  });
+}
+
+/**
+ * A reply that keeps the client waiting `waitMs` before its first frame (prefill), sending only
+ * `progress` frames in the meantime at the given offsets; then `frames`, `delayMs` apart. With
+ * `headersFirst` false the Response itself (status and headers) only comes with the first frame.
+ */
+async function streamAfterWait(
+  frames: string[],
+  delayMs: number,
+  signal: AbortSignal,
+  wait: { waitMs: number; progress: { atMs: number; frame: string }[]; headersFirst: boolean },
+): Promise<Response> {
+  const started = Date.now();
+  const until = (atMs: number) => sleepUnlessAborted(started + atMs - Date.now(), signal);
+  const schedule = [...wait.progress.map((p) => ({ atMs: p.atMs, frame: p.frame })), { atMs: wait.waitMs, frame: "" }];
+  if (!wait.headersFirst) await until(schedule[0]!.atMs);
+  const bytes = new TextEncoder();
+  let cancelled = false;
+  const body = new ReadableStream<Uint8Array>({
+    async start(controller) {
+      try {
+        for (const step of schedule) {
+          await until(step.atMs);
+          if (cancelled || signal.aborted) return;
+          if (step.frame) controller.enqueue(bytes.encode(step.frame));
+        }
+        for (let i = 0; i < frames.length; i++) {
+          if (i > 0 && delayMs > 0) await sleep(delayMs);
+          if (cancelled || signal.aborted) return;
+          controller.enqueue(bytes.encode(frames[i]));
+        }
+        controller.close();
+      } catch {
+        // Client disconnected while we were writing; nothing to do.
+      }
+    },
+    cancel() {
+      cancelled = true;
+    },
+  });
+  return new Response(body, { status: 200, headers: SSE_HEADERS });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reply rendering
 
@@ -278,6 +394,21 @@ export function renderReplyFrames(turn: ReplyTurn, ctx: ReplyContext): string[] 
   return frames;
 }
 
+/** One of llama.cpp's prompt-progress chunks (its to_json_oaicompat_chat_stream with is_progress). */
+function progressFrame(ctx: ReplyContext, progress: PromptProgress): string {
+  const base = chunkFactory(ctx)({ role: "assistant", content: null });
+  const { logprobs: _, ...choice } = base.choices[0]!;
+  return sseData({
+    choices: [choice],
+    created: base.created,
+    id: base.id,
+    model: base.model,
+    system_fingerprint: "b6500-fake",
+    object: "chat.completion.chunk",
+    prompt_progress: progress,
+  });
+}
+
 /** Non-streaming answer, for completeness (the agent is expected to stream). */
 function renderReplyJson(turn: ReplyTurn, ctx: ReplyContext) {
   const calls = resolvedToolCalls(turn, ctx.requestIndex);
@@ -309,6 +440,109 @@ function renderReplyJson(turn: ReplyTurn, ctx: ReplyContext) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// What a server says about itself: the context window
+
+/** Where the documented response shapes live, one file per server. */
+export const PROVIDER_FIXTURES_DIR = join(import.meta.dir, "fixtures", "providers");
+
+/** A fixture file: `{comment, source, shapes: {"GET /props": …}}`, plus whatever else it documents. */
+export function providerFixture(
+  file: string,
+): { comment: string; source?: string; shapes?: Record<string, unknown> } & Record<string, any> {
+  return JSON.parse(readFileSync(join(PROVIDER_FIXTURES_DIR, file), "utf8"));
+}
+
+/** Replaces "{{model}}" and "{{n}}" in a fixture shape: a whole-string "{{n}}" becomes the number. */
+function fillShape(shape: unknown, model: string, n: number): unknown {
+  if (shape === "{{n}}") return n;
+  if (typeof shape === "string") return shape.replaceAll("{{model}}", model).replaceAll("{{n}}", String(n));
+  if (Array.isArray(shape)) return shape.map((v) => fillShape(v, model, n));
+  if (shape && typeof shape === "object")
+    return Object.fromEntries(
+      Object.entries(shape).map(([k, v]) => [k.replaceAll("{{model}}", model), fillShape(v, model, n)]),
+    );
+  return shape;
+}
+
+/** For each kind: its fixture file, and which of its shapes answers each route. */
+const WINDOW_KINDS: Record<WindowKind, { file: string; routes: Record<string, string> }> = {
+  vllm: { file: "vllm.json", routes: { "GET /v1/models": "GET /v1/models" } },
+  llamacpp: { file: "llamacpp.json", routes: { "GET /props": "GET /props", "GET /v1/models": "GET /v1/models" } },
+  "ollama-ps": {
+    file: "ollama.json",
+    routes: {
+      "GET /v1/models": "GET /v1/models",
+      "GET /api/ps": "GET /api/ps",
+      "POST /api/show": "POST /api/show (no num_ctx)",
+    },
+  },
+  "ollama-show": {
+    file: "ollama.json",
+    routes: {
+      "GET /v1/models": "GET /v1/models",
+      "GET /api/ps": "GET /api/ps (another model loaded)",
+      "POST /api/show": "POST /api/show",
+    },
+  },
+  "ollama-none": {
+    file: "ollama.json",
+    routes: {
+      "GET /v1/models": "GET /v1/models",
+      "GET /api/ps": "GET /api/ps (none loaded)",
+      "POST /api/show": "POST /api/show (no num_ctx)",
+    },
+  },
+  lmstudio: {
+    file: "lmstudio.json",
+    routes: { "GET /v1/models": "GET /api/v0/models", "GET /api/v0/models": "GET /api/v0/models" },
+  },
+  openrouter: { file: "openrouter.json", routes: { "GET /v1/models": "GET /api/v1/models" } },
+};
+
+/** The answer to one probe under `window`, or undefined when this server has no such route. */
+function windowRoutesFor(window: NonNullable<FakeServerOptions["window"]>) {
+  const kind = WINDOW_KINDS[window.kind];
+  if (!kind) throw new Error(`unknown window kind ${window.kind}`);
+  const fixture = providerFixture(kind.file);
+  const model = window.model ?? "test-model";
+  const ollama = window.kind.startsWith("ollama");
+  return (method: string, path: string, body: any): Response | undefined => {
+    const shapeName = kind.routes[`${method} ${path}`];
+    if (shapeName === undefined) {
+      // Ollama's router (gin, HandleMethodNotAllowed) answers a known path asked with another method so.
+      if (ollama && Object.keys(kind.routes).some((r) => r.endsWith(` ${path}`)))
+        return new Response("405 method not allowed", { status: 405, headers: { "content-type": "text/plain" } });
+      return undefined;
+    }
+    if (path === "/api/show") {
+      const asked = body?.model ?? body?.name;
+      if (asked !== model) return jsonResponse(404, { error: `model '${asked}' not found` });
+    }
+    const shape = fixture.shapes?.[shapeName];
+    if (shape === undefined) throw new Error(`${kind.file} has no shape "${shapeName}"`);
+    return jsonResponse(200, fillShape(shape, model, window.n));
+  };
+}
+
+/** Whether an assistant message with tool calls after the last user message lacks `field`. */
+function lacksReasoning(messages: unknown, field: string): boolean {
+  if (!Array.isArray(messages)) return false;
+  let lastUser = -1;
+  messages.forEach((m, i) => {
+    if (m?.role === "user") lastUser = i;
+  });
+  return messages
+    .slice(lastUser + 1)
+    .some(
+      (m) =>
+        m?.role === "assistant" &&
+        Array.isArray(m.tool_calls) &&
+        m.tool_calls.length > 0 &&
+        typeof m[field] !== "string",
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
 // Server
 
 export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
@@ -332,12 +566,21 @@ export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
       body = raw;
       parsed = false;
     }
-    const recorded: RecordedRequest = { path, headers: headersToRecord(req.headers), body, at: Date.now() };
+    const recorded: RecordedRequest = {
+      method: req.method,
+      path,
+      headers: headersToRecord(req.headers),
+      body,
+      at: Date.now(),
+    };
     const index = requests.push(recorded) - 1;
     opts.onRequest?.(recorded, index);
 
     if (!parsed) {
       return jsonResponse(400, { error: { message: "invalid JSON body", type: "invalid_request_error", code: null } });
+    }
+    if (opts.requireReasoning && lacksReasoning(body?.messages, opts.requireReasoning.field ?? "reasoning_content")) {
+      return jsonResponse(opts.requireReasoning.status, opts.requireReasoning.body);
     }
 
     const turn = pickTurn(recorded, index);
@@ -395,10 +638,40 @@ export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
           req.signal.addEventListener("abort", release, { once: true });
         });
       default: {
-        if (body?.stream !== true) return jsonResponse(200, renderReplyJson(turn, ctx));
-        return streamFrames(renderReplyFrames(turn, ctx), turn.delayMs ?? 0, req.signal);
+        if (body?.stream !== true) {
+          if (turn.firstChunkDelayMs) await sleepUnlessAborted(turn.firstChunkDelayMs, req.signal);
+          return jsonResponse(200, renderReplyJson(turn, ctx));
+        }
+        const frames = renderReplyFrames(turn, ctx);
+        if (!turn.firstChunkDelayMs && !turn.promptProgress?.length)
+          return streamFrames(frames, turn.delayMs ?? 0, req.signal);
+        const waitMs = turn.firstChunkDelayMs ?? 0;
+        const progress = (turn.promptProgress ?? []).map((p, i, all) => ({
+          atMs: Math.round((waitMs * (i + 1)) / (all.length + 1)),
+          frame: progressFrame(ctx, p),
+        }));
+        return streamAfterWait(frames, turn.delayMs ?? 0, req.signal, {
+          waitMs,
+          progress,
+          headersFirst: turn.headersFirst ?? true,
+        });
       }
     }
+  };
+
+  const probes: RecordedRequest[] = [];
+  const windowRoutes = opts.window ? windowRoutesFor(opts.window) : undefined;
+
+  const handleProbe = async (req: Request, path: string): Promise<Response | undefined> => {
+    const raw = req.method === "GET" || req.method === "HEAD" ? "" : await req.text();
+    let body: any = raw === "" ? null : raw;
+    try {
+      if (raw !== "") body = JSON.parse(raw);
+    } catch {
+      /* kept as text */
+    }
+    probes.push({ method: req.method, path, headers: headersToRecord(req.headers), body, at: Date.now() });
+    return windowRoutes?.(req.method, path, body);
   };
 
   const server = Bun.serve({
@@ -409,6 +682,8 @@ export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
     async fetch(req) {
       const path = new URL(req.url).pathname;
       if (req.method === "POST" && path === "/v1/chat/completions") return handleChat(req, path);
+      const answered = await handleProbe(req, path);
+      if (answered) return answered;
       if (req.method === "GET" && path === "/v1/models") {
         return jsonResponse(200, {
           object: "list",
@@ -429,6 +704,7 @@ export function startFakeServer(opts: FakeServerOptions = {}): FakeServer {
   return {
     url: `http://127.0.0.1:${server.port}/v1`,
     requests,
+    probes,
     close() {
       for (const release of [...hanging]) release();
       server.stop(true);

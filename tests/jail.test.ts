@@ -196,7 +196,7 @@ describe.skipIf(!jailUsable)("the jail", () => {
           const control = fixtures.serve([bash(probe), { content: "TASKCOMPLETE" }]);
           const open = await aicAs(user, control.url, ["probe"], where, { ...env, AIC_NO_NAMESPACES: "1" });
           expect(open.code).toBe(0);
-          expect(sandboxLine(open.stderr)).toContain("no jail (AIC_NO_NAMESPACES=1)");
+          expect(sandboxLine(open.stderr)).toContain("Landlock alone, no jail: AIC_NO_NAMESPACES=1;");
           expect(toolResults(control)[0]).toContain("tmux=0");
           expect(toolResults(control)[0]).toContain("agent=1"); // connected: the agent has no identities
 
