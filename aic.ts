@@ -5648,7 +5648,14 @@ function sandboxFacts(s: Sandbox): SandboxFacts {
   };
 }
 
-function sandboxOff(reason: string): Sandbox {
+/**
+ * No sandbox. With --keep-jobs commands still start through a launcher (an
+ * unconfined one): it holds their terminals, so a kept server that logs to
+ * its terminal goes on working once aic has exited, instead of failing on a
+ * terminal that closed with aic.
+ */
+function sandboxOff(reason: string, keeper?: readonly string[]): Sandbox {
+  const launcher = keeper ? new SandboxLauncher([...keeper], false) : undefined;
   return {
     status: `off (${reason})`,
     enabled: false,
@@ -5662,10 +5669,10 @@ function sandboxOff(reason: string): Sandbox {
     network: "on",
     sshAgent: false,
     reaper: undefined,
-    start: () => {},
+    start: () => void launcher?.start(),
     auditRepositories: () => [],
-    keepRunning: () => {},
-    spawn: async (argv, opts) => unconfinedCommand(argv, opts),
+    keepRunning: () => launcher?.keepRunning(),
+    spawn: async (argv, opts) => (launcher ? launcher.spawn(argv, opts) : unconfinedCommand(argv, opts)),
   };
 }
 
@@ -5690,7 +5697,9 @@ function sandboxRefusals(
   const found = new Map<string, { path: string; why: SandboxRefusal; detail: string }>();
   for (const line of output.split("\n", 5000)) {
     if (found.size >= 3 || !REFUSAL_WORDS.test(line)) continue;
-    for (const m of line.matchAll(ERROR_LINE_PATH)) {
+    // "/bin/bash: line 1: /etc/x: Permission denied": the shell names itself first; the refused path follows.
+    const said = line.replace(/^(\/\S*\/)?(ba|da|z|k|mk)?sh: (line \d+: )?/, "");
+    for (const m of said.matchAll(ERROR_LINE_PATH)) {
       const p = path.resolve(cwd, m[1]!.replace(/[.:]+$/, ""));
       const why = whySandboxRefused(p, s);
       if (why && !found.has(p)) found.set(p, { path: p, ...why });
@@ -5708,6 +5717,51 @@ function whySandboxRefused(p: string, s: Sandbox): { why: SandboxRefusal; detail
   if (under(s.writable) || !writableUnconfined(p)) return undefined;
   const shown = s.writable.filter((w) => !s.caches.includes(w));
   return { why: "write", detail: `${shown.join(", ")}${s.caches.length ? " and the package caches" : ""}` };
+}
+
+/**
+ * Where commands may write, as far as aic's own programs are concerned:
+ * the sandbox's writable set once it is known, and always the start
+ * directory and the shared temporary directories.
+ */
+let commandWritableRoots: string[] = [];
+
+function noteCommandWritable(dirs: readonly string[]): void {
+  commandWritableRoots = [...new Set([...dirs, process.cwd(), "/tmp", "/var/tmp", "/dev/shm", "/dev"])];
+}
+
+/**
+ * The PATH aic's own programs run with: the absolute entries of the PATH aic
+ * started with that no command may write (a relative `node_modules/.bin`, a
+ * directory in the project or a package cache such as PNPM_HOME is left
+ * out), so a `git` a command plants there never runs outside the sandbox.
+ */
+let trustedPathValue: string | undefined;
+function trustedPath(): string {
+  if (trustedPathValue !== undefined) return trustedPathValue;
+  if (!commandWritableRoots.length) noteCommandWritable([]);
+  const entries = (process.env.PATH ?? "/usr/bin:/bin").split(":").filter((dir) => {
+    if (!path.isAbsolute(dir)) return false;
+    let real: string;
+    try {
+      real = fs.realpathSync(dir);
+    } catch {
+      return false;
+    }
+    return !commandWritableRoots.some((w) => real === w || isBeneath(real, w) || isBeneath(dir, w) || dir === w);
+  });
+  trustedPathValue = entries.join(":");
+  return trustedPathValue;
+}
+
+/** An argv[0] that cannot start: aic's git where none was found outside the directories commands may write. */
+const NO_TRUSTED_GIT = "/nonexistent/aic-found-no-git-outside-the-writable-directories";
+
+/** aic's own git: resolved once, to an absolute path on the trusted PATH; undefined when there is none. */
+let gitProgramValue: string | null | undefined;
+function gitProgram(): string | undefined {
+  if (gitProgramValue === undefined) gitProgramValue = Bun.which("git", { PATH: trustedPath() }) ?? null;
+  return gitProgramValue ?? undefined;
 }
 
 /** Whether this user could write `p` (or create it, in its nearest existing directory) without the sandbox. */
@@ -5818,7 +5872,8 @@ function planSandbox(
       return undefined;
     }
   };
-  const denied = [...secrets, ...binaries].filter((s) => fs.lstatSync(path.dirname(s), { throwIfNoEntry: false }));
+  // A store below a directory aic may not search (a HOME of another user's) is out of every command's reach anyway.
+  const denied = [...secrets, ...binaries].filter((s) => lstatIfReachable(path.dirname(s)));
   const confineReads = denied.length > 0;
   const confineExec = binaries.length > 0;
   const rules = writable.map((w) => identify(w, "rw"));
@@ -6058,17 +6113,20 @@ interface JailChoice {
 function setUpSandbox(config: Config, deniedPrograms: readonly string[] = []): Sandbox {
   // A run asked to keep commands off the network must not quietly run them on it.
   const noNetwork = (why: string) => new UsageError(`--network off needs the jail, which cannot be used here: ${why}`);
+  // aic's own binary by descriptor (fd 3 of the launcher), as for the confined launcher below.
+  const keeper = config.keepJobs ? ["/proc/self/fd/3", ...selfArgv().slice(1), SANDBOX_LAUNCHER] : undefined;
   if (config.disableSandbox) {
     if (config.network === "off") throw noNetwork("--disable-sandbox");
-    return sandboxOff("--disable-sandbox");
+    return sandboxOff("--disable-sandbox", keeper);
   }
   const abi = landlockAbi();
   if (typeof abi === "string") {
     if (config.network === "off") throw noNetwork(abi);
-    return sandboxOff(abi);
+    return sandboxOff(abi, keeper);
   }
   const home = homeDirectory();
   const paths = sandboxPaths(config, home, deniedPrograms);
+  noteCommandWritable(paths.writable);
   // The launcher must be something a confined command cannot swap out: aic's own binary by descriptor (fd 3 of
   // the child, opened from /proc/self/exe when it starts), the very inode running now.
   const launcher = selfArgv();
@@ -6895,11 +6953,13 @@ interface GitSetting {
 
 /** A config's settings as git itself parses them (no includes followed, nothing run); undefined when git rejects it. */
 function gitSettings(text: Buffer): GitSetting[] | undefined {
-  const r = Bun.spawnSync(["git", "config", "--file", "-", "--list", "-z"], {
+  const git = gitProgram();
+  if (!git) return undefined;
+  const r = Bun.spawnSync([git, "config", "--file", "-", "--list", "-z"], {
     cwd: "/",
     stdin: text,
     env: {
-      PATH: process.env.PATH ?? "/usr/bin:/bin",
+      PATH: trustedPath(),
       GIT_CONFIG_NOSYSTEM: "1",
       GIT_CONFIG_GLOBAL: "/dev/null",
       HOME: "/",
@@ -6943,7 +7003,16 @@ function gitConfigText(settings: readonly GitSetting[]): string {
 }
 
 /** Whether anything (a link included) is at `p`. */
-const somethingAt = (p: string) => fs.lstatSync(p, { throwIfNoEntry: false }) !== undefined;
+const somethingAt = (p: string) => lstatIfReachable(p) !== undefined;
+
+/** lstat, or undefined when nothing is there or aic may not look (EACCES below another user's directory, ELOOP). */
+function lstatIfReachable(p: string): fs.Stats | undefined {
+  try {
+    return fs.lstatSync(p, { throwIfNoEntry: false });
+  } catch {
+    return undefined;
+  }
+}
 
 /** A file's size, change time and inode: it changed when these did. */
 function fileSignature(p: string): string | undefined {
@@ -7212,9 +7281,17 @@ class GitGuard {
     if (sig === this.indexSeen) return false;
     this.indexSeen = sig;
     const top = this.enclosing?.top ?? this.where.workDir.path;
-    const r = Bun.spawnSync(["git", "--git-dir", gitDir, "--work-tree", top, "ls-files", "--stage", "-z"], {
+    const git = gitProgram();
+    if (!git) return ((this.gitlinks = []), true);
+    const r = Bun.spawnSync([git, "--git-dir", gitDir, "--work-tree", top, "ls-files", "--stage", "-z"], {
       cwd: "/",
-      env: { ...process.env, GIT_CONFIG_NOSYSTEM: "1", GIT_CONFIG_GLOBAL: "/dev/null", GIT_OPTIONAL_LOCKS: "0" },
+      env: {
+        ...process.env,
+        PATH: trustedPath(),
+        GIT_CONFIG_NOSYSTEM: "1",
+        GIT_CONFIG_GLOBAL: "/dev/null",
+        GIT_OPTIONAL_LOCKS: "0",
+      },
       stdout: "pipe",
       stderr: "ignore",
     });
@@ -7804,13 +7881,19 @@ async function runSandboxLauncher(): Promise<number> {
       }
     }, JOB_POLL_MS / 2).unref();
   const terminals = new Map<number, Bun.Terminal>();
+  /** Terminals some process still holds: with --keep-jobs the launcher outlives aic until each reaches its end. */
+  const held = new Set<Promise<void>>();
   const spawn = (id: number, request: LaunchRequest) => {
     try {
       const { proc, terminal, eof } = spawnPty(request.argv, {
         ...request,
         onData: (bytes) => send(encodeFrame(FRAME.output, id, bytes)),
       });
-      void eof.then(() => send(encodeFrame(FRAME.eof, id)));
+      held.add(eof);
+      void eof.then(() => {
+        held.delete(eof);
+        send(encodeFrame(FRAME.eof, id));
+      });
       terminals.set(id, terminal);
       send(int32Frame(FRAME.spawned, id, proc.pid));
       // After the output it printed before exiting, which the pipe then delivers in order.
@@ -7835,9 +7918,11 @@ async function runSandboxLauncher(): Promise<number> {
     }
   }
   aicGone = true;
-  // aic has gone. The jail's namespaces end with their init, so with --keep-jobs it stays until its last process ends.
-  while (keep && process.pid === 1 && childrenOf(1).some((pid) => !processInfo(pid)?.zombie)) {
-    reapAdoptedZombies();
+  // aic has gone. With --keep-jobs the launcher stays while a kept process holds one of its terminals (a server that
+  // logs there fails once it closes) and, as the jail's init, until its last process ends: the namespaces end with it.
+  const busy = () => held.size > 0 || (process.pid === 1 && childrenOf(1).some((pid) => !processInfo(pid)?.zombie));
+  while (keep && busy()) {
+    if (process.pid === 1) reapAdoptedZombies();
     await Bun.sleep(JOB_POLL_MS);
   }
   return 0; // the commands' terminals close with this process
@@ -7893,6 +7978,17 @@ function innermostPid(hostPid: number): number | undefined {
     const line = /^NSpid:\s*(.*)$/m.exec(fs.readFileSync(`/proc/${hostPid}/status`, "utf8"))?.[1];
     const pids = line?.trim().split(/\s+/).map(Number);
     return pids?.at(-1);
+  } catch {
+    return undefined;
+  }
+}
+
+/** A process's group in the innermost PID namespace it lives in (the jail's), from its status. */
+function innermostPgid(hostPid: number): number | undefined {
+  try {
+    const line = /^NSpgid:\s*(.*)$/m.exec(fs.readFileSync(`/proc/${hostPid}/status`, "utf8"))?.[1];
+    const groups = line?.trim().split(/\s+/).map(Number);
+    return groups?.at(-1);
   } catch {
     return undefined;
   }
@@ -9804,7 +9900,8 @@ class JobTable {
         id: this.nextId++,
         pid: leader.pid,
         // The group as commands see it: in the jail, its number in the jail's PID namespace.
-        group: this.reaper() ? (innermostPid(pgid) ?? pgid) : pgid,
+        // Read off a live member: a `( cmd & )` job's group outlives its leader, whose pid is then nobody's.
+        group: this.reaper() ? (innermostPgid(leader.pid) ?? pgid) : pgid,
         innerPid: this.reaper() ? innermostPid(leader.pid) : undefined,
         // A `( … ) &` job is a fork of the command's own shell, whose command line is aic's wrapper: name the command instead.
         command: line.startsWith(`${commandShell()} -c set -m`) ? `a subshell of: ${oneLine(left.command, 100)}` : line,
@@ -10242,7 +10339,7 @@ class ShadowGit {
     stdout: number,
     stderr: number | "ignore",
   ): Promise<{ code: number; timedOut: boolean }> {
-    const proc = spawnOwned(["git", "--no-pager", ...args], {
+    const proc = spawnOwned([gitProgram() ?? NO_TRUSTED_GIT, "--no-pager", ...args], {
       cwd: this.workTree,
       env: opts.env ?? this.env,
       stdin: opts.input === undefined ? "ignore" : utf8.encode(opts.input),
@@ -10464,13 +10561,16 @@ class ShadowRepository {
    */
   async countFiles(limit: number, limitMs: number): Promise<{ count: number; tooBig: boolean }> {
     const emptyIndex = path.join(this.home, `count-${process.pid}.index`); // absent: every file counts as new
-    const proc = spawnOwned(["git", "ls-files", "-o", "--exclude-standard", "-z", ...this.pathspec], {
-      cwd: this.workTree,
-      env: { ...this.env, GIT_INDEX_FILE: emptyIndex },
-      stdin: "ignore",
-      stdout: "pipe",
-      stderr: "ignore",
-    });
+    const proc = spawnOwned(
+      [gitProgram() ?? NO_TRUSTED_GIT, "ls-files", "-o", "--exclude-standard", "-z", ...this.pathspec],
+      {
+        cwd: this.workTree,
+        env: { ...this.env, GIT_INDEX_FILE: emptyIndex },
+        stdin: "ignore",
+        stdout: "pipe",
+        stderr: "ignore",
+      },
+    );
     let timedOut = false;
     const timer = setTimeout(() => ((timedOut = true), proc.kill("SIGKILL")), limitMs);
     let count = 0;
@@ -10896,7 +10996,8 @@ class Checkpoints {
   /** The first time: git must be there, the tree not too big; the first snapshot must be quick. */
   private async start(): Promise<boolean> {
     if (this.ready) return true;
-    if (!Bun.which("git")) return (this.turnOff("git was not found on PATH"), false);
+    if (!gitProgram())
+      return (this.turnOff("git was not found on PATH, outside the directories commands may write"), false);
     this.shadow.ensureInPlace();
     await this.shadow.prepare();
     const { count, tooBig } = await this.shadow.countFiles(MAX_CHECKPOINT_FILES, FIRST_SNAPSHOT_LIMIT_MS);
@@ -11790,7 +11891,7 @@ type CommandPart = ShellWord[];
  * allowed program does, so such an assignment is a part of its own.
  */
 const RISKY_VARIABLE =
-  /^(PATH|LD_\w*|BASH_ENV|ENV|PROMPT_COMMAND|PS4|IFS|SHELLOPTS|BASHOPTS|BASH_FUNC_.*|GIT_\w*|PAGER|MANPAGER|LESSOPEN|LESSCLOSE|EDITOR|VISUAL|SHELL|BROWSER|NODE_OPTIONS|NODE_PATH|PYTHONPATH|PYTHONSTARTUP|PYTHONHOME|PERL5OPT|PERL5LIB|PERLLIB|RUBYOPT|RUBYLIB|npm_config_\w*|NPM_CONFIG_\w*)$/;
+  /^(PATH|HOME|XDG_CONFIG_HOME|XDG_CONFIG_DIRS|XDG_DATA_HOME|ZDOTDIR|INPUTRC|LESSKEY|PYTHONUSERBASE|LD_\w*|BASH_ENV|ENV|PROMPT_COMMAND|PS4|IFS|SHELLOPTS|BASHOPTS|BASH_FUNC_.*|GIT_\w*|PAGER|MANPAGER|LESSOPEN|LESSCLOSE|EDITOR|VISUAL|SHELL|BROWSER|NODE_OPTIONS|NODE_PATH|PYTHONPATH|PYTHONSTARTUP|PYTHONHOME|PERL5OPT|PERL5LIB|PERLLIB|RUBYOPT|RUBYLIB|npm_config_\w*|NPM_CONFIG_\w*)$/;
 const NUMERIC_SUBSCRIPT = /^(0[xX][0-9a-fA-F]+|[0-9]+(#[0-9A-Za-z@_]+)?)$/;
 const SHELL_PROGRAMS = new Set([
   "sh",
@@ -12493,6 +12594,7 @@ function gitExternalCommand(word: string): string | undefined {
  */
 function gitParts(words: ShellWord[]): CommandPart[] {
   const parts: CommandPart[] = [];
+  let elsewhere = false;
   let i = 1;
   for (; i < words.length; i++) {
     const w = words[i]!;
@@ -12501,6 +12603,7 @@ function gitParts(words: ShellWord[]): CommandPart[] {
     const option = w.value.startsWith("--") && eq > 0 ? w.value.slice(0, eq) : w.value;
     if (GIT_GLOBAL_FLAG.test(option)) continue;
     if (!GIT_GLOBAL_VALUE.has(option)) break;
+    if (["-C", "--git-dir", "--work-tree"].includes(option)) elsewhere = true;
     const value = eq > 0 && option !== w.value ? known(w.value.slice(eq + 1)) : words[++i];
     if (!value?.known) return [words, ...opaque(words)];
     const setting = option === "-c" ? value.value.split("=")[0]! : "";
@@ -12520,8 +12623,17 @@ function gitParts(words: ShellWord[]): CommandPart[] {
     else if ((v === "--output" || (v === "-o" && valueOf(words[i]) === "archive")) && words[k + 1])
       parts.push(writePart(words[++k]!));
   }
-  return [[words[0]!, ...words.slice(i)], ...parts];
+  const main: CommandPart = [words[0]!, ...words.slice(i)];
+  if (elsewhere) gitPointedElsewhere.add(main);
+  return [main, ...parts];
 }
+
+/**
+ * git parts whose global options (-C, --git-dir, --work-tree) point git at
+ * another repository, whose config a command may have written: the rules
+ * judge them as the subcommand they run, but they are never read-only.
+ */
+const gitPointedElsewhere = new WeakSet<CommandPart>();
 
 /**
  * git subcommands' own options (and operands) that run a command they are
@@ -13072,7 +13184,17 @@ function judgeCommand(rules: readonly CommandRule[], command: string, ctx: Verdi
   const unsure = unsureAbout(judged);
   const asked = judged.filter((v) => v.verdict === "ask");
   const verdict = asked.length ? decide(asked.find((v) => v.rule) ?? asked[0]) : decide(judged[0]);
-  return { ...verdict, unsure, readOnly: parts.length > 0 && parts.every(isReadOnlyPart) };
+  return { ...verdict, unsure, readOnly: parts.length > 0 && parts.every(isReadOnlyPart) && !gitElsewhere(parts) };
+}
+
+/**
+ * A line that changes directory before running git may point it at a
+ * repository outside the project, whose config the command could have
+ * written (core.fsmonitor runs a program): never read-only then.
+ */
+function gitElsewhere(parts: readonly CommandPart[]): boolean {
+  const moved = parts.findIndex((p) => p[0]?.known && ["cd", "pushd"].includes(p[0].value) && p.length > 1);
+  return moved >= 0 && parts.slice(moved + 1).some((p) => p[0]?.known && baseName(p[0].value) === "git");
 }
 
 /** The first thing about a line's parts that the judgement cannot see through, worded for the model. */
@@ -13249,7 +13371,7 @@ const READ_ONLY: Record<string, ReadOnlyCheck> = {
 /** Whether one part only reads: a read-only program used read-only. Writes and parts known only as they run never are. */
 function isReadOnlyPart(part: CommandPart): boolean {
   const program = part[0];
-  if (!program?.known || isWritePart(part)) return false;
+  if (!program?.known || isWritePart(part) || gitPointedElsewhere.has(part)) return false;
   // A path (./ls, /tmp/cat) may be anything: only programs found on PATH by name.
   if (program.value.includes("/") && !/^\/(usr\/)?bin\/[^/]+$/.test(program.value)) return false;
   const check = READ_ONLY[baseName(program.value)];
@@ -18571,6 +18693,61 @@ const TUI_KEY_HELP: readonly [string, string][] = [
   ["Ctrl+D", "quit, on an empty prompt"],
 ];
 
+/**
+ * OpenTUI, its native library loaded from a copy in aic's state directory
+ * that aic checks byte for byte against its own at each start. Left to Bun,
+ * the library is unpacked into the shared temporary directory, and any file
+ * there of the same size and owner is reused unchecked: a command could plant
+ * one that the person's next TUI start loads outside the jail.
+ */
+async function importOpenTui(): Promise<OpenTui> {
+  const root = await checkedNativeRoot();
+  const before = process.env.OTUI_ASSET_ROOT;
+  if (root) process.env.OTUI_ASSET_ROOT = root;
+  try {
+    return await import("@opentui/core");
+  } finally {
+    if (before === undefined) delete process.env.OTUI_ASSET_ROOT;
+    else process.env.OTUI_ASSET_ROOT = before;
+  }
+}
+
+/** OpenTUI's asset root for its native library in aic's state directory, written anew unless it holds aic's own bytes. */
+async function checkedNativeRoot(): Promise<string | undefined> {
+  const state = aicStateDir();
+  if (process.platform !== "linux" || process.arch !== "x64" || !state) return undefined;
+  let embedded: string;
+  try {
+    embedded = String((await import("@opentui/core-linux-x64")).default);
+  } catch {
+    return undefined;
+  }
+  // Run from node_modules (a developer's checkout), nothing is unpacked: the library is loaded where it lies.
+  if (!embedded.startsWith("/$bunfs/")) return undefined;
+  const root = path.join(state, "native");
+  const dir = path.join(root, "@opentui", "core-linux-x64");
+  const file = path.join(dir, "libopentui.so");
+  try {
+    const want = Buffer.from(await Bun.file(embedded).bytes());
+    fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
+    let have: Buffer | undefined;
+    try {
+      have = readOwnFile(file, want.length + 1);
+    } catch {
+      /* missing, a link, or not ours: written anew below */
+    }
+    if (!have?.equals(want)) {
+      const fresh = `${file}.${process.pid}.new`;
+      fs.rmSync(fresh, { force: true });
+      fs.writeFileSync(fresh, want, { mode: 0o600, flag: "wx" });
+      fs.renameSync(fresh, file);
+    }
+    return root;
+  } catch {
+    return undefined; // a state directory aic cannot write: Bun's own unpacking, as before
+  }
+}
+
 async function runTui(config: Config, prepared: PreparedRun): Promise<number> {
   if (!process.stdin.isTTY || !process.stdout.isTTY) {
     writeOut(
@@ -18583,7 +18760,7 @@ async function runTui(config: Config, prepared: PreparedRun): Promise<number> {
     writeOut(2, "aic: error: reading the request from stdin (-) needs --nogui\n");
     return EXIT.usage;
   }
-  const [ot, Terminal] = await Promise.all([import("@opentui/core"), loadXterm()]);
+  const [ot, Terminal] = await Promise.all([importOpenTui(), loadXterm()]);
   let renderer: CliRenderer;
   try {
     renderer = await ot.createCliRenderer({

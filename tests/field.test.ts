@@ -432,6 +432,33 @@ describe.skipIf(!existsSync(PYTHON) || !Bun.which("curl"))("--keep-jobs", () => 
     expect(keptLine.length, shown(plain)).toBeGreaterThan(0);
   });
 
+  // A server that logs every request to its terminal: that terminal must outlive aic too, or each request fails.
+  for (const mode of [
+    { label: "in the jail", args: [] as string[], env: {} },
+    { label: "under Landlock alone", args: [] as string[], env: { AIC_NO_NAMESPACES: "1" } },
+    { label: "without the sandbox", args: ["--disable-sandbox"], env: {} },
+  ])
+    test(`a kept server that logs to its terminal keeps answering (${mode.label})`, async () => {
+      const port = await freePort();
+      cleanups.push(() => processesWith(`http.server ${port}`).forEach(killWithGroup));
+      const start =
+        `${PYTHON} -m http.server ${port} --bind 127.0.0.1 & ` +
+        `for i in $(seq 100); do curl -s -o /dev/null http://127.0.0.1:${port}/ && break; sleep 0.1; done`;
+      const srv = fixtures.serve([bash(start, "c1"), done]);
+      const args = [...headless(srv.url), "--json", "--auto-approve", "--keep-jobs", ...mode.args, "serve"];
+      const run = await startAic(args, { env: mode.env }).done;
+      expect(run.code, shown(run)).toBe(0);
+      for (const pid of (keptJobs(endOf(run.stdout)) ?? []).map((j) => j.pid)) cleanups.push(() => killWithGroup(pid));
+      // Several requests, each of which the server logs to its terminal after aic has gone.
+      for (let i = 0; i < 5; i++) {
+        const status = await fetch(`http://127.0.0.1:${port}/`).then(
+          (r) => r.status,
+          (e) => String(e),
+        );
+        expect(status, `request ${i} after aic exited`).toBe(200);
+      }
+    });
+
   test("without --keep-jobs nothing answers on the port once aic has exited", async () => {
     const port = await freePort();
     cleanups.push(() => processesWith(`http.server ${port}`).forEach(killWithGroup));
@@ -441,6 +468,43 @@ describe.skipIf(!existsSync(PYTHON) || !Bun.which("curl"))("--keep-jobs", () => 
     expect(resultsOf(run.stdout).find((e) => e.id === "c1")?.output, shown(run)).toContain("answered=200");
     expect(await listening(port)).toBe(false);
     expect(keptJobs(endOf(run.stdout)) ?? []).toEqual([]);
+  });
+});
+
+// ---------------------------------------------------------------------------------------------
+// The sandbox names its refusals
+
+describe.skipIf(!LANDLOCK)("the sandbox names its refusals", () => {
+  test("a write outside the writable set is named as the sandbox's refusal, with its path and not the shell's", async () => {
+    const outside = fixtures.disposable(join("/var/tmp", unique("aic-field-refused-")));
+    const srv = fixtures.serve([bash(`echo hi > ${outside}`, "c1"), bash("echo fine", "c2"), done]);
+    const run = await startAic([...headless(srv.url), "--json", "--auto-approve", "write"]).done;
+    expect(run.code, shown(run)).toBe(0);
+    const answers = srv.requests.at(-1)!.body.messages.filter((m: any) => m.role === "tool");
+    const first: string = answers[0].content;
+    const notes = first.split("\n").filter((l) => l.startsWith("[sandbox]"));
+    expect(notes, first).toHaveLength(1);
+    expect(notes[0]).toContain(outside);
+    expect(first).not.toMatch(/\[sandbox\][^\n]*\/bin\/bash/);
+    // A command that was not refused gets no such line.
+    expect(answers[1].content).not.toContain("[sandbox]");
+  });
+});
+
+describe.skipIf(!has.root || !has.setpriv)("a home aic may not search", () => {
+  test("as uid 65534 with HOME=/root, aic starts and runs the command", async () => {
+    const dir = fixtures.varTmp("aic-field-home-");
+    chmodSync(dir, 0o777);
+    const srv = fixtures.serve([bash("echo ran-with-unsearchable-home", "c1"), done]);
+    const wrap = ["setpriv", `--reuid=${NOBODY}`, `--regid=${NOBODY}`, "--clear-groups", "--"];
+    const run = await startAic([...headless(srv.url), "--json", "--auto-approve", "go"], {
+      prefix: wrap,
+      cwd: dir,
+      env: { HOME: "/root", XDG_STATE_HOME: undefined, XDG_CONFIG_HOME: undefined },
+    }).done;
+    expect(run.stderr, shown(run)).not.toContain("internal error");
+    expect(run.code, shown(run)).toBe(0);
+    expect(resultsOf(run.stdout).find((e) => e.id === "c1")?.output).toContain("ran-with-unsearchable-home");
   });
 });
 

@@ -95,7 +95,8 @@
  *   `a['$(git push)']=1` runs git push.
  * - a prefix or `env` assignment to a variable that makes programs run code
  *   or load files: PATH, LD_*, BASH_ENV, ENV, PROMPT_COMMAND, PS4, IFS,
- *   SHELLOPTS, BASHOPTS, BASH_FUNC_*, GIT_* (GIT_PAGER, GIT_SSH_COMMAND,
+ *   SHELLOPTS, BASHOPTS, BASH_FUNC_*, HOME, XDG_CONFIG_HOME and its kin (they
+ *   decide which config files programs read), GIT_* (GIT_PAGER, GIT_SSH_COMMAND,
  *   GIT_EXTERNAL_DIFF, GIT_CONFIG_*, GIT_DIR… make git run programs or read
  *   other config), PAGER, MANPAGER, LESSOPEN, EDITOR, VISUAL, SHELL,
  *   BROWSER, NODE_OPTIONS, PYTHONPATH, PYTHONSTARTUP, PERL5OPT, PERL5LIB,
@@ -904,10 +905,15 @@ export const RULES_CASES: RulesCase[] = [
   { command: "env FOO=1 git push", verdict: "deny", rule: R.denyPush, why: "env unwrapped", parts: [GP] },
   {
     command: "env -i HOME=/tmp git status",
-    verdict: "allow",
-    rule: R.gitStatus,
-    why: "env -i",
-    parts: [["git", "status"]],
+    verdict: "ask",
+    why: "env -i, but HOME decides which config git reads (a command may have written one that runs a program)",
+    parts: [[dyn("HOME=/tmp")], ["git", "status"]],
+  },
+  {
+    command: "XDG_CONFIG_HOME=cfg git status",
+    verdict: "ask",
+    why: "XDG_CONFIG_HOME points git at cfg/git/config",
+    parts: [[dyn("XDG_CONFIG_HOME=cfg")], ["git", "status"]],
   },
   { command: "env -u HOME git push", verdict: "deny", rule: R.denyPush, why: "env -u takes a name", parts: [GP] },
   { command: "env", verdict: "ask", why: "env alone prints the environment: a normal command", parts: [["env"]] },
