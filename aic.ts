@@ -165,6 +165,8 @@ interface Config {
   disableSandbox: boolean;
   /** More paths commands may write under (real paths, validated). */
   allowWrite: string[];
+  /** Secret stores and credential-shaped files commands may read after all (absolute paths). */
+  allowRead: string[];
   allowReadSecrets: boolean;
   compressAlg: CompressAlg;
   compressTarget: number;
@@ -375,6 +377,13 @@ const FLAGS: readonly FlagSpec[] = [
     help: "Another path commands may write under, repeatable (env: colon-separated).",
   },
   {
+    name: "--allow-read",
+    kind: "paths",
+    key: "allowRead",
+    env: ["AIC_ALLOW_READ"],
+    help: "A secret store or credential file commands may read after all, repeatable (env: colon-separated).",
+  },
+  {
     name: "--allow-read-secrets",
     kind: "bool",
     key: "allowReadSecrets",
@@ -531,6 +540,7 @@ type ParsedArgs =
   | { kind: "search"; query: string; maxResults: number }
   | { kind: "undo" | "redo" | "diff"; count: number; session: string }
   | { kind: "export"; format: "atif"; session: string }
+  | { kind: "rules-accept"; rules: string }
   | { kind: "run"; config: Config };
 
 function describeFlag(f: FlagSpec): string {
@@ -571,6 +581,16 @@ function parseUrlFlag(f: FlagSpec, raw: string): string {
  * A path to open for writing: it must exist (Landlock needs it), and must
  * not be / or the home directory itself, which would undo the sandbox.
  */
+/** An --allow-read path: absolute, its links followed where it exists (it may name a file made later). */
+function readablePath(raw: string): string {
+  const absolute = path.resolve(raw);
+  try {
+    return fs.realpathSync(absolute);
+  } catch {
+    return absolute;
+  }
+}
+
 function parseWritablePath(f: FlagSpec, raw: string): string {
   let real: string;
   try {
@@ -612,6 +632,7 @@ function parseArgs(argv: string[], env: Record<string, string | undefined>): Par
   if (argv[0] === "search") return parseSearchArgs(argv.slice(1));
   if (argv[0] === "undo" || argv[0] === "redo" || argv[0] === "diff") return parseUndoArgs(argv[0], argv.slice(1));
   if (argv[0] === "export") return parseExportArgs(argv.slice(1));
+  if (argv[0] === "rules") return parseRulesArgs(argv.slice(1));
   const given = new Map<FlagSpec, string[]>();
   const words: string[] = [];
   let onlyWords = false;
@@ -725,7 +746,7 @@ function configFromFlags(
         set(
           f.key,
           [...fromFileList(f), ...(envValue(f) ?? "").split(":").filter(Boolean), ...(given.get(f) ?? [])].map((p) =>
-            parseWritablePath(f, p),
+            f.key === "allowRead" ? readablePath(p) : parseWritablePath(f, p),
           ),
         );
         break;
@@ -787,6 +808,29 @@ function parseSearchArgs(argv: string[]): ParsedArgs {
 }
 
 /** `aic undo [N] [--session PATH]`, `aic redo [--session PATH]`, `aic diff [N] [--session PATH]`. */
+/**
+ * `aic rules accept [--rules FILE] [--session PATH]`: the rules a command
+ * wrote, put in force by the person. The file is ./.aicrules, or the one
+ * beside the session file, or FILE.
+ */
+function parseRulesArgs(argv: string[]): ParsedArgs {
+  if (argv[0] === "--help" || argv[0] === "-h") return { kind: "help" };
+  const usage = "aic rules accept [--rules FILE] [--session PATH]";
+  if (argv[0] !== "accept") throw new UsageError(`rules takes one action: ${usage}`);
+  let rules: string | undefined;
+  let session: string | undefined;
+  for (let i = 1; i < argv.length; i++) {
+    const arg = argv[i]!;
+    const eq = arg.startsWith("--") ? arg.indexOf("=") : -1;
+    const name = eq > 0 ? arg.slice(0, eq) : arg;
+    const value = eq > 0 ? arg.slice(eq + 1) : argv[++i];
+    if (!value || (name !== "--rules" && name !== "--session")) throw new UsageError(`usage: ${usage} (not '${arg}')`);
+    if (name === "--rules") rules = value;
+    else session = value;
+  }
+  return { kind: "rules-accept", rules: rules ?? path.join(session ? path.dirname(session) : ".", RULES_FILE_NAME) };
+}
+
 function parseUndoArgs(kind: "undo" | "redo" | "diff", argv: string[]): ParsedArgs {
   let session = DEFAULT_SESSION_FILE;
   let count = 1;
@@ -851,8 +895,13 @@ function promptBudget(
 }
 
 /** The answer's reserve: from the server's window when it said one, else the model profile's. */
-function replyReserve(config: Pick<Config, "model"> & Partial<Pick<Config, "apiBase" | "window">>): number {
-  return config.window?.replyTokens ?? modelProfile(config).maxTokens ?? 0;
+function replyReserve(
+  config: Pick<Config, "model"> & Partial<Pick<Config, "apiBase" | "window" | "maxPromptLen">>,
+): number {
+  if (config.window) return config.window.replyTokens;
+  const most = modelProfile(config).maxTokens;
+  // Without a window from the server, --max-prompt-len is the window: the answer gets a quarter of it, at most `most`.
+  return most === undefined ? 0 : Math.min(most, Math.floor((config.maxPromptLen ?? Infinity) / 4));
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -1024,7 +1073,7 @@ const SECRET_ENV = ["AIC_API_KEY", "OPENAI_API_KEY", "AIC_HEADERS"];
  * anywhere. Other services' tokens (GITHUB_TOKEN, NPM_TOKEN) are the task's.
  */
 const PROVIDER_KEY_ENV =
-  /^((ANTHROPIC|GEMINI|GOOGLE|VERTEX(AI)?|FIREWORKS(_AI)?|TOGETHER(_AI)?|OPENROUTER|GROQ|MISTRAL|CODESTRAL|DEEPSEEK|XAI|COHERE|CO|PERPLEXITY(AI)?|CEREBRAS|DEEPINFRA|NVIDIA(_NIM)?|NIM|AZURE(_OPENAI|_AI)?|HUGGINGFACE|HF|DASHSCOPE|MOONSHOT|KIMI|ZHIPUAI|ZAI|GLM|MINIMAX|SAMBANOVA|REPLICATE|VOYAGE|LITELLM(_PROXY)?|BASETEN|NEBIUS|HYPERBOLIC|NOVITA|LAMBDA|AI21|ANYSCALE|FRIENDLI|NSCALE|QWEN|OPENAI)_(API_KEY|API_TOKEN|AUTH_TOKEN|MASTER_KEY|KEY|TOKEN)|HF_TOKEN|HUGGING_FACE_HUB_TOKEN|AWS_BEARER_TOKEN_BEDROCK)$/;
+  /^((ANTHROPIC|GEMINI|GOOGLE|VERTEX(AI)?|FIREWORKS(_AI)?|TOGETHER(_AI)?|OPENROUTER|GROQ|MISTRAL|CODESTRAL|DEEPSEEK|XAI|COHERE|CO|PERPLEXITY(AI)?|CEREBRAS|DEEPINFRA|NVIDIA(_NIM)?|NIM|AZURE(_OPENAI|_AI)?|HUGGINGFACE|HF|DASHSCOPE|MOONSHOT|KIMI|ZHIPUAI|ZAI|GLM|MINIMAX|SAMBANOVA|REPLICATE|VOYAGE|LITELLM(_PROXY)?|BASETEN|NEBIUS|HYPERBOLIC|NOVITA|LAMBDA|AI21|ANYSCALE|FRIENDLI|NSCALE|QWEN|OPENAI|GOOGLE_GENERATIVE_AI|TOGETHERAI|HOSTED_VLLM|OLLAMA|LLM|MSWEA|DATABRICKS|DATAROBOT|ALEPH_ALPHA|FEATHERLESS(_AI)?|INFINITY|LLAMA|NLP_CLOUD|OPENCODE|PALM|TETRATE|VERCEL_AI_GATEWAY|VOLCENGINE|DOUBAO)_(API_KEY|API_TOKEN|AUTH_TOKEN|MASTER_KEY|KEY|TOKEN)|HF_TOKEN|HUGGING_FACE_HUB_TOKEN|AWS_BEARER_TOKEN_BEDROCK|CLAUDE_CODE_OAUTH_TOKEN)$/;
 
 /** Whether a variable holds a secret aic keeps from commands. */
 const isSecretEnv = (name: string) => SECRET_ENV.includes(name) || PROVIDER_KEY_ENV.test(name);
@@ -3198,7 +3247,7 @@ class ModelClient implements ModelPort {
     if (this.config.reasoningEffort) params.reasoning_effort = this.config.reasoningEffort;
     const profile = modelProfile(this.config);
     // Prompt plus max_tokens must fit the server's window (vLLM and llama.cpp refuse a request that passes it).
-    if (profile.maxTokens !== undefined) params.max_tokens = this.config.window?.replyTokens ?? profile.maxTokens;
+    if (profile.maxTokens !== undefined) params.max_tokens = replyReserve(this.config);
     if (profile.chatTemplateKwargs) params.chat_template_kwargs = { enable_thinking: true };
     // llama.cpp streams how far it has read a long prompt when asked (only a server that said it is llama.cpp).
     if (this.config.window?.endpoint.endsWith("/props")) params.return_progress = true;
@@ -5540,6 +5589,12 @@ interface Sandbox {
   auditRepositories(deep?: boolean): string[];
   /** --keep-jobs at exit: what commands started goes on running once aic has gone (the jail stays up until it empties). */
   keepRunning(): void;
+  /**
+   * At exit, before the repository guard's last sweep: every process the commands started is ended (in the jail,
+   * its init and so the whole namespace; otherwise the orphans aic adopted as their subreaper), so none can plant
+   * anything after the sweep.
+   */
+  stopEverything(): void;
   /** Starts `argv` on a PTY of its own: confined, through the launcher, when on. */
   spawn(argv: string[], opts: PtyOptions): Promise<CommandProcess>;
 }
@@ -5598,7 +5653,105 @@ const SECRET_STORES = [
   ".zsh_history",
   ".local/share/fish",
   ".config/aic", // the person's aic settings, which may hold an API key
+  ".config/git/credentials",
+  ".Xauthority",
+  ".ICEauthority",
+  ".config/rclone",
+  ".s3cfg",
+  ".boto",
+  ".oci",
+  ".config/sops",
+  ".age",
+  ".minisign",
+  ".m2/settings.xml",
+  ".m2/settings-security.xml",
+  ".gradle/gradle.properties",
+  ".gem/credentials",
+  ".config/pip",
+  ".pip",
+  ".config/composer/auth.json",
+  ".composer/auth.json",
+  ".codex",
+  ".claude",
+  ".claude.json",
+  ".config/github-copilot",
+  ".gemini",
+  ".config/opencode",
+  ".local/share/opencode",
+  ".aider.conf.yml",
+  ".psql_history",
+  ".mysql_history",
+  ".sqlite_history",
+  ".rediscli_history",
+  ".python_history",
+  ".node_repl_history",
+  ".irb_history",
+  ".lesshst",
 ];
+
+/** A file or directory whose name says it holds a credential: unreadable too, wherever it is in the home directory. */
+const CREDENTIAL_NAME = /credential|token|^auth\.json$|\.pem$|_rsa$|_ed25519$|_ecdsa$|\.key$|\.p12$|\.pfx$|secret/i;
+/** How many entries the search for credential-shaped names looks at, at most (a home of many files costs a bound). */
+const CREDENTIAL_SEARCH_LIMIT = 20_000;
+
+/**
+ * Files and directories in the home directory (two levels down) and in
+ * ~/.config/* (two levels below each) whose names say they hold a
+ * credential; caches and writable trees are not searched. Read at start:
+ * one created later is not covered (the README says so).
+ */
+function credentialShapedPaths(home: string, skip: (p: string) => boolean): string[] {
+  const found: string[] = [];
+  let budget = CREDENTIAL_SEARCH_LIMIT;
+  const walk = (dir: string, depth: number) => {
+    let entries: fs.Dirent[];
+    try {
+      entries = fs.readdirSync(dir, { withFileTypes: true });
+    } catch {
+      return;
+    }
+    for (const e of entries) {
+      if (budget-- <= 0) return;
+      const p = path.join(dir, e.name);
+      if (skip(p) || e.isSymbolicLink() || e.name.endsWith(".pub")) continue;
+      if (CREDENTIAL_NAME.test(e.name)) found.push(p);
+      else if (e.isDirectory() && depth > 1 && !/^(node_modules|\.cache|cache|caches|\.git)$/i.test(e.name))
+        walk(p, depth - 1);
+    }
+  };
+  walk(home, 2);
+  let configs: fs.Dirent[] = [];
+  try {
+    configs = fs.readdirSync(path.join(home, ".config"), { withFileTypes: true });
+  } catch {
+    /* no ~/.config */
+  }
+  for (const c of configs) if (c.isDirectory()) walk(path.join(home, ".config", c.name), 2);
+  return [...new Set(found)];
+}
+
+/**
+ * The stores with what --allow-read lifts taken out: a store at or below an
+ * allowed path goes; a store that holds one is split into its other entries
+ * (so the allowed file reads, its neighbours stay unreadable).
+ */
+function liftAllowedReads(stores: readonly string[], allowed: readonly string[]): string[] {
+  const out: string[] = [];
+  const visit = (store: string, depth: number) => {
+    if (allowed.some((a) => store === a || isBeneath(store, a))) return;
+    const inside = allowed.filter((a) => isBeneath(a, store));
+    if (!inside.length || depth > 8) return void out.push(store);
+    let names: string[] = [];
+    try {
+      names = fs.readdirSync(store);
+    } catch {
+      /* nothing to split: the allowed path is all there is to read there */
+    }
+    for (const name of names) visit(path.join(store, name), depth + 1);
+  };
+  for (const s of stores) visit(s, 0);
+  return out;
+}
 
 /**
  * With --allow-ssh-agent, ssh in a command must still check host keys and
@@ -5672,6 +5825,7 @@ function sandboxOff(reason: string, keeper?: readonly string[]): Sandbox {
     start: () => void launcher?.start(),
     auditRepositories: () => [],
     keepRunning: () => launcher?.keepRunning(),
+    stopEverything: () => killAdoptedOrphans(),
     spawn: async (argv, opts) => (launcher ? launcher.spawn(argv, opts) : unconfinedCommand(argv, opts)),
   };
 }
@@ -5711,7 +5865,7 @@ function sandboxRefusals(
 function whySandboxRefused(p: string, s: Sandbox): { why: SandboxRefusal; detail: string } | undefined {
   const under = (dirs: readonly string[]) => dirs.some((d) => p === d || isBeneath(p, d));
   const secret = s.secrets.find((d) => p === d || isBeneath(p, d));
-  if (secret) return { why: "secret", detail: `${secret}; --allow-read-secrets lifts it` };
+  if (secret) return { why: "secret", detail: `the person can lift it with --allow-read ${secret}` };
   const denied = s.deniedPrograms.find((name) => programFiles(name).includes(p));
   if (denied) return { why: "exec", detail: denied };
   if (under(s.writable) || !writableUnconfined(p)) return undefined;
@@ -6163,12 +6317,15 @@ function sandboxPaths(config: Config, home: string | undefined, deniedPrograms: 
   const real = (dir: string) => (fs.lstatSync(dir).isSymbolicLink() ? fs.realpathSync(dir) : dir);
   const writable = [...new Set([process.cwd(), "/tmp", "/dev", ...caches, ...config.allowWrite].map(real))];
   const inWritable = (p: string) => writable.some((w) => p === w || isBeneath(p, w));
-  const stores =
+  const named =
     home && !config.allowReadSecrets
       ? SECRET_STORES.flatMap((s) =>
           s === ".ssh" && config.allowSshAgent ? sshPrivateFiles(home) : [path.join(home, s)],
         )
       : [];
+  const covered = (p: string) => inWritable(p) || named.some((s) => p === s || isBeneath(p, s));
+  const shaped = home && !config.allowReadSecrets ? credentialShapedPaths(home, covered) : [];
+  const stores = liftAllowedReads([...named, ...shaped], config.allowRead);
   // A secret store inside a writable tree (aic started in ~) cannot be kept unreadable: commands may rewrite it
   // anyway, and files they create there later must be readable.
   const exposed = stores.filter(inWritable);
@@ -6235,6 +6392,10 @@ function liveSandbox(
     },
     auditRepositories: (deep) => guard?.audit(deep) ?? [],
     keepRunning: () => commands?.keepRunning(),
+    stopEverything: () => {
+      commands?.stopEverything();
+      killAdoptedOrphans();
+    },
     spawn: (argv, opts) => {
       if (!commands) throw new Error("the sandbox launcher was never started");
       return commands.spawn(argv, opts);
@@ -6320,7 +6481,7 @@ function sandboxStatus(o: {
     (o.enforced.length ? `; denied programs cannot be executed: ${o.enforced.join(", ")}` : "");
   return () => {
     const jail = o.jail.refused
-      ? `Landlock alone, no jail: ${o.jail.refused}; commands can reach Unix sockets and the terminal, see other processes, write .git/config and hooks, and outlive a kill -9 of aic`
+      ? `Landlock alone, no jail: ${o.jail.refused}; commands can reach Unix sockets and the terminal, see other processes, write .git/config and hooks, and leave processes running after aic exits`
       : `jail: own PID, mount and IPC namespaces (your processes, sockets and terminal out of reach; .git/config and hooks read-only; nothing outlives aic)${o.jail.net ? "; network: loopback only" : ""}${o.jail.allowSshAgent ? "; ssh-agent passed through (--allow-ssh-agent)" : ""}`;
     return `on (Landlock ABI ${o.abi}; ${jail}; writes only under ${writes}${notes})`;
   };
@@ -6985,6 +7146,30 @@ function runsCode(s: GitSetting): boolean {
   return !GIT_INERT_SETTING.test(s.key);
 }
 
+/** The files a git dir's configs include, absolute (relative ones are relative to the git dir, as git reads them). */
+function includedConfigs(gitDir: string, configs: readonly (Buffer | undefined)[]): string[] {
+  const home = homeDirectory();
+  const files = new Set<string>();
+  for (const text of configs) {
+    if (!text) continue;
+    for (const s of gitSettings(text) ?? []) {
+      if (!/^(include\.path|includeif\..+\.path)$/i.test(s.key) || !s.value) continue;
+      const value = s.value.startsWith("~/") && home ? path.join(home, s.value.slice(2)) : s.value;
+      files.add(path.resolve(gitDir, value));
+    }
+  }
+  return [...files];
+}
+
+/** A config file anywhere, read as aic reads its own (a regular file, never a link, bounded); undefined if not one. */
+function readConfigAt(file: string): Buffer | undefined {
+  try {
+    return readOwnFile(file, MAX_GIT_CONFIG_BYTES);
+  } catch {
+    return undefined;
+  }
+}
+
 /** A config file's text holding `settings`, in git's syntax. */
 function gitConfigText(settings: readonly GitSetting[]): string {
   const escape = (v: string) =>
@@ -7117,6 +7302,10 @@ function searchGitDirs(root: HeldDirectory, depth: number, limit: number): Found
 /** What one git dir held at the last look. */
 interface GitDirBaseline {
   config: Buffer | undefined;
+  /** `config.worktree` (read with extensions.worktreeConfig: every sparse checkout has one). */
+  worktree: Buffer | undefined;
+  /** The files the configs include (include.path, includeIf.*.path), by absolute path, as they were. */
+  included: Map<string, Buffer | undefined>;
   /** Hook name → fileSignature. */
   hooks: Map<string, string>;
   /** Where its `commondir` leads, if it has one. */
@@ -7337,13 +7526,17 @@ class GitGuard {
   }
 
   private look(dir: HeldDirectory): GitDirBaseline {
-    let config: Buffer | undefined;
-    try {
-      config = dir.read("config", MAX_GIT_CONFIG_BYTES);
-    } catch {
-      config = undefined;
-    }
-    return { config, hooks: hooksOf(dir), commondir: commondirOf(dir) };
+    const read = (name: string) => {
+      try {
+        return dir.read(name, MAX_GIT_CONFIG_BYTES);
+      } catch {
+        return undefined;
+      }
+    };
+    const config = read("config");
+    const worktree = read("config.worktree");
+    const included = new Map(includedConfigs(dir.path, [config, worktree]).map((f) => [f, readConfigAt(f)]));
+    return { config, worktree, included, hooks: hooksOf(dir), commondir: commondirOf(dir) };
   }
 
   private disarm(dir: HeldDirectory, before: GitDirBaseline | undefined): string[] {
@@ -7363,19 +7556,46 @@ class GitGuard {
       if (before?.hooks.get(name) !== sig)
         done.push(...moveAside(hooks!.at(name), hooks!.display(name), `the hook ${hooks!.display(name)}`));
     hooks?.close();
-    done.push(...this.disarmConfig(dir, before?.config));
+    done.push(...this.disarmConfig(dir, "config", before?.config));
+    done.push(...this.disarmConfig(dir, "config.worktree", before?.worktree));
+    done.push(...this.disarmIncluded(dir, before));
     return done;
   }
 
-  private disarmConfig(dir: HeldDirectory, before: Buffer | undefined): string[] {
-    const where = dir.display("config");
+  /**
+   * A file a config includes is read by git as that config: one that
+   * changed since the last look and now sets what runs code is moved aside
+   * (git skips an include that is missing).
+   */
+  private disarmIncluded(dir: HeldDirectory, before: GitDirBaseline | undefined): string[] {
+    const configs = ["config", "config.worktree"].map((name) => {
+      try {
+        return dir.read(name, MAX_GIT_CONFIG_BYTES);
+      } catch {
+        return undefined;
+      }
+    });
+    const done: string[] = [];
+    for (const file of includedConfigs(dir.path, configs)) {
+      const now = readConfigAt(file);
+      const was = before?.included.get(file);
+      if (!now || (was && was.equals(now))) continue;
+      const old = new Set((was ? (gitSettings(was) ?? []) : []).map((s) => `${s.key}\n${s.value}`));
+      const added = (gitSettings(now) ?? []).filter((s) => runsCode(s) && !old.has(`${s.key}\n${s.value}`));
+      if (added.length) done.push(...moveAside(file, file, `${file}, which ${dir.display("config")} includes`));
+    }
+    return done;
+  }
+
+  private disarmConfig(dir: HeldDirectory, name: string, before: Buffer | undefined): string[] {
+    const where = dir.display(name);
     let now: Buffer;
     try {
-      now = dir.read("config", MAX_GIT_CONFIG_BYTES);
+      now = dir.read(name, MAX_GIT_CONFIG_BYTES);
     } catch (error) {
       if (error instanceof OwnFileError && error.missing) return [];
       // A link, a FIFO, a config too big to be a person's: git might read it, aic cannot judge it.
-      return moveAside(dir.at("config"), where, `${where} (${(error as Error).message})`);
+      return moveAside(dir.at(name), where, `${where} (${(error as Error).message})`);
     }
     if (before?.equals(now)) return [];
     const settings = gitSettings(now);
@@ -7384,9 +7604,9 @@ class GitGuard {
     const added = settings.filter((s) => runsCode(s) && !was.has(`${s.key}\n${s.value}`));
     if (added.length === 0) return [];
     try {
-      dir.replace("config.aic-disabled", now, true);
-      dir.replace("config", gitConfigText(settings.filter((s) => !added.includes(s))), true);
-      return [`${where}: ${added.map((s) => s.key).join(", ")} (as it was: ${dir.display("config.aic-disabled")})`];
+      dir.replace(`${name}.aic-disabled`, now, true);
+      dir.replace(name, gitConfigText(settings.filter((s) => !added.includes(s))), true);
+      return [`${where}: ${added.map((s) => s.key).join(", ")} (as it was: ${dir.display(`${name}.aic-disabled`)})`];
     } catch (error) {
       return [
         `${where}: ${added.map((s) => s.key).join(", ")}, which aic could not take out: ${(error as Error).message}`,
@@ -7644,6 +7864,42 @@ async function killGroups(groups: readonly number[]): Promise<void> {
 }
 
 /** The same, blocking: for the last moments of the process, when no timer will run again. */
+/** How long ending everything at exit may wait for the jail's processes to be gone. */
+const STOP_EVERYTHING_MS = 2000;
+
+/** Every descendant of `pid`, at the moment of the call. */
+function descendantsOf(pid: number): number[] {
+  const found: number[] = [];
+  const walk = (p: number, depth: number) => {
+    if (depth > 64) return;
+    for (const child of childrenOf(p)) {
+      found.push(child);
+      walk(child, depth + 1);
+    }
+  };
+  walk(pid, 0);
+  return found;
+}
+
+/**
+ * The orphans of commands aic adopted as their subreaper (daemons, jobs that
+ * escaped their group; they carry this aic's marker), and everything they
+ * started: SIGKILL, group and all. Never one of Bun's own children (the
+ * launcher, aic's git), nor what the person started in the Shell tab.
+ */
+function killAdoptedOrphans(): void {
+  const ours = `${process.pid}.`;
+  for (const pid of ownChildren()) {
+    if (bunChildren.has(pid) || !jobMarkerOf(pid)?.startsWith(ours)) continue;
+    const info = processInfo(pid);
+    if (!info || info.zombie) continue;
+    for (const d of descendantsOf(pid)) signalProcess(d, "SIGKILL");
+    if (info.pgid > 1 && info.pgid !== process.pid) signalGroup(info.pgid, "SIGKILL");
+    signalProcess(pid, "SIGKILL");
+  }
+  reapAdoptedZombies();
+}
+
 function killGroupsNow(groups: readonly number[]): void {
   for (const g of groups) {
     signalGroup(g, "SIGTERM");
@@ -7954,8 +8210,8 @@ interface LauncherProcess {
 const FREEZE_ROUNDS = 5;
 const FREEZE_SETTLE_MS = 50;
 
-/** How long a launcher may take to say it started a command before it is taken for stuck and replaced. */
-const LAUNCHER_ANSWER_MS = 5000;
+/** How long a launcher may take to say it started a command before it is taken for stuck and replaced (a loaded CI machine took over 5 s). */
+const LAUNCHER_ANSWER_MS = 15_000;
 /** How often a launcher holding commands is looked at (stopped by a command? then it is replaced). */
 const LAUNCHER_WATCH_MS = 500;
 
@@ -8039,6 +8295,21 @@ class SandboxLauncher {
     } catch {
       /* gone already: nothing to keep */
     }
+  }
+
+  /** Ends the launcher now and, in the jail, waits (a bounded while) until every process of the namespace is gone. */
+  stopEverything(): void {
+    const live = this.live;
+    if (!live) return;
+    const inside = this.jailed ? descendantsOf(live.hostPid) : [];
+    signalProcess(live.hostPid, "SIGKILL");
+    live.proc.kill("SIGKILL");
+    const deadline = Date.now() + STOP_EVERYTHING_MS;
+    while (
+      Date.now() < deadline &&
+      [live.hostPid, ...inside].some((pid) => processInfo(pid) && !processInfo(pid)?.zombie)
+    )
+      Bun.sleepSync(KILL_POLL_MS);
   }
 
   /** The launcher's pid in aic's view while it runs: every orphan in the jail becomes its child. */
@@ -10142,6 +10413,55 @@ function jobGroup(job: Job): number {
 const MAX_CHECKPOINT_FILES = 50_000;
 /** The first snapshot writes every file once; past this, checkpoints cost too much here and are turned off. */
 const FIRST_SNAPSHOT_LIMIT_MS = 2000;
+/** How often a git of aic's that is still running is looked at for an open() a FIFO holds up. */
+const FIFO_WATCH_MS = 250;
+
+/** open and openat (x86-64; arm64 has only openat), and openat's "relative to the working directory". */
+const SYS_OPEN = process.arch === "x64" ? 2 : -1;
+const SYS_OPENAT = process.arch === "x64" ? 257 : process.arch === "arm64" ? 56 : -1;
+const AT_FDCWD = -100;
+
+/**
+ * A git of aic's own that waits in open() on a FIFO (a `.gitignore` a
+ * command made one: git reads every directory's) would wait for ever, and
+ * the snapshot with it. The path it waits on is read from its memory (it is
+ * aic's child), and the FIFO's other end is opened and closed at once
+ * (non-blocking, never through a link, nothing written): git reads it as
+ * empty and goes on.
+ */
+function unblockFifoOpen(pid: number): void {
+  try {
+    const fields = fs.readFileSync(`/proc/${pid}/syscall`, "utf8").trim().split(" ");
+    const nr = Number(fields[0]);
+    if (nr !== SYS_OPEN && nr !== SYS_OPENAT) return;
+    const dirfd = nr === SYS_OPENAT ? Number(BigInt.asIntN(32, BigInt(fields[1]!))) : AT_FDCWD;
+    const at = Number(BigInt(nr === SYS_OPENAT ? fields[2]! : fields[1]!));
+    const name = readCString(pid, at);
+    if (!name) return;
+    const base = path.isAbsolute(name)
+      ? ""
+      : fs.readlinkSync(dirfd === AT_FDCWD ? `/proc/${pid}/cwd` : `/proc/${pid}/fd/${dirfd}`);
+    const file = path.resolve(base, name);
+    if (!fs.lstatSync(file).isFIFO()) return;
+    const fd = fs.openSync(file, O.O_WRONLY | O.O_NONBLOCK | O.O_NOFOLLOW);
+    fs.closeSync(fd);
+  } catch {
+    /* not waiting on a FIFO, or gone, or no reader yet: looked at again shortly */
+  }
+}
+
+/** A NUL-terminated string in another process's memory (at most 4 KB). */
+function readCString(pid: number, at: number): string | undefined {
+  const fd = fs.openSync(`/proc/${pid}/mem`, O.O_RDONLY);
+  try {
+    const buf = Buffer.alloc(4096);
+    const n = fs.readSync(fd, buf, 0, buf.length, at);
+    const end = buf.subarray(0, n).indexOf(0);
+    return end > 0 ? buf.subarray(0, end).toString("utf8") : undefined;
+  } finally {
+    fs.closeSync(fd);
+  }
+}
 /** Later snapshots and restores are bounded too, so a stuck git can never hang a run. */
 const GIT_TIME_LIMIT_MS = 60_000;
 /** Checkpoints kept per directory; older ones are dropped (and their objects collected) now and then. */
@@ -10352,8 +10672,10 @@ class ShadowGit {
       proc.kill("SIGTERM"); // git removes its lock files on SIGTERM
       setTimeout(() => proc.kill("SIGKILL"), KILL_GRACE_MS).unref?.();
     }, opts.limitMs ?? GIT_TIME_LIMIT_MS);
+    const fifos = setInterval(() => unblockFifoOpen(proc.pid), FIFO_WATCH_MS);
     const code = await proc.exited;
     clearTimeout(timer);
+    clearInterval(fifos);
     return { code, timedOut };
   }
 
@@ -10707,6 +11029,16 @@ class ShadowRepository {
   }
 
   /** A checkpoint commit as a snapshot: its tree and the manifest in its message. */
+  /** The paths (relative to the start directory) whose content or kind differs between two checkpoints. */
+  async changedPaths(from: string, to: string): Promise<Set<string>> {
+    try {
+      const raw = await this.gitOk(["diff-tree", "-r", "-z", "--no-renames", "--name-only", from, to]);
+      return new Set(raw.split("\0").flatMap((p) => this.relative(p) ?? []));
+    } catch {
+      return new Set(); // a checkpoint the store no longer holds: nothing is known to be the person's
+    }
+  }
+
   async snapshotOf(commit: string): Promise<Snapshot> {
     const body = await this.gitOk(["cat-file", "commit", commit]);
     const tree = /^tree ([0-9a-f]+)$/m.exec(body)?.[1] ?? "";
@@ -10875,6 +11207,8 @@ interface RedoEntry {
   commit: string;
   steps: CheckpointStep[];
   messages: Message[];
+  /** The snapshot the undo left the files in: what differs from it when redoing is the person's. */
+  left?: string;
 }
 
 /** What a session file keeps of the checkpoints. */
@@ -10929,6 +11263,8 @@ interface RestoreReport {
   removed: string[];
   /** Paths that could not be put back, and why (something aic never snapshotted is in the way). */
   skipped: string[];
+  /** Versions no snapshot held that the restore would have overwritten: moved aside first, each "path → where". */
+  keptAside?: string[];
 }
 
 /** The note every undo and redo ends with: what checkpoints cannot cover. */
@@ -11161,16 +11497,16 @@ class Checkpoints {
   }
 
   /** Files back to before the last `n` commands; returns what changed and the steps undone (newest last). */
-  async undo(n: number): Promise<{ report: RestoreReport; steps: CheckpointStep[]; before: string }> {
+  async undo(n: number): Promise<{ report: RestoreReport; steps: CheckpointStep[]; before: string; left: string }> {
     const target = this.done[this.done.length - n]!;
-    const { report, before } = await this.restore(target.commit);
-    return { report, steps: this.done.splice(this.done.length - n, n), before };
+    const { report, before, left } = await this.restore(target.commit, this.done.at(-1)?.after);
+    return { report, steps: this.done.splice(this.done.length - n, n), before, left };
   }
 
   /** Files back to before the newest undo, its steps back on the undo list; returns the messages it had cut. */
   async redoLast(): Promise<{ report: RestoreReport; entry: RedoEntry }> {
     const entry = this.redo.at(-1)!;
-    const { report } = await this.restore(entry.commit);
+    const { report } = await this.restore(entry.commit, entry.left);
     this.redo.pop();
     this.done.push(...entry.steps);
     return { report, entry };
@@ -11184,21 +11520,26 @@ class Checkpoints {
    * directories as the target's manifest says. Only what the snapshot of
    * now saw is ever removed. A last snapshot checks the result.
    */
-  private async restore(target: string): Promise<{ report: RestoreReport; before: string }> {
+  private async restore(
+    target: string,
+    /** The snapshot aic last left the files in: a file that differs from it now is the person's, and is kept aside. */
+    left: string | undefined,
+  ): Promise<{ report: RestoreReport; before: string; left: string }> {
     if (!(await this.start())) throw new Error(`checkpoints are off: ${this.off}`);
     const s = this.shadow;
     const release = s.lock();
     try {
       const now = await s.snapshot("before an undo");
       const goal = await s.snapshotOf(target);
-      const report = await new TreeRestore(s, now, goal).run();
+      const theirs = left ? await s.changedPaths(left, now.commit) : new Set<string>();
+      const report = await new TreeRestore(s, now, goal, theirs).run();
       s.ensureInPlace();
       const after = await s.snapshot(`restored ${target}`);
       if (after.tree !== goal.tree && !report.skipped.length)
         report.skipped.push(
           "(the files differ from the checkpoint after the restore; a job may have changed them meanwhile)",
         );
-      return { report, before: now.commit };
+      return { report, before: now.commit, left: after.commit };
     } catch (error) {
       if (error instanceof ProjectMoved) throw new Error(`${error.message}; undo puts nothing back there`);
       throw error;
@@ -11241,6 +11582,8 @@ class TreeRestore {
     private readonly shadow: ShadowRepository,
     private readonly now: Snapshot,
     private readonly goal: Snapshot,
+    /** Paths the person changed since aic last left the files: kept aside before anything overwrites or removes them. */
+    private readonly theirs: ReadonlySet<string> = new Set(),
   ) {}
 
   async run(): Promise<RestoreReport> {
@@ -11336,7 +11679,9 @@ class TreeRestore {
     const at = this.entry(c.rel, false);
     const st = at ? fs.lstatSync(at, { throwIfNoEntry: false }) : undefined;
     if (!at || !st || !(st.isFile() || st.isSymbolicLink())) return;
-    fs.unlinkSync(at);
+    if (this.theirs.has(c.rel)) {
+      if (!this.keepAside(c.rel, at)) return;
+    } else fs.unlinkSync(at);
     if (!isGitFile(c.toMode)) this.report.removed.push(c.rel);
     const keep = parseManifest(this.goal.manifest).dirs;
     for (let dir = parentOf(c.rel); dir !== "" && !keep.has(dir); dir = parentOf(dir))
@@ -11370,6 +11715,9 @@ class TreeRestore {
       );
       return false;
     }
+    // A file on disk that the snapshot of now did not hold (git-ignored, say, after the person rewrote it) is a
+    // version no snapshot has: it is moved aside, never overwritten.
+    if (st && (c.status === "A" || this.theirs.has(c.rel)) && !this.keepAside(c.rel, at)) return false;
     if (c.toMode === GIT_SYMLINK) {
       const target = Buffer.alloc(blob.size);
       fs.readSync(contents.fd, target, 0, blob.size, blob.start);
@@ -11386,6 +11734,26 @@ class TreeRestore {
     }
     (c.status === "A" ? this.report.recreated : this.report.restored).push(c.rel);
     return true;
+  }
+
+  /** Renames `at` (the entry for `rel`) to a free `rel.aic-kept-N` beside it; false (and said) when it cannot. */
+  private keepAside(rel: string, at: string): boolean {
+    for (let n = 1; n < 100; n++) {
+      const aside = `${at}.aic-kept-${n}`;
+      if (lstatIfReachable(aside)) continue;
+      try {
+        fs.renameSync(at, aside);
+        (this.report.keptAside ??= []).push(`${rel} → ${rel}.aic-kept-${n}`);
+        return true;
+      } catch (error) {
+        this.report.skipped.push(
+          `${rel} (a version no snapshot holds could not be moved aside: ${(error as Error).message})`,
+        );
+        return false;
+      }
+    }
+    this.report.skipped.push(`${rel} (a version no snapshot holds is in the way, and ${rel}.aic-kept-1…99 are taken)`);
+    return false;
   }
 
   private wantedMode(rel: string, executable: boolean): number {
@@ -11465,6 +11833,7 @@ function restoreLines(report: RestoreReport, directory: string): string[] {
     ...list("restored", report.restored),
     ...list("re-created", report.recreated),
     ...list("removed", report.removed),
+    ...list("kept aside, as no snapshot held them", report.keptAside ?? []),
   ];
   return [...(lines.length ? lines : ["no file differed"]), undoLimits(directory)];
 }
@@ -11481,10 +11850,10 @@ async function undoCommands(
 ): Promise<string[]> {
   const problem = checkpoints.cannotUndo(n);
   if (problem) throw new Error(problem);
-  const { report, steps, before } = await checkpoints.undo(n);
+  const { report, steps, before, left } = await checkpoints.undo(n);
   const at = turnOfCall(conversation.messages, steps[0]!.call);
   const cut = at > 0 ? conversation.messages.splice(at) : [];
-  checkpoints.redo.push({ commit: before, steps, messages: cut });
+  checkpoints.redo.push({ commit: before, steps, messages: cut, left });
   const what =
     steps.length === 1
       ? `\`${oneLine(steps[0]!.command, 80)}\``
@@ -13485,6 +13854,128 @@ function allowLineFor(part: CommandPart): string | undefined {
 // person approves.
 // ════════════════════════════════════════════════════════════════════════════
 
+/** The rules file as it is on disk: its text ("" when there is none), or why it cannot be read (a link, a FIFO…). */
+type RulesOnDisk =
+  { kind: "text"; text: string; missing: boolean } | { kind: "unreadable"; why: string; identity: string };
+
+function rulesOnDisk(file: string): RulesOnDisk {
+  try {
+    return { kind: "text", text: readOwnFile(file, MAX_RULES_BYTES).toString("utf8"), missing: false };
+  } catch (error) {
+    const e = ownFileError(error);
+    return e.missing
+      ? { kind: "text", text: "", missing: true }
+      : { kind: "unreadable", why: e.message, identity: fileIdentity(file) };
+  }
+}
+
+const sha256 = (text: string) => createHash("sha256").update(text).digest("hex");
+
+/** `file` replaced whole: a new file beside it (never through a link, made by this call), then renamed over it. */
+function writeFreshThenRename(file: string, data: string | Uint8Array): void {
+  const fresh = `${file}.${process.pid}.new`;
+  fs.rmSync(fresh, { force: true });
+  const fd = openRegular(fresh, O.O_WRONLY | O.O_CREAT | O.O_EXCL, 0o600);
+  try {
+    fs.writeSync(fd, typeof data === "string" ? utf8.encode(data) : data);
+  } finally {
+    fs.closeSync(fd);
+  }
+  fs.renameSync(fresh, file);
+}
+
+/**
+ * What aic knows of a rules file's history, in its state directory (out of
+ * commands' reach): the content the person last wrote or accepted, and what
+ * a command left there, if a command was the last to change it. Keyed by
+ * the file's absolute path.
+ */
+class RulesTrust {
+  private constructor(
+    /** The person's own text (undefined: there was none; "" an empty or absent file). */
+    readonly trustedText: string | undefined,
+    /** sha256 of the text a command left, or the identity of what a command put there that cannot be read. */
+    private readonly byCommand: string | undefined,
+  ) {}
+
+  private static where(rules: string): string | undefined {
+    const state = aicStateDir();
+    return state && path.join(state, "rules", `${sha256(path.resolve(rules)).slice(0, 32)}.json`);
+  }
+
+  static of(rules: string): RulesTrust | undefined {
+    const where = RulesTrust.where(rules);
+    if (!where) return undefined;
+    try {
+      const doc = JSON.parse(readOwnFile(where, 4 * MAX_RULES_BYTES).toString("utf8")) as Record<string, unknown>;
+      const text = typeof doc.trusted === "string" ? doc.trusted : undefined;
+      return new RulesTrust(text, typeof doc.by_command === "string" ? doc.by_command : undefined);
+    } catch {
+      return undefined;
+    }
+  }
+
+  /** Whether what is on disk now is what a command left there (nothing the person did since). */
+  wroteByCommand(now: RulesOnDisk): boolean {
+    if (this.byCommand === undefined) return false;
+    return this.byCommand === (now.kind === "text" ? sha256(now.text) : `unreadable:${now.identity}`);
+  }
+
+  static trust(rules: string, text: string): void {
+    RulesTrust.save(rules, { trusted: text });
+  }
+
+  static commandWrote(rules: string, now: RulesOnDisk): void {
+    const known = RulesTrust.of(rules);
+    const marker = now.kind === "text" ? sha256(now.text) : `unreadable:${now.identity}`;
+    RulesTrust.save(rules, { trusted: known?.trustedText ?? "", by_command: marker });
+  }
+
+  private static save(rules: string, doc: { trusted: string; by_command?: string }): void {
+    const where = RulesTrust.where(rules);
+    if (!where) return;
+    try {
+      fs.mkdirSync(path.dirname(where), { recursive: true, mode: 0o700 });
+      writeFreshThenRename(where, JSON.stringify({ rules: path.resolve(rules), ...doc }));
+    } catch {
+      /* a state directory aic cannot write: the rules on disk are then all there is, as before */
+    }
+  }
+
+  /** The lines that differ between the person's rules and what is on disk, for `aic rules accept`. */
+  diff(now: string): string[] {
+    const was = (this.trustedText ?? "").split("\n").filter(Boolean);
+    const is = now.split("\n").filter(Boolean);
+    return [
+      ...was.filter((l) => !is.includes(l)).map((l) => `-${l}`),
+      ...is.filter((l) => !was.includes(l)).map((l) => `+${l}`),
+    ];
+  }
+}
+
+/** `aic rules accept`: shows what a command changed in the rules file and puts it in force from the next start. */
+function runRulesAccept(rules: string): number {
+  const file = path.resolve(rules);
+  const trust = RulesTrust.of(file);
+  const onDisk = rulesOnDisk(file);
+  if (onDisk.kind === "unreadable") {
+    writeOut(2, `aic: error: ${file} cannot be accepted: ${onDisk.why} (rules must be a regular file)\n`);
+    return EXIT.usage;
+  }
+  if (!trust?.wroteByCommand(onDisk)) {
+    writeOut(1, `${file}: nothing to accept (no command changed it since you last wrote or accepted it)\n`);
+    return EXIT.ok;
+  }
+  const lines = trust.diff(onDisk.text);
+  writeOut(
+    1,
+    `${file}, as a command left it:\n${(lines.length ? lines : ["(only blank lines changed)"]).map(visibleControls).join("\n")}\n`,
+  );
+  RulesTrust.trust(file, onDisk.text);
+  writeOut(1, "accepted: these rules are in force from the next start of aic\n");
+  return EXIT.ok;
+}
+
 /** What identifies the rules file's content on disk, to notice a change ("absent" when there is none). */
 function fileIdentity(file: string): string {
   try {
@@ -13531,21 +14022,41 @@ class CommandRules {
   read(): string[] {
     this.identity = this.noticed = fileIdentity(this.path);
     this.loadedAt = localIsoSeconds();
-    let text: string;
-    try {
-      text = readOwnFile(this.path, MAX_RULES_BYTES).toString("utf8");
-    } catch (error) {
-      const e = ownFileError(error);
+    const trust = RulesTrust.of(this.path);
+    const onDisk = rulesOnDisk(this.path);
+    // What a command wrote stays out of force until the person accepts it; the rules they last had stay in.
+    if (trust?.wroteByCommand(onDisk)) {
+      // The person's rules from before; "" was no file (or an empty one): then none are in force, as without a file.
+      const kept = trust.trustedText;
+      this.apply(kept ? kept : undefined);
+      this.reports.unshift(
+        `rules: ${this.path} changed by a command in the last run — not in force (the rules from before stay); 'aic rules accept' to use them`,
+      );
+      return this.reports;
+    }
+    if (onDisk.kind !== "unreadable") RulesTrust.trust(this.path, onDisk.text);
+    if (onDisk.kind === "unreadable") {
+      this.apply(undefined);
+      this.reports = [`cannot read ${this.path}: ${onDisk.why}; no rules are in force`];
+      return this.reports;
+    }
+    // No file at all is not an empty file: without one, aic behaves as it always did (and --rules FILE must exist).
+    this.apply(onDisk.missing ? undefined : onDisk.text);
+    return this.reports;
+  }
+
+  /** The rules of `text` in force (none when undefined), and its problems reported by line. */
+  private apply(text: string | undefined): void {
+    if (text === undefined) {
       this.rules = [];
       this.present = false;
       this.problems = [];
-      this.reports = e.missing ? [] : [`cannot read ${this.path}: ${e.message}; no rules are in force`];
-      return this.reports;
+      this.reports = [];
+      return;
     }
     ({ rules: this.rules, problems: this.problems } = parseRuleLines(text));
     this.present = true;
     this.reports = this.problems.map((p) => `${this.path} ${p} (this line is ignored)`);
-    return this.reports;
   }
 
   /** The verdict for a command run in `cwd` (without a rules file, every command that is not read-only is asked). */
@@ -13580,12 +14091,14 @@ class CommandRules {
       : [];
   }
 
-  /** A change on disk not yet told: the words to tell, once per change. */
+  /** A change on disk not yet told: the words to tell, once per change (and, from a command, on record). */
   changeNotice(): string | undefined {
     const now = fileIdentity(this.path);
     if (now === this.noticed) return undefined;
     this.noticed = now;
     if (now === this.identity) return undefined;
+    // It changed while a command ran: at the next start it is not in force until the person accepts it.
+    RulesTrust.commandWrote(this.path, rulesOnDisk(this.path));
     return `${this.path} changed on disk while aic runs (a command may have written it): the rules in force stay the ones read at ${this.loadedAt}; the change takes effect only when you reload it (/rules reload in the TUI) or start aic again`;
   }
 
@@ -13619,7 +14132,11 @@ class CommandRules {
     this.rules.push(...added.rules);
     this.present = true;
     // Our own write is no change to tell about; a change a command made before it still is.
-    if (unchanged) this.identity = this.noticed = fileIdentity(this.path);
+    if (unchanged) {
+      this.identity = this.noticed = fileIdentity(this.path);
+      const onDisk = rulesOnDisk(this.path);
+      if (onDisk.kind !== "unreadable") RulesTrust.trust(this.path, onDisk.text);
+    }
   }
 
   /** One paragraph for the system prompt, so the model does not spend steps on refused commands. */
@@ -15124,11 +15641,16 @@ async function checkPromptRoom(config: Config, systemPrompt: string): Promise<vo
   if (budget >= Buffer.byteLength(systemPrompt) + PER_MESSAGE_OVERHEAD + MIN_CONVERSATION_TOKENS) return;
   const prompt = (await loadEncoder()).count(systemPrompt) + PER_MESSAGE_OVERHEAD;
   if (budget >= prompt + MIN_CONVERSATION_TOKENS) return;
-  const reserved = modelProfile(config).maxTokens ?? 0;
+  const reserved = replyReserve(config);
   const reserve = reserved
     ? ` after the ${reserved} tokens reserved for the model's answer (model profile ${modelProfile(config).name})`
     : "";
-  const least = reserved + prompt + MIN_CONVERSATION_TOKENS;
+  const need = prompt + MIN_CONVERSATION_TOKENS;
+  // The answer's reserve grows with --max-prompt-len (a quarter of it, up to the profile's most); with a server's
+  // window it is fixed.
+  const most = modelProfile(config).maxTokens;
+  const least =
+    config.window || most === undefined ? need + reserved : need <= 3 * most ? Math.ceil((4 * need) / 3) : need + most;
   throw new UsageError(
     `--max-prompt-len ${config.maxPromptLen} leaves no room for the conversation: the budget is ${budget} tokens${reserve}, and the system prompt alone takes ${prompt}; give at least ${least}`,
   );
@@ -15388,7 +15910,10 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
       if (config.keepJobs) {
         jobs.keepAll();
         prepared.sandbox.keepRunning();
-      } else jobs.stopAll();
+      } else {
+        jobs.stopAll();
+        prepared.sandbox.stopEverything();
+      }
       const disarmed = prepared.sandbox.auditRepositories(true);
       if (disarmed.length) front.sink.emit({ type: "warning", text: disarmedMessage(disarmed) });
       agent.checkpoint(reason);
@@ -16817,7 +17342,7 @@ class ApprovalDialog {
     this.body.add(this.text);
     const hint = new ot.TextRenderable(r, {
       content:
-        "Y or Enter approves · N or Escape rejects · other keys type a suggestion (Enter sends it) · PgUp/PgDn scroll",
+        "Enter approves (or type y) · Escape rejects (or type n) · any other line you type is a suggestion · PgUp/PgDn scroll",
       fg: COLORS.dim,
       flexShrink: 0,
       wrapMode: "word",
@@ -16839,8 +17364,8 @@ class ApprovalDialog {
       b.add(text);
       return Object.assign(b, { label: text });
     };
-    buttons.add(button("[Y] Approve", COLORS.ok, { kind: "approve" }));
-    buttons.add(button("[N] Reject", COLORS.bad, { kind: "reject" }));
+    buttons.add(button("[Enter] Approve", COLORS.ok, { kind: "approve" }));
+    buttons.add(button("[Esc] Reject", COLORS.bad, { kind: "reject" }));
     // "Always allow" names the rule it adds, which can be long: a row of its own, cut to the dialog's width.
     this.always = button("", COLORS.info, { kind: "always" });
     this.always.visible = false;
@@ -17887,6 +18412,8 @@ class Tui implements EventSink {
     if (submit) void this.submit(this.prompt.value);
   });
   private ctrlCAt = 0;
+  /** The last Ctrl+C that went to a waiting command: a second within 2 s stops the command (never aic). */
+  private commandCtrlCAt = 0;
   private ctrlCTimer: ReturnType<typeof setTimeout> | undefined;
   private exiting = false;
 
@@ -18044,6 +18571,10 @@ class Tui implements EventSink {
     // What answers it (a slash command's lines, the run) is at the end: show the end.
     this.agentPane.toEnd();
     if (text.startsWith("/")) return this.runSlash(text);
+    // A y or n answering the dialog is an answer, not a prompt worth keeping in the history.
+    const word = text.toLowerCase();
+    if (this.awaitingApproval && APPROVE_WORDS.has(word)) return this.answerApproval({ kind: "approve" });
+    if (this.awaitingApproval && REJECT_WORDS.has(word)) return this.answerApproval({ kind: "reject" });
     this.prompt.remember(text, (why) => this.agentPane.line(`cannot save the prompt history: ${why}`, COLORS.warning));
     if (this.awaitingApproval) return this.answerApproval({ kind: "suggest", text });
     if (this.agent.running) {
@@ -18123,7 +18654,10 @@ class Tui implements EventSink {
       take();
       if (this.prompt.complete()) return;
       if (this.awaitingApproval)
-        return this.agentPane.line("A command waits for your approval: answer it first (Y or N).", COLORS.warning);
+        return this.agentPane.line(
+          "A command waits for your approval: answer it first (Enter or Escape).",
+          COLORS.warning,
+        );
       return this.setTab(this.tab === "console" ? "shell" : "console");
     }
     if (this.tab === "shell" && this.shellTab.running) {
@@ -18195,11 +18729,14 @@ class Tui implements EventSink {
 
   /** Ctrl+C while a command has the keyboard: the first goes to it, as in a terminal; a second within 2 s stops it. */
   private ctrlCToCommand(write: (data: string | Uint8Array) => void): void {
-    if (Date.now() - this.ctrlCAt < CTRL_C_QUIT_WINDOW_MS) {
-      this.ctrlCAt = 0;
+    // A press that reached the program never arms "twice quits": only presses aic itself handled count for that,
+    // so a Ctrl+C that ends `npm init` and the next one, on aic's prompt, never quit aic.
+    this.ctrlCAt = 0;
+    if (Date.now() - this.commandCtrlCAt < CTRL_C_QUIT_WINDOW_MS) {
+      this.commandCtrlCAt = 0;
       return this.interrupt();
     }
-    this.ctrlCAt = Date.now();
+    this.commandCtrlCAt = Date.now();
     write("\x03");
     this.figures.notice = "Ctrl+C again stops the command";
     clearTimeout(this.ctrlCTimer);
@@ -18649,8 +19186,17 @@ const TUI_TONES: Record<Tone, string> = {
 
 const TUI_PAGING = new Set(["pageup", "pagedown", "S-pageup", "S-pagedown"]);
 /** With the approval dialog open and the prompt empty, these answer it; any other key is typing. */
-const APPROVE_KEYS = new Set(["y", "S-y", "return", "kpenter"]);
-const REJECT_KEYS = new Set(["n", "S-n", "escape", "M-escape"]);
+/**
+ * The approval dialog reads a line, as --nogui does (as Codex and Claude Code
+ * users expect of a prompt that takes text): Enter on an empty field
+ * approves, Escape rejects, and every printable key, y and n included, goes
+ * into the field; the line y/yes approves, n/no rejects, anything else is a
+ * suggestion ("no need, use printf" must reach the model).
+ */
+const APPROVE_KEYS = new Set(["return", "kpenter"]);
+const REJECT_KEYS = new Set(["escape", "M-escape"]);
+const APPROVE_WORDS = new Set(["y", "yes"]);
+const REJECT_WORDS = new Set(["n", "no"]);
 
 /**
  * Keys the TUI handles itself while the prompt has focus; everything else
@@ -18736,12 +19282,7 @@ async function checkedNativeRoot(): Promise<string | undefined> {
     } catch {
       /* missing, a link, or not ours: written anew below */
     }
-    if (!have?.equals(want)) {
-      const fresh = `${file}.${process.pid}.new`;
-      fs.rmSync(fresh, { force: true });
-      fs.writeFileSync(fresh, want, { mode: 0o600, flag: "wx" });
-      fs.renameSync(fresh, file);
-    }
+    if (!have?.equals(want)) writeFreshThenRename(file, want);
     return root;
   } catch {
     return undefined; // a state directory aic cannot write: Bun's own unpacking, as before
@@ -19151,6 +19692,8 @@ async function main(argv: string[]): Promise<number> {
         return await runDiff(parsed.count, parsed.session);
       case "export":
         return runExport(parsed.session);
+      case "rules-accept":
+        return runRulesAccept(parsed.rules);
       case "run": {
         const config = parsed.config;
         secretsToRedact = credentialsOf(config);

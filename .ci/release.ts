@@ -2,7 +2,7 @@
  * `bun .ci/release.ts` — builds aic's release artifacts: one single-file executable per platform,
  * their sha256 checksums, smoke tests of each, and the npm packages that install them.
  *
- *   bun .ci/release.ts [--targets linux-x64,linux-arm64,linux-x64-musl] [--no-smoke] [--no-npm] [--strict]
+ *   bun .ci/release.ts [--targets linux-x64,linux-arm64,linux-x64-musl] [--no-smoke] [--no-npm] [--strict] [--out DIR]
  *
  * Writes
  *   dist/release/aic-<target>            the executables (Bun `--compile --target`), each with <file>.sha256
@@ -11,6 +11,8 @@
  *   dist/release/smoke-<target>.log       what each smoke test ran and printed
  *   dist/npm/<package>/                   the npm package directories (esbuild/biome/opencode layout)
  *   dist/release/npm/*.tgz                `npm pack` of each, installed into a fresh prefix as a test
+ *
+ * (--out DIR writes DIR/release and DIR/npm instead of dist/release and dist/npm.)
  *
  * Nothing else is written: npm's cache and logs go to node_modules/.cache/aic-release/npm (never
  * ~/.npm), a target whose OpenTUI library must be fetched is built from a staged copy in
@@ -39,8 +41,11 @@ import {
   mkdirSync,
   mkdtempSync,
   readFileSync,
+  readdirSync,
+  realpathSync,
   rmSync,
   statSync,
+  symlinkSync,
   writeFileSync,
 } from "node:fs";
 import { tmpdir } from "node:os";
@@ -48,8 +53,6 @@ import { basename, delimiter, join, resolve } from "node:path";
 import { startFakeServer } from "../tests/fake-openai.ts";
 
 const ROOT = resolve(import.meta.dir, "..");
-const RELEASE = join(ROOT, "dist/release");
-const NPM_OUT = join(ROOT, "dist/npm");
 /** npm tarballs of Bun runtimes and OpenTUI libraries, kept between runs (node_modules/ is not committed). */
 const CACHE = join(ROOT, "node_modules/.cache/aic-release");
 
@@ -123,13 +126,15 @@ const OPENTUI_LINUX = [
 // ---------------------------------------------------------------------------------------------
 // Small helpers
 
-const args = process.argv.slice(2);
+/** Run as a script (`bun .ci/release.ts`), not imported (tests/release.test.ts imports pathWithoutBun). */
+const MAIN = import.meta.main;
+const args = MAIN ? process.argv.slice(2) : [];
 const flag = (name: string) => args.includes(name);
 const option = (name: string) => {
   const i = args.indexOf(name);
   return i >= 0 ? args[i + 1] : undefined;
 };
-const USAGE = `usage: bun .ci/release.ts [--targets ${"linux-x64,linux-arm64,linux-x64-musl"}] [--no-smoke] [--no-npm] [--strict]
+const USAGE = `usage: bun .ci/release.ts [--targets ${"linux-x64,linux-arm64,linux-x64-musl"}] [--no-smoke] [--no-npm] [--strict] [--out DIR]
 
 Builds dist/release/aic-<target> (+ .sha256, SHA256SUMS, manifest.json), smoke-tests each binary
 (arm64 under qemu-user, musl under its loader) against tests/fake-openai.ts, writes the npm packages
@@ -139,6 +144,7 @@ to dist/npm/ and tests \`npm install -g\` of them into a fresh prefix without Bu
   --no-smoke       build only, run nothing
   --no-npm         no npm packages, no install test
   --strict         a skipped smoke test or a target without its TUI library fails the release
+  --out DIR        write DIR/release and DIR/npm (default: dist/)
   --help, -h       this text`;
 {
   const known = new Set(["--no-smoke", "--no-npm", "--strict", "--help", "-h"]);
@@ -148,9 +154,13 @@ to dist/npm/ and tests \`npm install -g\` of them into a fresh prefix without Bu
       console.log(USAGE);
       process.exit(0);
     }
-    if (a === "--targets") {
+    if (a === "--targets" || a === "--out") {
       if (args[i + 1] === undefined || args[i + 1]!.startsWith("-")) {
-        console.error("release: --targets needs a comma-separated list of targets");
+        console.error(
+          a === "--out"
+            ? "release: --out needs a directory"
+            : "release: --targets needs a comma-separated list of targets",
+        );
         process.exit(2);
       }
       i++;
@@ -161,6 +171,10 @@ to dist/npm/ and tests \`npm install -g\` of them into a fresh prefix without Bu
   }
 }
 const STRICT = flag("--strict");
+/** Where the artifacts go: dist/ by default; --out DIR for a run that must leave dist/ alone. */
+const OUT = resolve(option("--out") ?? join(ROOT, "dist"));
+const RELEASE = join(OUT, "release");
+const NPM_OUT = join(OUT, "npm");
 const problems: string[] = []; // failures: the script exits 1
 const warnings: string[] = []; // failures only with --strict
 
@@ -302,11 +316,12 @@ function removeStages() {
 }
 /** The scratch directory of this run (set in main), removed on Ctrl-C too. */
 let scratchDir: string | undefined;
-process.on("SIGINT", () => {
-  removeStages();
-  if (scratchDir) rmSync(scratchDir, { recursive: true, force: true });
-  process.exit(130);
-});
+if (MAIN)
+  process.on("SIGINT", () => {
+    removeStages();
+    if (scratchDir) rmSync(scratchDir, { recursive: true, force: true });
+    process.exit(130);
+  });
 
 function stageFor(name: string, entry: string, nativePackage: string, nativeDir: string): string {
   const stage = join(ROOT, "dist", `.stage-${name}`);
@@ -571,7 +586,7 @@ async function smoke(b: Built, t: Target, version: string, scratch: string): Pro
 // it fits, so npm (and pnpm, yarn) install the one matching package and skip the rest. The
 // launcher then finds that package's binary and runs it: node is all it needs, not Bun.
 
-function launcherSource(version: string, platforms: Record<string, string>): string {
+export function launcherSource(version: string, platforms: Record<string, string>): string {
   return `#!/usr/bin/env node
 // aic ${version}: npm's entry point for the aic executable. npm installed, of the optional
 // dependencies in package.json, the one package whose os/cpu/libc fit this machine; this finds its
@@ -581,6 +596,7 @@ const fs = require("fs");
 const path = require("path");
 
 const PACKAGES = ${JSON.stringify(platforms, null, 2)};
+const VERSION = ${JSON.stringify(version)};
 
 // Which libc this machine's programs use: node's own ELF interpreter tells (ld-musl-* on Alpine and
 // other musl systems, ld-linux-* on glibc ones). A static node says nothing there; its report does.
@@ -600,6 +616,7 @@ function libc() {
   return fs.existsSync("/etc/alpine-release") ? "musl" : "glibc";
 }
 
+// The binary this machine's platform package holds; or, when that package is not installed, which one it is.
 function binary() {
   if (process.env.AIC_BINARY_PATH) return process.env.AIC_BINARY_PATH;
   const key = process.platform + "-" + process.arch + (process.platform === "linux" ? "-" + libc() : "");
@@ -611,45 +628,80 @@ function binary() {
   try {
     return path.join(path.dirname(require.resolve(pkg + "/package.json")), "bin", "aic");
   } catch {
-    console.error(
-      "aic: the package " + pkg + " that holds aic's binary for " + key + " is not installed.\\n" +
-        "npm leaves optional dependencies out with --omit=optional / --no-optional: reinstall without it,\\n" +
-        "or set AIC_BINARY_PATH to an aic executable.",
-    );
+    return { pkg, key };
+  }
+}
+
+// npm installs an optional dependency it cannot find on the registry as nothing at all, without a word:
+// a platform package that was never published looks just like one left out on purpose. The registry
+// tells them apart (a 404 for this version), so ask it, briefly, and say which it is.
+function explainMissing(pkg, key) {
+  const spec = pkg + "@" + VERSION;
+  let registry = process.env.npm_config_registry || "https://registry.npmjs.org/";
+  if (!registry.endsWith("/")) registry += "/";
+  const url = registry + pkg.replace("/", "%2f") + "/" + VERSION;
+  const fallback =
+    "Install aic's release binary instead and set AIC_BINARY_PATH to it (a Harbor run: --ak binary_path=...).";
+  const say = (why) => {
+    console.error("aic: the package " + spec + " that holds aic's binary for " + key + " is not installed: " + why + "\\n" + fallback);
     process.exit(1);
-  }
-}
-
-const bin = binary();
-const args = process.argv.slice(2);
-
-// Node 22.15+ / 23.11+: become aic (same pid, signals and exit status straight from it).
-if (typeof process.execve === "function") {
+  };
+  let client;
   try {
-    process.execve(bin, [bin, ...args], process.env);
-  } catch {}
+    client = require(url.startsWith("http:") ? "http" : "https");
+  } catch {
+    say("either it is not published on the npm registry, or npm left optional dependencies out (--omit=optional).");
+  }
+  const request = client.get(url, { timeout: 5000, headers: { accept: "application/json" } }, (response) => {
+    response.resume();
+    if (response.statusCode === 404)
+      say(spec + " is not published on the npm registry (" + registry + "), so npm skipped it.");
+    else if (response.statusCode === 200)
+      say("it is published, so npm left it out: reinstall without --omit=optional / --no-optional.");
+    else
+      say("the registry answered " + response.statusCode + "; either " + spec + " is not published there, or npm left optional dependencies out (--omit=optional).");
+  });
+  const unsure = () =>
+    say("the registry could not be asked; either " + spec + " is not published there, or npm left optional dependencies out (--omit=optional).");
+  request.on("timeout", () => request.destroy());
+  request.on("error", unsure);
 }
 
-// Older node: run aic as a child. Ctrl-C, Ctrl-\\ and Ctrl-Z come from the terminal to aic directly
-// (same process group), so this launcher ignores them and waits; signals sent to its pid alone are
-// passed on. aic's exit status, or the signal that ended it, becomes this process's.
-const { spawn } = require("child_process");
-const child = spawn(bin, args, { stdio: "inherit" });
-for (const sig of ["SIGINT", "SIGQUIT"]) process.on(sig, () => {});
-for (const sig of ["SIGTERM", "SIGHUP"]) process.on(sig, () => child.kill(sig));
-child.on("error", (error) => {
-  console.error("aic: cannot run " + bin + ": " + error.message);
-  process.exit(1);
-});
-child.on("exit", (code, signal) => {
-  if (signal) {
-    process.removeAllListeners(signal);
-    process.kill(process.pid, signal);
-    setTimeout(() => process.exit(128 + (require("os").constants.signals[signal] || 0)), 200);
-  } else {
-    process.exit(code === null ? 1 : code);
+function run(bin) {
+  const args = process.argv.slice(2);
+
+  // Node 22.15+ / 23.11+: become aic (same pid, signals and exit status straight from it).
+  if (typeof process.execve === "function") {
+    try {
+      process.execve(bin, [bin, ...args], process.env);
+    } catch {}
   }
-});
+
+  // Older node: run aic as a child. Ctrl-C, Ctrl-\\ and Ctrl-Z come from the terminal to aic directly
+  // (same process group), so this launcher ignores them and waits; signals sent to its pid alone are
+  // passed on. aic's exit status, or the signal that ended it, becomes this process's.
+  const { spawn } = require("child_process");
+  const child = spawn(bin, args, { stdio: "inherit" });
+  for (const sig of ["SIGINT", "SIGQUIT"]) process.on(sig, () => {});
+  for (const sig of ["SIGTERM", "SIGHUP"]) process.on(sig, () => child.kill(sig));
+  child.on("error", (error) => {
+    console.error("aic: cannot run " + bin + ": " + error.message);
+    process.exit(1);
+  });
+  child.on("exit", (code, signal) => {
+    if (signal) {
+      process.removeAllListeners(signal);
+      process.kill(process.pid, signal);
+      setTimeout(() => process.exit(128 + (require("os").constants.signals[signal] || 0)), 200);
+    } else {
+      process.exit(code === null ? 1 : code);
+    }
+  });
+}
+
+const found = binary();
+if (typeof found === "string") run(found);
+else explainMissing(found.pkg, found.key);
 `;
 }
 
@@ -777,10 +829,7 @@ async function npmInstallTest(
   if (!hostTarget) return { ok: true, skipped: true, detail: "skipped: no target built for this machine" };
   const prefix = mkdtempSync(join(scratch, "npm-prefix-"));
   // A PATH with node and npm but no bun: the launcher must not need it.
-  const path = (process.env.PATH ?? "")
-    .split(delimiter)
-    .filter((d) => d && !existsSync(join(d, "bun")) && !d.includes("node_modules"))
-    .join(delimiter);
+  const path = pathWithoutBun(process.env.PATH ?? "", mkdtempSync(join(scratch, "path-")));
   const env = cleanEnv(scratch, { PATH: `${join(prefix, "bin")}${delimiter}${path}` });
   const started = performance.now();
   // --offline: nothing comes from the registry, so the optional @aic/<platform> dependency is
@@ -825,6 +874,51 @@ async function npmInstallTest(
   const result = await smokeTask([aic], env, scratch, version, TARGETS[hostTarget.target]!.libc);
   lines.push(...result.lines);
   return { ok: result.ok && noBun === "none", detail: `${result.why}; install ${seconds(installMs)}`, lines };
+}
+
+/**
+ * `path` less bun, and nothing else: a directory that holds bun (or bunx, or anything that resolves to
+ * the bun binary, such as a `node` link to it) is replaced by a directory in `scratch` of links to
+ * everything else it holds. Dropping such a directory whole would drop what sits beside bun: after
+ * `npm install -g bun` that is npm and node themselves (and in /usr/bin, sh and the rest), and the
+ * install test could not run npm at all. The bun running this script counts as bun wherever it is.
+ */
+export function pathWithoutBun(path: string, scratch: string): string {
+  const real = (p: string) => {
+    try {
+      return realpathSync(p);
+    } catch {
+      return undefined;
+    }
+  };
+  const dirs = path.split(delimiter);
+  const buns = new Set<string>([real(process.execPath)].filter((p): p is string => !!p));
+  for (const dir of dirs)
+    for (const name of ["bun", "bunx"]) {
+      const p = dir && real(join(dir, name));
+      if (p) buns.add(p);
+    }
+  const isBun = (dir: string, name: string) =>
+    name === "bun" || name === "bunx" || buns.has(real(join(dir, name)) ?? "");
+  const out: string[] = [];
+  dirs.forEach((dir, i) => {
+    if (!dir) return;
+    let names: string[];
+    try {
+      names = readdirSync(dir);
+    } catch {
+      return; // a missing directory finds nothing anyway
+    }
+    if (!names.some((name) => isBun(dir, name))) {
+      out.push(dir);
+      return;
+    }
+    const shadow = join(scratch, `${i}-${basename(dir) || "root"}`);
+    mkdirSync(shadow, { recursive: true });
+    for (const name of names) if (!isBun(dir, name)) symlinkSync(join(dir, name), join(shadow, name));
+    out.push(shadow);
+  });
+  return out.join(delimiter);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -906,4 +1000,4 @@ async function main() {
   process.exit(failed ? 1 : 0);
 }
 
-await main();
+if (MAIN) await main();

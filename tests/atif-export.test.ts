@@ -49,7 +49,12 @@ describe("aic export --format atif", () => {
     const dir = scratch("aic-atif-");
     const session = join(dir, "task.session");
     const srv = fixtures.serve([
-      { ...bash(FIRST, "call_write"), usage: TURN_USAGE[0] },
+      {
+        ...bash(FIRST, "call_write"),
+        usage: TURN_USAGE[0],
+        reasoning: "First write the file.",
+        reasoningField: "reasoning_content",
+      },
       { ...bash(SECOND, "call_read"), usage: TURN_USAGE[1] },
       { content: "greeting.txt holds the greeting. TASKCOMPLETE", usage: TURN_USAGE[2] },
     ]);
@@ -120,6 +125,14 @@ describe("aic export --format atif", () => {
       expect(step.source).toBe("agent");
       expect(step.metrics.prompt_tokens).toBeLessThanOrEqual(trajectory.final_metrics.total_prompt_tokens);
     }
+    // Each agent step carries the token figures the server reported for its own call, and the model's reasoning.
+    expect([write, read, last].map((s) => s.metrics)).toEqual(TURN_USAGE);
+    expect(write.reasoning_content).toBe("First write the file.");
+    expect(read.reasoning_content ?? null).toBeNull();
+    // Timestamps on the user and agent steps, in the order the steps were made.
+    const times = steps.slice(1).map((s) => Date.parse(s.timestamp));
+    for (const t of times) expect(t).toBeGreaterThan(0);
+    expect([...times].sort((a, b) => a - b)).toEqual(times);
   }, 60_000);
 
   test("without --session it exports ./.aicsession, as undo and diff read it", async () => {

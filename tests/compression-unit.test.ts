@@ -80,8 +80,14 @@ const isCondensed = (m: Message) => m.role === "tool" && m.content === CONDENSED
 
 describe("budget and flags", () => {
   // Non-gpt models reserve 8000 tokens of the window for their answer; gpt models do not.
-  test("the budget reserves 8000 tokens for the answer of open-weight models, none for OpenAI's", () => {
-    expect(promptBudget({ maxPromptLen: 20000, model: "qwen-test" })).toBe(12000);
+  test("the budget reserves a quarter of the window, at most 8000 tokens, for the answer of open-weight models, none for OpenAI's", () => {
+    expect(promptBudget({ maxPromptLen: 20000, model: "qwen-test" })).toBe(15000);
+    expect(promptBudget({ maxPromptLen: 8192, model: "qwen-test" })).toBe(6144);
+    expect(promptBudget({ maxPromptLen: 40000, model: "qwen-test" })).toBe(32000);
+    // The server's own window, when it said one, decides the answer's share; --max-prompt-len then caps the prompt.
+    const window = { tokens: 8192, endpoint: "http://127.0.0.1:8080/props", replyTokens: 2048 };
+    expect(promptBudget({ maxPromptLen: 80000, model: "qwen-test", window })).toBe(6144);
+    expect(promptBudget({ maxPromptLen: 4000, model: "qwen-test", window })).toBe(4000);
     expect(promptBudget({ maxPromptLen: 80000, model: "llama-3.3-70b" })).toBe(72000);
     expect(promptBudget({ maxPromptLen: 20000, model: "gpt-4o-mini" })).toBe(20000);
     expect(promptBudget({ maxPromptLen: 80000, model: "openai/gpt-4.1" })).toBe(80000);

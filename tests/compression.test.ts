@@ -22,13 +22,13 @@ import {
 reapAfterAll();
 
 const INFLATION = 1.3; // the fake server's default
-const BUDGET = 12_000; // --max-prompt-len 20000 with a non-gpt model
+const BUDGET = 12_000; // --max-prompt-len 16000 with a non-gpt model: a quarter, 4000, is the answer's
 const STEPS = 80;
 const TASK = "print the numbered rows of each of the 80 batches, one batch per command";
 
 /** A JSON run of the task with a 20,000-token prompt budget and the given compression algorithm. */
 const overflowRun = (url: string, alg: string) => [
-  ...headless(url, "qwen-test", "--auto-approve", "--json", "--max-prompt-len", "20000", "--compress-alg", alg),
+  ...headless(url, "qwen-test", "--auto-approve", "--json", "--max-prompt-len", "16000", "--compress-alg", alg),
   TASK,
 ];
 const HEADING = "\n\n[Prior conversation summary]\n";
@@ -90,7 +90,7 @@ async function longRun(alg: Alg): Promise<LongRun> {
   const srv = scriptedServer(STEPS);
   const run = await runAic(
     [
-      ...headless(srv.url, "qwen-test", "--auto-approve", "--json", "--max-prompt-len", "20000", "--compress-alg", alg),
+      ...headless(srv.url, "qwen-test", "--auto-approve", "--json", "--max-prompt-len", "16000", "--compress-alg", alg),
       TASK,
     ],
     { killAfterMs: 280_000 },
@@ -251,7 +251,7 @@ describe("--debug", () => {
     const srv = scriptedServer(3);
     const cwd = scratch();
     const run = await runAic(
-      [...headless(srv.url, "qwen-test", "--auto-approve", "--debug", "--max-prompt-len", "20000"), TASK],
+      [...headless(srv.url, "qwen-test", "--auto-approve", "--debug", "--max-prompt-len", "16000"), TASK],
       { cwd },
     );
     expect(run.code).toBe(0);
@@ -359,7 +359,7 @@ describe("the summariser's own request", () => {
   // when the evicted output is token-dense (base64, minified code, hashes).
   test("fits the budget when the evicted commands printed token-dense output", async () => {
     const srv = scriptedServer(20, undefined, denseCommand);
-    const run = await runAic([...headless(srv.url, "qwen-test", "--auto-approve", "--max-prompt-len", "20000"), TASK]);
+    const run = await runAic([...headless(srv.url, "qwen-test", "--auto-approve", "--max-prompt-len", "16000"), TASK]);
     expect(run.code).toBe(0);
     const summarisers = srv.requests.filter(isSummariser);
     expect(summarisers.length).toBeGreaterThanOrEqual(2);

@@ -172,7 +172,7 @@ describe.skipIf(NO_REFUSALS !== undefined)(
       if (LANDLOCK) {
         expect(line).toContain("Landlock");
         expect(line).toMatch(/namespace/i);
-        expect(line).toMatch(/outliv|processes behind/i);
+        expect(line).toMatch(/processes running after aic exits/i);
         expect(line).toMatch(/socket/i);
       }
       expect(plain.stdout + plain.stderr).toContain("hello-from-field");

@@ -70,7 +70,11 @@ const rendered: Record<keyof typeof T, string> = {
   ]),
   sandboxRefusalMessage: T.sandboxRefusalMessage([
     { path: "/var/lib/dpkg/lock-frontend", why: "write", detail: "/work/proj, /tmp, /dev and the package caches" },
-    { path: "/home/p/.aws/credentials", why: "secret", detail: "/home/p/.aws; --allow-read-secrets lifts it" },
+    {
+      path: "/home/p/.aws/credentials",
+      why: "secret",
+      detail: "the person can lift it with --allow-read /home/p/.aws",
+    },
     { path: "/usr/bin/curl", why: "exec", detail: "curl" },
   ]),
   timeLeftLine: [T.timeLeftLine(750_000, 1800), T.timeLeftLine(30_000, 3600), T.timeLeftLine(-5, 60)].join("\n"),

@@ -99,7 +99,7 @@ describe.skipIf(!has.tmux)("the TUI at 80×24", () => {
     const tmux = tui(srv.url, cwd, "greet", ["--ask-every-command"]);
     await tmux.waitFor("the approval dialog", (s) => s.includes("Approve command?"));
     // Typed at once, before aic can know that the command reads the terminal.
-    tmux.keys("y");
+    tmux.keys("y", "Enter");
     tmux.type("Ana");
     tmux.keys("Enter");
     await waitFor("the tool result", () => srv.requests.length === 2);
@@ -112,13 +112,39 @@ describe.skipIf(!has.tmux)("the TUI at 80×24", () => {
     expect(screen).not.toContain("[queued suggestion]");
   });
 
+  // The first Ctrl+C reaches the program that waits (a [y/N] prompt) and ends it; the second lands on aic while the
+  // model is asked again. Only presses aic itself handled count for "twice quits": aic stays.
+  test("Ctrl+C that ends a waiting program, then Ctrl+C on aic's prompt: aic keeps running", async () => {
+    const cwd = scratch("aic-person-");
+    const srv = fixtures.serve([
+      bash(`read -p 'Continue? [y/N] ' x; echo "got:$x"`, "call_ask"),
+      { content: "Stopped it. What next?", delayMs: 1500 },
+      { content: "TASKCOMPLETE" },
+    ]);
+    const tmux = tui(srv.url, cwd, "ask me", ["--ask-every-command"]);
+    await tmux.waitFor("the approval dialog", (s) => s.includes("Approve command?"));
+    tmux.keys("Enter");
+    await tmux.waitFor(
+      "the program's prompt, with the keys going to it",
+      (s) => s.includes("Continue? [y/N]") && s.includes("keys go to the command"),
+    );
+    tmux.keys("C-c");
+    await waitFor("the next model request", () => srv.requests.length === 2);
+    tmux.keys("C-c");
+    // aic handled this press itself: it interrupts the run (or clears), and says a second would quit; it is alive.
+    const screen = await tmux.waitFor("aic's own answer to the press", (s) => s.includes("Ctrl+C again to quit"));
+    expect(screen).toContain("Console Output");
+    expect(tmux.display("#{pane_dead}")).toBe("0");
+    expect(toolAnswer(srv.requests[1], "call_ask")).not.toContain("got:");
+  });
+
   test("vim is drawn in the Console; Escape goes to it and :wq saves", async () => {
     const cwd = scratch("aic-person-");
     writeFileSync(join(cwd, "notes.txt"), "first-line-of-notes\n");
     const srv = fixtures.serve([bash("vim -u NONE -n notes.txt", "call_vim"), { content: "TASKCOMPLETE" }]);
     const tmux = tui(srv.url, cwd, "edit", ["--ask-every-command"]);
     await tmux.waitFor("the approval dialog", (s) => s.includes("Approve command?"));
-    tmux.keys("y");
+    tmux.keys("y", "Enter");
     await tmux.waitFor("vim's screen in the Console", (s) => s.includes("first-line-of-notes") && s.includes("~"));
     tmux.keys("i");
     tmux.type("typed-in-vim ");
@@ -137,7 +163,7 @@ describe.skipIf(!has.tmux)("the TUI at 80×24", () => {
     const long = `cargo build --manifest-path ${"very-long-directory-name/".repeat(8)}Cargo.toml ${"--features some-feature ".repeat(6)}`;
     const srv = fixtures.serve([bash(long), { content: "TASKCOMPLETE" }]);
     const tmux = tui(srv.url, cwd, "make it");
-    const screen = await tmux.waitFor("the dialog", (s) => s.includes("[Y] Approve") && s.includes("Always allow"));
+    const screen = await tmux.waitFor("the dialog", (s) => s.includes("[Enter] Approve") && s.includes("Always allow"));
     const rows = screen.split("\n").map((row) => Array.from(row));
     const top = rows.findIndex((row) => row.join("").includes("╭"));
     const bottom = rows.findIndex((row) => row.join("").includes("╰"));
@@ -149,7 +175,7 @@ describe.skipIf(!has.tmux)("the TUI at 80×24", () => {
       expect(row[left]).toBe("│");
       expect(row[right]).toBe("│");
     }
-    for (const label of ["[Y] Approve", "[N] Reject", "Always allow"]) {
+    for (const label of ["[Enter] Approve", "[Esc] Reject", "Always allow"]) {
       const y = rows.findIndex((row) => row.join("").includes(label));
       expect(y).toBeGreaterThan(top);
       expect(y).toBeLessThan(bottom);

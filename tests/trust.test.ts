@@ -274,7 +274,7 @@ describe("bad command lines: one line naming the flag, exit 2", () => {
     ["a prompt budget below the system prompt", [...base, "--max-prompt-len", "100", "task"], "--max-prompt-len"],
     [
       "a prompt budget eaten by the output reservation",
-      [...base, "--max-prompt-len", "8500", "task"],
+      [...base, "--max-prompt-len", "2000", "task"],
       "--max-prompt-len",
     ],
     ["--session in a missing directory", [...base, "--session", "/no/such/dir/s.json", "task"], "--session"],

@@ -88,7 +88,7 @@ test.skipIf(!has.tmux)(
     expect(screen).not.toContain("hi-42");
 
     // Y approves: the command runs and its output streams into the console pane.
-    tmux.keys("y");
+    tmux.keys("y", "Enter");
     screen = await tmux.waitFor(
       "hi-42 in the console pane and the dialog gone",
       (s) => rightPaneRows(s).some((r) => r.includes("hi-42")) && !s.includes("Approve command?"),
@@ -264,7 +264,7 @@ test.skipIf(!has.tmux)("a 43-line command shows its end and its buttons; PgUp re
   const body = Array.from({ length: 41 }, (_, i) => `echo line-${String(i + 1).padStart(2, "0")}`).join("\n");
   const srv = fixtures.serve([bash(`cat <<'EOF' > /dev/null\n${body}\nEOF`)]);
   const { tmux } = await startTui(srv.url);
-  const end = ["43 lines", "line-41", "EOF", "[Y] Approve", "[N] Reject"];
+  const end = ["43 lines", "line-41", "EOF", "[Enter] Approve", "[Esc] Reject"];
   let screen = await tmux.waitFor("the dialog with the command's end and the buttons", (s) => {
     const dialog = dialogRows(s).join("\n");
     return end.every((text) => dialog.includes(text));
@@ -275,10 +275,10 @@ test.skipIf(!has.tmux)("a 43-line command shows its end and its buttons; PgUp re
   for (let i = 0; i < 4; i++) tmux.keys("PPage");
   screen = await tmux.waitFor("the command's start and the buttons", (s) => {
     const dialog = dialogRows(s).join("\n");
-    return dialog.includes("cat <<'EOF'") && dialog.includes("[Y] Approve");
+    return dialog.includes("cat <<'EOF'") && dialog.includes("[Enter] Approve");
   });
-  expect(dialogRows(screen).join("\n")).toContain("[Y] Approve");
-  tmux.keys("n");
+  expect(dialogRows(screen).join("\n")).toContain("[Enter] Approve");
+  tmux.keys("n", "Enter");
   tmux.keys("C-c");
   tmux.keys("C-c");
   await tmux.waitFor("aic's exit and the outer prompt", exitedToPrompt);

@@ -262,6 +262,7 @@ describe("approval gate in the TUI", () => {
     expect(h.requests()).toHaveLength(1);
 
     h.s.mockInput.pressKey("y");
+    h.s.mockInput.pressEnter(); // a line: y and Enter
     frame = await h.until((f) => f.includes("hi-42") && !f.includes("Approve command?"));
     await h.idle(2);
     const tool = messagesOf(h.requests()[1]).at(-1);
@@ -280,11 +281,12 @@ describe("approval gate in the TUI", () => {
     expect(h.exitCode).toBeUndefined(); // Escape answered the dialog, it did not quit
   });
 
-  // N rejects like Escape; /approve and /reject typed in the prompt answer the dialog too.
-  test("N, /reject and /approve answer the dialog", async () => {
+  // The line n rejects like Escape; /approve and /reject typed in the prompt answer the dialog too.
+  test("n and Enter, /reject and /approve answer the dialog", async () => {
     const h = await openTui({ request: "run: echo nope-$((2*2))" });
     await h.until((f) => f.includes("Approve command?"));
     h.s.mockInput.pressKey("n");
+    h.s.mockInput.pressEnter();
     await h.idle(2);
     expect(messagesOf(h.requests()[1]).at(-1)).toMatchObject({
       role: "tool",
@@ -864,6 +866,7 @@ describe("keys in awkward states (review findings)", () => {
     expect(h.exitCode).toBeUndefined();
     expect(await h.frame()).toContain("Approve command?");
     h.s.mockInput.pressKey("y");
+    h.s.mockInput.pressEnter(); // a line: y and Enter
     await h.until((f) => f.includes("typed-16"));
   });
 
@@ -876,6 +879,7 @@ describe("keys in awkward states (review findings)", () => {
     await tui.submit("run: echo searched-$((5*5))");
     await h.until((f) => f.includes("Approve command?") && !f.includes("reverse-i-search"));
     h.s.mockInput.pressKey("y");
+    h.s.mockInput.pressEnter(); // a line: y and Enter
     await h.until((f) => f.includes("searched-25"));
   });
 
@@ -965,21 +969,43 @@ describe("a TUI a person can trust (round 2)", () => {
     const body = Array.from({ length: 41 }, (_, i) => `echo line-${String(i + 1).padStart(2, "0")}`).join("\n");
     const command = `cat <<'EOF' > /dev/null\n${body}\nEOF`;
     const h = await openTui({ request: `run: ${command}`, width: 120, height: 40 });
-    const end = ["43 lines", "EOF", "line-41", "[Y] Approve", "[N] Reject", "Y or Enter approves"];
+    const end = ["43 lines", "EOF", "line-41", "[Enter] Approve", "[Esc] Reject", "Enter approves"];
     let frame = await h.until(showsAll(...end));
     for (const text of end) expect(frame).toContain(text);
     expect(dialogRows(frame).join("\n")).not.toContain("cat <<'EOF'");
     for (let i = 0; i < 4; i++) h.s.mockInput.pressKey("\x1b[5~");
-    frame = await h.until((f) => dialogRows(f).join("\n").includes("cat <<'EOF'") && f.includes("[Y] Approve"));
-    expect(frame).toContain("[Y] Approve");
+    frame = await h.until((f) => dialogRows(f).join("\n").includes("cat <<'EOF'") && f.includes("[Enter] Approve"));
+    expect(frame).toContain("[Enter] Approve");
+  });
+
+  // Only the single keys answer: a typed line that starts with y or n is a suggestion, and reaches the model.
+  test("'no need, use printf' and 'yes but quote it' typed at the dialog are suggestions", async () => {
+    const h = await openTui({ request: "run: echo sugg-$((3*3))" });
+    await h.until((f) => f.includes("Approve command?"));
+    await h.type("no need, use printf");
+    await h.idle(2);
+    const first = messagesOf(h.requests()[1]);
+    expect(first.at(-1)).toMatchObject({ role: "user", content: "I suggest you no need, use printf" });
+    expect(await h.frame()).not.toContain("sugg-9");
+    await h.type("run: echo again-$((4*4))");
+    await h.until((f) => f.includes("Approve command?") && f.includes("again-$((4*4))"));
+    await h.type("yes but quote it");
+    await h.idle(2);
+    expect(messagesOf(h.requests().at(-1)).at(-1)).toMatchObject({
+      role: "user",
+      content: "I suggest you yes but quote it",
+    });
+    expect(await h.frame()).not.toContain("again-16");
   });
 
   test("two commands in one turn: the dialog says which one of how many", async () => {
     const h = await openTui({ request: "two: echo first-one || echo second-one" });
     await h.until((f) => f.includes("Approve command 1 of 2?"));
     h.s.mockInput.pressKey("y");
+    h.s.mockInput.pressEnter(); // a line: y and Enter
     await h.until((f) => f.includes("Approve command 2 of 2?"));
     h.s.mockInput.pressKey("n");
+    h.s.mockInput.pressEnter();
     await h.idle(2);
     const tools = messagesOf(h.requests()[1]).filter((m: any) => m.role === "tool");
     expect(tools).toHaveLength(2);
@@ -1000,6 +1026,7 @@ describe("a TUI a person can trust (round 2)", () => {
       await h.until((f) => f.includes("Approve command?") && !f.includes("Your own shell"));
       expect(await h.frame()).not.toContain("Your own shell");
       h.s.mockInput.pressKey("y");
+      h.s.mockInput.pressEnter(); // a line: y and Enter
       await h.idle(2);
       expect(messagesOf(h.requests()[1]).at(-1).content).toContain("from-the-dialog");
     } finally {
@@ -1031,6 +1058,7 @@ describe("a TUI a person can trust (round 2)", () => {
       const h = await openTui({ request: "run: printf 'Name? '; read n; echo hello-$n" });
       await h.until((f) => f.includes("Approve command?"));
       h.s.mockInput.pressKey("y");
+      h.s.mockInput.pressEnter(); // a line: y and Enter
       await h.until((f) => footer(f).includes("keys go to the command"));
       await h.s.mockInput.typeText("Ada");
       h.s.mockInput.pressEnter();

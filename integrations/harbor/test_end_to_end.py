@@ -58,14 +58,22 @@ def host_environment(root: Path) -> dict[str, str]:
 
 class LocalEnvironment:
     """FakeEnvironment's interface (exec, upload_file), really carried out: bash runs each command in a process
-    group of its own, in `root`/app by default; an upload copies the file. `container(path)` is where a container
-    path lives under `root`. Paths outside `root` are refused, as a container could not reach them either."""
+    group of its own, in `root`/app by default; an upload copies the file with its mode (as `docker cp` does).
+    `container(path)` is where a container path lives under `root`. Paths outside `root` are refused, as a
+    container could not reach them either.
+
+    As in Harbor 0.22, `scoped_env` (Trial's overlay of the agent's --ae variables) reaches every command and wins
+    over the exec's own `env`; a cancelled exec kills its own process group only, as a killed `docker exec` leaves
+    what runs inside the container alone."""
+
+    default_user = None
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.workdir = self.container("/app")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.base_env = host_environment(root)
+        self.scoped_env: dict[str, str] = {}
         self.commands: list[tuple[str, int]] = []
 
     def container(self, path: str) -> Path:
@@ -83,7 +91,7 @@ class LocalEnvironment:
             "-c",
             command,
             cwd=self._inside(cwd) if cwd else self.workdir,
-            env={**self.base_env, **(env or {})},
+            env={**self.base_env, **(env or {}), **self.scoped_env},
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -104,13 +112,15 @@ class LocalEnvironment:
     async def upload_file(self, source_path, target_path) -> None:
         target = self._inside(target_path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source_path, target)
+        shutil.copy(source_path, target)
 
 
 def rooted_agent(environment: LocalEnvironment, **kwargs) -> AicAgent:
-    """The adapter as Harbor runs it, with its two container paths moved under the environment's root."""
+    """The adapter as Harbor runs it, with its container paths moved under the environment's root."""
     agent = AicAgent(**kwargs)
     agent.BINARY = str(environment.container(AicAgent.BINARY))
+    agent.SCRATCH_DIR = str(environment.container(AicAgent.SCRATCH_DIR))
+    environment.container(AicAgent.SCRATCH_DIR).mkdir(parents=True, exist_ok=True)
     # Harbor's own attribute for the logs directory inside the environment (default /logs/agent).
     agent.environment_logs_dir = PurePosixPath(environment.container("/logs/agent"))
     return agent
@@ -149,7 +159,8 @@ class EndToEndTests(unittest.IsolatedAsyncioTestCase):
         await agent.install(environment)
         installed = environment.container("/usr/local/bin/aic")
         self.assertTrue(os.access(installed, os.X_OK), "install() left no executable aic")
-        self.assertTrue(environment.commands[-1][0].endswith(f"{installed} --version"))
+        self.assertTrue(any(c.endswith(f"{installed} --version") and rc == 0 for c, rc in environment.commands))
+        self.assertIn("--disable-sandbox", agent.aic_options or ())  # install() read the options aic has
 
         context = Context()
         try:

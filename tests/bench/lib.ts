@@ -22,6 +22,12 @@ export interface Metric {
   /** Upper bound the value should stay at or below. */
   target?: number;
   note?: string;
+  /**
+   * Set when the figure could not be measured as defined: SKIP (something it needs is missing, the
+   * note says what), INVALID (it ran, but not in the conditions the figure is defined by, such as
+   * checkpoints turned off where they must be on). Either replaces PASS/MISS.
+   */
+  status?: "SKIP" | "INVALID";
 }
 
 export interface BenchContext {

@@ -10,6 +10,8 @@
 import { bigSession } from "./big-session.ts";
 import { checkpoints } from "./checkpoints.ts";
 import { coldStart } from "./cold-start.ts";
+import { field20mb, fieldBigDir, fieldCheckpoints, fieldFirstStep, fieldMemory, fieldSpeed } from "./field.ts";
+import { fieldTui } from "./field-tui.ts";
 import { inputWait } from "./input-wait.ts";
 import type { Benchmark } from "./lib.ts";
 import { memory } from "./memory.ts";
@@ -30,4 +32,17 @@ export const BENCHMARKS: readonly Benchmark[] = [
   tui,
   inputWait,
   rules,
+  // Speed in real repositories and long runs (field.ts, field-tui.ts): ratios from alternating runs.
+  fieldCheckpoints,
+  fieldFirstStep,
+  fieldBigDir,
+  fieldSpeed,
+  fieldMemory,
+  field20mb,
+  fieldTui,
 ];
+
+/** Names that stand for several benchmarks on the command line: `bun run tests/bench/run.ts field`. */
+export const GROUPS: Readonly<Record<string, readonly string[]>> = {
+  field: BENCHMARKS.filter((b) => b.name.startsWith("field-")).map((b) => b.name),
+};

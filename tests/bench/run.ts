@@ -1,9 +1,11 @@
 /**
  * Benchmark runner: `bun run bench` (builds first) or, against the dist/aic
  * already built, `bun run tests/bench/run.ts [name…]` to run only some.
- * `--list` prints the names.
+ * `--list` prints the names; a group name (`field`: the field-* figures, see
+ * registry.ts) stands for its benchmarks.
  *
- * Prints one table (measured value, target, PASS/MISS and measured/target) and
+ * Prints one table (measured value, target, PASS/MISS and measured/target; SKIP
+ * or INVALID when a figure could not be measured as defined) and
  * writes the same figures as JSON to /tmp/aic-bench.json (outside the
  * repository, so it is never committed by accident). Exits 0 whatever the
  * figures: benchmarks inform, they are not tests. A benchmark that could not
@@ -13,7 +15,7 @@
 import { statSync, writeFileSync } from "node:fs";
 import { cpus, loadavg } from "node:os";
 import { AIC, type Benchmark, type Metric } from "./lib.ts";
-import { BENCHMARKS } from "./registry.ts";
+import { BENCHMARKS, GROUPS } from "./registry.ts";
 
 const JSON_OUT = "/tmp/aic-bench.json";
 
@@ -37,15 +39,20 @@ interface Outcome {
 
 function select(names: string[]): Benchmark[] {
   if (names.length === 0) return [...BENCHMARKS];
+  // A group name stands for its benchmarks.
+  names = names.flatMap((n) => GROUPS[n] ?? [n]);
   const unknown = names.filter((n) => !BENCHMARKS.some((b) => b.name === n));
   if (unknown.length) {
-    console.error(`unknown benchmark(s): ${unknown.join(", ")}; known: ${BENCHMARKS.map((b) => b.name).join(", ")}`);
+    console.error(
+      `unknown benchmark(s): ${unknown.join(", ")}; known: ${BENCHMARKS.map((b) => b.name).join(", ")}; groups: ${Object.keys(GROUPS).join(", ")}`,
+    );
     process.exit(2);
   }
   return BENCHMARKS.filter((b) => names.includes(b.name));
 }
 
-function verdict(m: Metric): { status: "PASS" | "MISS" | "info"; ratio?: number } {
+function verdict(m: Metric): { status: "PASS" | "MISS" | "info" | "SKIP" | "INVALID"; ratio?: number } {
+  if (m.status) return { status: m.status };
   if (m.target === undefined) return { status: "info" };
   // A target of 0 (nothing may be lost) has no meaningful ratio.
   const ratio = m.target === 0 ? undefined : m.value / m.target;
@@ -53,6 +60,7 @@ function verdict(m: Metric): { status: "PASS" | "MISS" | "info"; ratio?: number 
 }
 
 function fmt(v: number, unit: Metric["unit"]): string {
+  if (!Number.isFinite(v)) return "—";
   if (unit === "count") return String(Math.round(v));
   return `${v.toFixed(unit === "x" || Math.abs(v) < 10 ? 2 : 1)} ${unit}`;
 }
@@ -98,7 +106,8 @@ function printTable(outcomes: Outcome[]): void {
 async function main(): Promise<void> {
   const args = process.argv.slice(2);
   if (args.includes("--list")) {
-    for (const b of BENCHMARKS) console.log(`${b.name.padEnd(16)} ${b.description}`);
+    for (const b of BENCHMARKS) console.log(`${b.name.padEnd(18)} ${b.description}`);
+    for (const [g, members] of Object.entries(GROUPS)) console.log(`${g.padEnd(18)} group: ${members.join(" ")}`);
     return;
   }
   const chosen = select(args);

@@ -335,6 +335,12 @@ export const tui: Benchmark = {
           note: `${keyToFrame.length} samples`,
         },
         {
+          name: "keystroke → frame p90",
+          value: keyToFrame.length ? percentile(keyToFrame, 90) : NaN,
+          unit: "ms",
+          note: "in this process, no terminal; field-tui measures it in tmux against `cat`",
+        },
+        {
           name: "keystroke → frame worst",
           value: keyToFrame.length ? Math.max(...keyToFrame) : NaN,
           unit: "ms",
