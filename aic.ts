@@ -197,6 +197,8 @@ interface Config {
   request: string | undefined;
   /** Warnings found while parsing that are not errors (an unknown algorithm name). */
   warnings: string[];
+  /** What parsing wants said that is no problem (the settings a config file gave): shown dim, not as a warning. */
+  notices: string[];
   /** Derived once from the flags: what bounds each command. */
   limits: CommandLimits;
   /** Derived once from the flags: the session file this run uses (--session, else .aicsession in the TUI, else none). */
@@ -711,7 +713,8 @@ function configFromFlags(
   const envValue = (f: FlagSpec): string | undefined => (f.env ?? []).map((name) => env[name]).find((v) => v);
   const fromEnv = (f: FlagSpec): string | undefined => envValue(f) ?? file.values.get(f)?.[0];
   const fromFileList = (f: FlagSpec): string[] => file.values.get(f) ?? [];
-  const config = { warnings: [] as string[], request: undefined } as Partial<Config> & Pick<Config, "warnings">;
+  const config = { warnings: [] as string[], notices: [] as string[], request: undefined } as Partial<Config> &
+    Pick<Config, "warnings" | "notices">;
   const set = <K extends keyof Config>(key: K, value: Config[K]) => {
     config[key] = value;
   };
@@ -727,7 +730,7 @@ function configFromFlags(
     }
   }
   const named = FLAGS.filter((f) => file.values.has(f) && !given.has(f) && envValue(f) === undefined);
-  if (named.length) config.warnings.push(`settings from ${file.path}: ${named.map((f) => f.name.slice(2)).join(", ")}`);
+  if (named.length) config.notices.push(`settings from ${file.path}: ${named.map((f) => f.name.slice(2)).join(", ")}`);
   return config as Config;
 
   function setFlag(f: FlagSpec, raw: string | undefined): void {
@@ -2011,6 +2014,11 @@ function commandResultLines(e: Extract<AgentEvent, { type: "command_result" }>):
   ];
 }
 
+/** The compiler's check that a switch over a union handles every member: a new one fails the build here. */
+function unhandled(value: never): never {
+  throw new Error(`unhandled case: ${JSON.stringify(value)}`);
+}
+
 /**
  * The words a person reads for each event that is not a stream of text
  * (deltas are streamed by each sink as they come). The plain output and the
@@ -2100,8 +2108,21 @@ function describeEvent(e: AgentEvent): EventLine[] {
         ...[...kept, ...others].flatMap((line) => agent("dim", line)),
       ];
     }
-    default:
+    // Streamed text, figures for the footer and the model's own turn: each front end shows these its own way.
+    case "assistant":
+    case "assistant_delta":
+    case "command_output":
+    case "command_waiting":
+    case "context":
+    case "reasoning":
+    case "reasoning_delta":
+    case "step":
+    case "summary_delta":
+    case "thinking_complete":
+    case "usage":
       return [];
+    default:
+      return unhandled(e);
   }
 }
 
@@ -5894,15 +5915,15 @@ let trustedPathValue: string | undefined;
 function trustedPath(): string {
   if (trustedPathValue !== undefined) return trustedPathValue;
   if (!commandWritableRoots.length) noteCommandWritable([]);
+  const writable = (p: string) => commandWritableRoots.some((w) => p === w || isBeneath(p, w));
   const entries = (process.env.PATH ?? "/usr/bin:/bin").split(":").filter((dir) => {
-    if (!path.isAbsolute(dir)) return false;
-    let real: string;
+    // Inside a writable directory by its very name: left out without being looked at (a command may own it).
+    if (!path.isAbsolute(dir) || writable(dir)) return false;
     try {
-      real = fs.realpathSync(dir);
+      return !writable(fs.realpathSync(dir));
     } catch {
       return false;
     }
-    return !commandWritableRoots.some((w) => real === w || isBeneath(real, w) || isBeneath(dir, w) || dir === w);
   });
   trustedPathValue = entries.join(":");
   return trustedPathValue;
@@ -10413,6 +10434,8 @@ function jobGroup(job: Job): number {
 const MAX_CHECKPOINT_FILES = 50_000;
 /** The first snapshot writes every file once; past this, checkpoints cost too much here and are turned off. */
 const FIRST_SNAPSHOT_LIMIT_MS = 2000;
+/** How many snapshots (commit, tree, manifest) a store keeps in memory. */
+const SNAPSHOT_CACHE_ENTRIES = 64;
 /** How often a git of aic's that is still running is looked at for an open() a FIFO holds up. */
 const FIFO_WATCH_MS = 250;
 
@@ -11040,12 +11063,21 @@ class ShadowRepository {
   }
 
   async snapshotOf(commit: string): Promise<Snapshot> {
+    // A commit never changes: each is read from the store once (a step that changed nothing read two, twice).
+    const known = this.snapshots.get(commit);
+    if (known) return known;
     const body = await this.gitOk(["cat-file", "commit", commit]);
     const tree = /^tree ([0-9a-f]+)$/m.exec(body)?.[1] ?? "";
     const at = body.indexOf(`\n${MANIFEST_HEADING}\n`);
     const manifest = at < 0 ? "" : body.slice(at + MANIFEST_HEADING.length + 2).replace(/\n$/, "");
-    return { commit, tree, manifest };
+    const snapshot = { commit, tree, manifest };
+    if (this.snapshots.size >= SNAPSHOT_CACHE_ENTRIES) this.snapshots.delete(this.snapshots.keys().next().value!);
+    this.snapshots.set(commit, snapshot);
+    return snapshot;
   }
+
+  /** Snapshots read or made, by commit (bounded: a manifest can be long). */
+  private readonly snapshots = new Map<string, Snapshot>();
 
   private indexIdentity(): string | undefined {
     return identityOf(path.join(this.gitDir, "index"));
@@ -11407,11 +11439,13 @@ class Checkpoints {
   async changesOf(step: CheckpointStep): Promise<ChangedFiles> {
     if (!step.after)
       throw new Error("there is no checkpoint after this command (it was still running, or aic was killed)");
+    const changed: ChangedFiles = { created: [], modified: [], deleted: [] };
+    // The same checkpoint before and after: the command changed nothing, and git need not be asked.
+    if (step.commit === step.after) return changed;
     const [before, after] = await Promise.all([
       this.shadow.snapshotOf(step.commit),
       this.shadow.snapshotOf(step.after),
     ]);
-    const changed: ChangedFiles = { created: [], modified: [], deleted: [] };
     const entries = await this.shadow.gitOk([
       "diff-tree",
       "-r",
@@ -15860,7 +15894,12 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
   const workDir = HeldDirectory.open(process.cwd());
   // The jail keeps the session's lock file (and those of other aic instances here) read-only, and shows commands this
   // run's saved outputs: it starts once they exist.
-  if (prepared.sandbox.enabled) outputs.ensure();
+  try {
+    if (prepared.sandbox.enabled) outputs.ensure();
+  } catch (error) {
+    // Nowhere to keep outputs (a read-only container, /tmp included): a long output is then cut without a copy.
+    front.sink.emit({ type: "warning", text: `whole outputs cannot be kept: ${(error as Error).message}` });
+  }
   prepared.sandbox.start({ workDir, files: ownSessionFiles(session?.path, workDir), keepOutputs: outputs.path });
   // Before the first command: a daemon it double-forks must become aic's, to be found and stopped later.
   becomeSubreaper();
@@ -16100,6 +16139,7 @@ function plainApproval(stdin: StdinReader, prompt: boolean): ApproveFn {
 
 async function runHeadless(config: Config, prepared: PreparedRun): Promise<number> {
   const sink: EventSink = config.json ? new JsonSink() : new PlainSink(!config.noThinking);
+  for (const text of config.notices) sink.emit({ type: "info", text });
   for (const w of config.warnings) sink.emit({ type: "warning", text: w });
   const stdin = new StdinReader();
   let request = config.request!;
@@ -18475,6 +18515,7 @@ class Tui implements EventSink {
     this.figures.tokens = this.run.restored?.usage?.billable_tokens ?? 0;
     if (this.run.restored?.messages) this.view.showConversation(this.run.restored.messages);
     this.setTab("console");
+    for (const n of config.notices) this.agentPane.line(n, COLORS.info);
     for (const w of config.warnings) this.agentPane.line(`warning: ${w}`, COLORS.warning);
     this.refreshStatus();
     // The start-up warning goes after its time even if nothing else redraws the status (one timer, not a tick).

@@ -9,6 +9,7 @@
 import { afterEach, describe, expect, test } from "bun:test";
 import {
   chmodSync,
+  copyFileSync,
   existsSync,
   lstatSync,
   mkdirSync,
@@ -675,7 +676,11 @@ describe.skipIf(!has.root || !has.unshare || !has.tmux || !hasCc || !existsSync(
       const privateTmp = `/proc/${serverPid}/root/tmp`;
       expect(readdirSync(privateTmp)).toEqual([]); // the fresh /tmp, not the machine's
 
-      const aicLine = (args: string) => `env -u TMPDIR ${AIC} ${args}`;
+      // The fresh /tmp hides anything below /tmp, a CI clone's dist/aic included: the person's aic is a copy here.
+      const aic = join(where.base, "aic");
+      copyFileSync(AIC, aic);
+      chmodSync(aic, 0o755);
+      const aicLine = (args: string) => `env -u TMPDIR ${aic} ${args}`;
       const tui = async (window: string, url: string) => {
         tmux(
           "new-window",

@@ -11,7 +11,9 @@
  */
 import { dlopen, FFIType } from "bun:ffi";
 import {
+  accessSync,
   chmodSync,
+  constants,
   copyFileSync,
   existsSync,
   mkdirSync,
@@ -19,6 +21,7 @@ import {
   readdirSync,
   readFileSync,
   rmSync,
+  statSync,
   writeFileSync,
 } from "node:fs";
 import { homedir, tmpdir } from "node:os";
@@ -58,11 +61,20 @@ export interface Original {
 }
 
 export function findOriginal(): Original {
+  const runnable = (p: string) => {
+    try {
+      accessSync(p, constants.X_OK);
+      return statSync(p).isFile();
+    } catch {
+      return false;
+    }
+  };
   const fromEnv = process.env.AIC_ORIGINAL;
-  if (fromEnv) return existsSync(fromEnv) ? { path: fromEnv } : { missing: `AIC_ORIGINAL=${fromEnv} does not exist` };
+  if (fromEnv)
+    return runnable(fromEnv) ? { path: fromEnv } : { missing: `AIC_ORIGINAL=${fromEnv} is not an executable file` };
   const cache = process.env.XDG_CACHE_HOME || join(homedir(), ".cache");
   const wrapper = join(cache, "aic-original", "aic-orig");
-  if (existsSync(wrapper)) return { path: wrapper };
+  if (runnable(wrapper)) return { path: wrapper };
   return {
     missing: `the original is not set up (no ${wrapper}): run the anchors' setup-original.sh, or set AIC_ORIGINAL to its wrapper`,
   };
@@ -92,6 +104,8 @@ export interface FieldRun {
   ms: number;
   /** performance.now() of each model request carrying tools (a step's request), in order. */
   at: number[];
+  /** The same instants, as wall-clock epoch milliseconds (to line up with strace -ttt). */
+  atEpochMs: number[];
   /** Spawn → the first model request. */
   firstRequestMs: number;
   /** Gaps between consecutive step requests: one per step. */
@@ -115,6 +129,7 @@ const SUMMARY = "Summary of the earlier steps: the commands ran and printed thei
 /** Runs `who` once on a fresh fake server; commands are counted per step request, so summary requests do not shift them. */
 export async function fieldRun(who: Who, original: string | undefined, opts: FieldRunOptions): Promise<FieldRun> {
   const at: number[] = [];
+  const atEpochMs: number[] = [];
   let served = 0;
   let summaries = 0;
   const srv = startFakeServer({
@@ -125,6 +140,7 @@ export async function fieldRun(who: Who, original: string | undefined, opts: Fie
       req.body = null; // the server keeps every request: 1,000 steps of growing history would be the bench's own memory
       if (!tools) return (summaries++, { content: SUMMARY, usage });
       at.push(now);
+      atEpochMs.push(performance.timeOrigin + now);
       const command = opts.commands(served);
       if (command === undefined) return { content: "TASKCOMPLETE", usage };
       served++;
@@ -165,6 +181,7 @@ export async function fieldRun(who: Who, original: string | undefined, opts: Fie
       code,
       ms,
       at,
+      atEpochMs,
       gaps: at.slice(1).map((t, i) => t - at[i]!),
       firstRequestMs: (at[0] ?? NaN) - started,
       summaries,
@@ -387,8 +404,20 @@ function gitSubcommand(argv: string[]): string {
   return "?";
 }
 
-/** Counts of one run under `strace -f`: programs started (git by subcommand) and their wall time, directory reads, opens, fsyncs. */
-async function straceCounts(who: Who, original: string | undefined, steps: number, opts: FieldRunOptions) {
+/**
+ * What a step costs in processes and system calls: one run of `steps` steps under `strace -f -ttt`
+ * (the whole tree of processes), counting only what happened between the second model request and
+ * the last (steps 2 … `steps`: start-up, the first snapshot and the end stay out), per step.
+ * Undefined when strace is not installed. A run is slower under strace: compare its times with
+ * each other, not with the figures.
+ */
+export async function straceProfile(
+  who: Who,
+  original: string | undefined,
+  steps: number,
+  opts: FieldRunOptions,
+): Promise<Profile | undefined> {
+  if (!Bun.which("strace")) return undefined;
   const out = join(scratch("aic-bench-strace-"), "trace");
   const syscalls = "trace=execve,exit_group,getdents64,openat,fsync,fdatasync";
   const run = await fieldRun(who, original, {
@@ -397,6 +426,9 @@ async function straceCounts(who: Who, original: string | undefined, steps: numbe
     wrap: ["strace", "-f", "-q", "-ttt", "-s", "48", "-o", out, "-e", syscalls],
   });
   expectSteps(`a ${steps}-step run under strace`, run, steps);
+  // Wall-clock bounds of steps 2 … steps, in strace's -ttt seconds.
+  const [from, to] = [run.atEpochMs[1]! / 1000, run.atEpochMs[steps]! / 1000];
+  const counted = steps - 1;
   const execs = new Map<string, number>();
   const execMs = new Map<string, number>();
   const running = new Map<string, { key: string; at: number }>();
@@ -411,6 +443,8 @@ async function straceCounts(who: Who, original: string | undefined, steps: numbe
     }
     const m = /^(\d+)\s+([\d.]+)\s+(execve|getdents64|openat|fsync|fdatasync)\((.*)$/.exec(line);
     if (!m) continue;
+    const at = Number(m[2]);
+    if (at < from || at > to) continue;
     if (m[3] === "getdents64") c.getdents64++;
     else if (m[3] === "openat") c.openat++;
     else if (m[3] === "fsync" || m[3] === "fdatasync") c.fsync++;
@@ -420,42 +454,19 @@ async function straceCounts(who: Who, original: string | undefined, steps: numbe
       const key = prog === "git" ? `git ${gitSubcommand(argv)}` : prog;
       execs.set(key, (execs.get(key) ?? 0) + 1);
       // The same process executing again (a wrapper exec'ing the real program): its time goes to the last.
-      running.set(m[1]!, { key, at: Number(m[2]) * 1000 });
+      running.set(m[1]!, { key, at: at * 1000 });
     }
   }
   rmSync(out, { force: true });
-  return { execs, execMs, ...c };
-}
-
-/**
- * What a step costs in processes and system calls: a `steps`-step run and a 1-step run under
- * `strace -f` (the whole tree of processes), the difference divided by steps − 1, so start-up and
- * the end cancel out. Undefined when strace is not installed. Runs are slower under strace; only
- * the counts are read.
- */
-export async function straceProfile(
-  who: Who,
-  original: string | undefined,
-  steps: number,
-  opts: FieldRunOptions,
-): Promise<Profile | undefined> {
-  if (!Bun.which("strace")) return undefined;
-  const one = await straceCounts(who, original, 1, opts);
-  const many = await straceCounts(who, original, steps, opts);
-  const per = (a: number, b: number) => (a - b) / (steps - 1);
-  const execs = new Map<string, number>();
-  const execMs = new Map<string, number>();
-  for (const [k, v] of many.execs) {
-    const n = per(v, one.execs.get(k) ?? 0);
-    if (n > 0.05) (execs.set(k, n), execMs.set(k, per(many.execMs.get(k) ?? 0, one.execMs.get(k) ?? 0)));
-  }
+  for (const [k, v] of execs) execs.set(k, v / counted);
+  for (const [k, v] of execMs) execMs.set(k, v / counted);
   return {
-    steps,
+    steps: counted,
     execs,
     execMs,
-    getdents64: per(many.getdents64, one.getdents64),
-    openat: per(many.openat, one.openat),
-    fsync: per(many.fsync, one.fsync),
+    getdents64: c.getdents64 / counted,
+    openat: c.openat / counted,
+    fsync: c.fsync / counted,
   };
 }
 

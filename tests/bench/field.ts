@@ -26,9 +26,13 @@
  * minutes, its cost per step growing with the history (the openai library re-validates the
  * whole request every call), and Python's peak barely moves between runs.
  *
- * Where the time goes: field-checkpoints, field-big-dir and field-speed end with counts from a
- * run under `strace -f` (git processes per step by subcommand, directory reads and opens per
- * step), the difference between an N-step and a 1-step run, so start-up cancels out.
+ * Where the time goes: field-checkpoints, field-big-dir and field-speed end with counts from one
+ * more run under `strace -f` (git processes per step by subcommand and their time, directory
+ * reads and opens per step), over its steps after the first, so start-up and the first snapshot
+ * stay out.
+ *
+ * Every field figure runs a private copy of dist/aic taken when the first of them starts
+ * (fieldAic), so a rebuild meanwhile cannot mix two builds in one ratio.
  */
 import { createHash } from "node:crypto";
 import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
@@ -69,7 +73,7 @@ function profileMetrics(label: string, p: Profile | undefined): Metric[] {
       name: `${label}: git processes per step`,
       value: gitPerStep(p),
       unit: "x",
-      note: `${execMsPerStep(p, (k) => k.startsWith("git")).toFixed(1)} ms of git processes a step under strace; strace -f, (${p.steps}-step − 1-step run) / ${p.steps - 1}: ${describeExecs(p, (k) => k.startsWith("git"))}`,
+      note: `${execMsPerStep(p, (k) => k.startsWith("git")).toFixed(1)} ms of git processes a step under strace; strace -f, steps 2–${p.steps + 1} of a run: ${describeExecs(p, (k) => k.startsWith("git"))}`,
     },
     {
       name: `${label}: other programs per step`,
@@ -279,8 +283,8 @@ export const fieldBigDir: Benchmark = {
     );
     ctx.log("field-big-dir: profile (strace)");
     const flags = ["--no-checkpoints"];
-    const big = await straceProfile("aic", undefined, 5, { cwd: tree.dir, commands: (i) => `true ${i}`, flags });
-    const small = await straceProfile("aic", undefined, 5, { cwd: empty, commands: (i) => `true ${i}`, flags });
+    const big = await straceProfile("aic", undefined, 6, { cwd: tree.dir, commands: (i) => `true ${i}`, flags });
+    const small = await straceProfile("aic", undefined, 6, { cwd: empty, commands: (i) => `true ${i}`, flags });
     rmSync(empty, { recursive: true, force: true });
     const [inTree, inEmpty] = [a.map(perStep), b.map(perStep)];
     return [

@@ -144,7 +144,7 @@ async function main(): Promise<void> {
   console.log();
   if (binaryAfter !== binaryBefore)
     console.log(
-      `WARNING: dist/aic was rebuilt during the run (now ${binaryAfter}); the figures mix two builds, run again.`,
+      `WARNING: dist/aic was rebuilt during the run (now ${binaryAfter}); the figures mix two builds, run again (the field-* figures ran a copy taken when the first of them started).`,
     );
   console.log(
     `Load average after: ${loadavg()
