@@ -9503,6 +9503,14 @@ interface CommandKeyboard {
   /** Several lines typed ahead: one at a time, each once the program reads again. */
   type(bytes: string): Promise<TypedLines>;
   resize(cols: number, rows: number): void;
+  /** The person hands the waiting program to the model (the footer's key), as under auto-approve. */
+  handToModel(): void;
+}
+
+/** How long a program the person approved may wait, with nothing typed, before it goes to the model (AIC_HANDOVER_IDLE_S). */
+function handoverIdleMs(): number {
+  const s = Number(process.env.AIC_HANDOVER_IDLE_S);
+  return (Number.isFinite(s) && s > 0 ? s : 10) * 1000;
 }
 
 interface RunOptions {
@@ -9746,10 +9754,20 @@ class CommandRun {
     if (opts.signal.aborted) onAbort();
     let told = false;
     // A person who approved the command by hand gets the keyboard as soon as it reads the terminal: no quiet period.
-    const personAnswers = opts.canAnswerInput && !opts.modelAnswers;
+    let personAnswers = opts.canAnswerInput && !opts.modelAnswers;
+    // Left alone (nothing typed for a while), or handed over with the footer's key, it goes to the model after all;
+    // from then on it is the model's, as under auto-approve.
+    let personSince = 0;
+    let handNow = false;
+    let modelAnswers = opts.modelAnswers;
+    const modelTakes = () => {
+      handNow = told = personAnswers = false;
+      modelAnswers = true;
+    };
     const watcher = setInterval(
       () => {
-        if (this.stopping || this.handedOver || told) return;
+        if (this.stopping || this.handedOver) return;
+        if (told) return this.maybeHandToModel(personSince, handNow, modelTakes);
         const facts = this.screenWatch.facts();
         if (!personAnswers && facts.quietMs < inputQuietMs()) return;
         const d = classifyForeground(
@@ -9759,11 +9777,12 @@ class CommandRun {
         if (d.verdict === "busy") return;
         if (personAnswers) {
           told = true;
+          personSince = performance.now();
           return opts.onWaitingForInput?.();
         }
         if (d.verdict === "waiting_on_time" && performance.now() - this.startedAt < WAITING_ON_TIME_AFTER_MS) return;
         // The model at the keyboard gets the screen and the command keeps running.
-        if (opts.modelAnswers) return void this.handOver(d.verdict, d.reason);
+        if (modelAnswers) return void this.handOver(d.verdict, d.reason);
         if (d.verdict === "waiting_on_time") return;
         // With nobody to answer, it is stopped.
         this.stop("waiting_for_input");
@@ -9771,9 +9790,13 @@ class CommandRun {
       personAnswers ? PERSON_INPUT_POLL_MS : INPUT_WAIT_POLL_MS,
     );
     const detachInput = opts.attachInput?.({
-      write: (data) => this.child.write(data),
-      type: (bytes) => this.typeLines(bytes),
+      write: (data) => {
+        personSince = performance.now();
+        this.child.write(data);
+      },
+      type: (bytes) => ((personSince = performance.now()), this.typeLines(bytes)),
       resize: (cols, rows) => this.resize(cols, rows),
+      handToModel: () => void (handNow = true),
     });
     return () => {
       clearTimeout(this.timeoutTimer);
@@ -9781,6 +9804,20 @@ class CommandRun {
       opts.signal.removeEventListener("abort", onAbort);
       detachInput?.();
     };
+  }
+
+  /**
+   * A program the person has the keyboard of goes to the model when they
+   * say so, or when it still waits after AIC_HANDOVER_IDLE_S with nothing
+   * typed: its screen is the tool result, as for a command nobody approved.
+   */
+  private maybeHandToModel(personSince: number, asked: boolean, modelTakes: () => void): void {
+    if (!asked && performance.now() - personSince < handoverIdleMs()) return;
+    const d = classifyForeground(foregroundGroups(this.shell), { ...this.screenWatch.facts(), quietMs: Infinity });
+    if (d.verdict === "busy") return;
+    modelTakes();
+    const why = asked ? "the person handed it to you" : `nothing was typed for ${handoverIdleMs() / 1000} s`;
+    void this.handOver(d.verdict, `${d.reason}; ${why}`);
   }
 
   /** The command waits: the look in progress ends with its screen, and the output so far starts anew. */
@@ -14388,14 +14425,21 @@ async function runToolCommand(id: string, command: string, ctx: ToolCallContext)
   o.beforeCommand?.();
   await ctx.beforeRun(id, command);
   const startedAt = performance.now();
-  const started = await startForAgent(command, o, ctx.cwd(), signal, {
-    // Only a command a person approved by hand gets their keys when it waits for input; the model types into the others.
-    canAnswerInput: o.canAnswerInput() && gate.byHand,
-    modelAnswers: !(o.canAnswerInput() && gate.byHand),
-    onData: (data) => emit({ type: "command_output", id, data }),
-    onWaitingForInput: () => emit({ type: "command_waiting", id }),
-    attachInput: o.attachInput,
-  });
+  const started = await startForAgent(
+    command,
+    o,
+    ctx.cwd(),
+    signal,
+    {
+      // Only a command a person approved by hand gets their keys when it waits for input; the model types into the others.
+      canAnswerInput: o.canAnswerInput() && gate.byHand,
+      modelAnswers: !(o.canAnswerInput() && gate.byHand),
+      onData: (data) => emit({ type: "command_output", id, data }),
+      onWaitingForInput: () => emit({ type: "command_waiting", id }),
+      attachInput: o.attachInput,
+    },
+    gate.byHand,
+  );
   if (!(started instanceof CommandRun))
     return finishObservation(id, { kind: "ended", result: started }, ctx, startedAt);
   const observed = await started.observe();
@@ -14551,12 +14595,15 @@ async function startForAgent(
   cwd: string,
   signal: AbortSignal,
   io: Pick<RunOptions, "canAnswerInput" | "modelAnswers" | "onData" | "onWaitingForInput" | "attachInput">,
+  /** A person approved it by hand: it is never stopped for printing much (what is kept of it stays bounded). */
+  byHand = false,
 ): Promise<CommandRun | (CommandResult & { jobs?: JobsLeft })> {
+  const limits = byHand ? { ...o.config.limits, runawayBytes: Infinity } : o.config.limits;
   try {
     return await CommandRun.start({
       command,
       cwd,
-      limits: o.config.limits,
+      limits,
       signal,
       sandbox: o.sandbox,
       outputs: o.outputs,
@@ -18016,7 +18063,7 @@ function layOutTui(
 const RESIZE_SETTLE_MS = 50;
 
 /** The footer while a command has the person's keys (short: the footer keeps its other fields whole at 80 columns). */
-const KEYS_TO_COMMAND_NOTICE = "⌨ keys go to the command · Ctrl+C twice stops it";
+const KEYS_TO_COMMAND_NOTICE = "⌨ keys go to the command · Ctrl+O hands it to the model · Ctrl+C twice stops it";
 
 /** How long after a command starts by the person's approval their typing is held for it (see TypeAhead). */
 const TYPE_AHEAD_MS = 1500;
@@ -18706,9 +18753,11 @@ class Tui implements EventSink {
       return this.shellTab.key(key, id);
     }
     if (!this.commandWaiting && this.prompt.value === "" && this.typeAhead.hold(key, id)) return take();
-    if (this.commandWaiting && this.keyboard) {
+    // An approval the model asks for (its keys for a program handed to it) answers before the program gets keys.
+    if (this.commandWaiting && this.keyboard && !this.dialog.visible) {
       take();
       if (id === "C-c") return this.ctrlCToCommand(this.keyboard.write);
+      if (id === "C-o") return this.keyboard.handToModel();
       // A full-screen program needs Escape (vim's normal mode); a line program is stopped by it.
       if (id === "escape" && !this.view.screen.fullScreen) return this.interrupt();
       const bytes = keyToBytes(key);
@@ -19270,13 +19319,14 @@ const TUI_KEY_HELP: readonly [string, string][] = [
   ["Alt+Enter, Ctrl+J", "new line in the prompt (a paste keeps its lines too)"],
   ["Up/Down, Ctrl+P/Ctrl+N", "walk the prompt history"],
   ["Ctrl+R", "search the prompt history (Ctrl+R again: older; Enter takes it; Esc cancels)"],
-  ["Y or Enter / N or Esc", "approve / reject the command in the dialog, while the prompt is empty"],
+  ["Enter / Esc", "approve / reject the command in the dialog (the lines y and n too; any other line is a suggestion)"],
   ["PgUp/PgDn", "scroll the agent pane, or the approval dialog while it is open"],
   ["Shift+PgUp/PgDn", "scroll the console pane"],
   ["Tab", "switch between the Console and the Shell tab (your own shell, not sandboxed)"],
   ["Shift+Tab", "Tab inside the Shell tab (completion)"],
   ["Esc", "clear the prompt; with an empty prompt, interrupt the agent"],
   ["Ctrl+C", "the same as Esc; twice within 2 s quits"],
+  ["Ctrl+O", "hand a program you approved, waiting for input, to the model"],
   ["Ctrl+D", "quit, on an empty prompt"],
 ];
 

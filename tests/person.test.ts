@@ -138,6 +138,59 @@ describe.skipIf(!has.tmux)("the TUI at 80×24", () => {
     expect(toolAnswer(srv.requests[1], "call_ask")).not.toContain("got:");
   });
 
+  // The runaway stop protects the model's context from a command nobody approved; one the person approved runs to
+  // its end (what the model is handed of its output is cut as always).
+  test("a command the person approved that prints 8 MB runs to its end", async () => {
+    const cwd = scratch("aic-person-");
+    const srv = fixtures.serve([
+      bash("head -c 8000000 /dev/zero | tr '\\0' a | fold -w 100; echo printed-to-the-end", "call_big"),
+      { content: "TASKCOMPLETE" },
+    ]);
+    const tmux = tui(srv.url, cwd, "print a lot", ["--ask-every-command", "--max-output-bytes", "20000"]);
+    await tmux.waitFor("the approval dialog", (s) => s.includes("Approve command?"));
+    tmux.keys("Enter");
+    await waitFor("the tool result", () => srv.requests.length === 2, 100_000);
+    const answer = toolAnswer(srv.requests[1], "call_big");
+    expect(answer).toStartWith("Command executed with exit code 0.");
+    expect(answer).toContain("printed-to-the-end");
+    expect(answer).not.toContain("runaway");
+  }, 120_000);
+
+  // A program the person approved and then left alone, or handed over with the footer's key, goes to the model.
+  for (const how of ["left alone", "handed over with Ctrl+O"] as const)
+    test(`a hand-approved program that waits, ${how}, is answered by the model`, async () => {
+      const cwd = scratch("aic-person-");
+      const srv = fixtures.serve([
+        bash(`read -p 'Name? ' x; echo "hello $x"`, "call_read"),
+        { toolCalls: [{ id: "call_keys", arguments: JSON.stringify({ input: "Model\n" }) }] },
+        { content: "TASKCOMPLETE" },
+      ]);
+      const idle = how === "left alone" ? "2" : "600";
+      const home = fixtures.disposable(scratch("aic-person-home-"));
+      const env = cleanEnv({ HOME: home, SHELL: "/bin/bash", TERM: "xterm-256color", AIC_HANDOVER_IDLE_S: idle });
+      const argv = [AIC, "--api-base", srv.url, "--model", "test-model", "--ask-every-command", "greet"];
+      const tmux = new Tmux(env, cwd, argv, { width: 80, height: 24 });
+      sessions.push(tmux);
+      await tmux.waitFor("the approval dialog", (s) => s.includes("Approve command?"));
+      tmux.keys("Enter");
+      await tmux.waitFor(
+        "the keys with the person",
+        (s) => s.includes("Name?") && s.includes("keys go to the command"),
+      );
+      if (how !== "left alone") tmux.keys("C-o");
+      await waitFor("the model's turn at the keyboard", () => srv.requests.length >= 2);
+      expect(toolAnswer(srv.requests[1], "call_read")).toContain("waits for input");
+      // The model's keys are approved like any of its calls (--ask-every-command).
+      await tmux.waitFor("the keys' approval", (s) => s.includes("Approve input?"));
+      tmux.keys("Enter");
+      try {
+        await waitFor("the model's keys answered", () => srv.requests.length >= 3);
+      } catch (e) {
+        throw new Error(`${(e as Error).message}\n${tmux.screen()}`);
+      }
+      expect(toolAnswer(srv.requests[2], "call_keys")).toContain("hello Model");
+    });
+
   test("vim is drawn in the Console; Escape goes to it and :wq saves", async () => {
     const cwd = scratch("aic-person-");
     writeFileSync(join(cwd, "notes.txt"), "first-line-of-notes\n");
