@@ -7167,6 +7167,9 @@ function runsCode(s: GitSetting): boolean {
   return !GIT_INERT_SETTING.test(s.key);
 }
 
+/** A git dir's configs as the repository guard last judged them (what it left there). */
+type Judged = Partial<Pick<GitDirBaseline, "config" | "worktree">>;
+
 /** The files a git dir's configs include, absolute (relative ones are relative to the git dir, as git reads them). */
 function includedConfigs(gitDir: string, configs: readonly (Buffer | undefined)[]): string[] {
   const home = homeDirectory();
@@ -7444,8 +7447,11 @@ class GitGuard {
       const known = [...this.dirs.keys(), ...found.dirs.map((d) => d.path)];
       for (const p of found.pointers) done.push(...this.auditPointer(p, known));
       for (const dir of found.dirs) {
-        done.push(...this.disarm(dir, this.dirs.get(dir.path)));
-        this.dirs.set(dir.path, this.look(dir));
+        const judged: Judged = {};
+        done.push(...this.disarm(dir, this.dirs.get(dir.path), judged));
+        // The configs as aic judged (or left) them, never as read again: a job may plant a setting in between, and
+        // a baseline that held it would let it stay for good.
+        this.dirs.set(dir.path, { ...this.look(dir), ...judged });
       }
     } finally {
       found.close();
@@ -7560,7 +7566,7 @@ class GitGuard {
     return { config, worktree, included, hooks: hooksOf(dir), commondir: commondirOf(dir) };
   }
 
-  private disarm(dir: HeldDirectory, before: GitDirBaseline | undefined): string[] {
+  private disarm(dir: HeldDirectory, before: GitDirBaseline | undefined, judged: Judged): string[] {
     const done: string[] = [];
     const commondir = commondirOf(dir);
     // A worktree's commondir leads to its repository; any other (new) one could lead git to any config at all.
@@ -7577,8 +7583,11 @@ class GitGuard {
       if (before?.hooks.get(name) !== sig)
         done.push(...moveAside(hooks!.at(name), hooks!.display(name), `the hook ${hooks!.display(name)}`));
     hooks?.close();
-    done.push(...this.disarmConfig(dir, "config", before?.config));
-    done.push(...this.disarmConfig(dir, "config.worktree", before?.worktree));
+    const config = this.disarmConfig(dir, "config", before?.config);
+    const worktree = this.disarmConfig(dir, "config.worktree", before?.worktree);
+    judged.config = config.judged;
+    judged.worktree = worktree.judged;
+    done.push(...config.lines, ...worktree.lines);
     done.push(...this.disarmIncluded(dir, before));
     return done;
   }
@@ -7608,30 +7617,37 @@ class GitGuard {
     return done;
   }
 
-  private disarmConfig(dir: HeldDirectory, name: string, before: Buffer | undefined): string[] {
+  /** One config of a git dir judged: what was taken out, and the content it is judged to have now. */
+  private disarmConfig(
+    dir: HeldDirectory,
+    name: string,
+    before: Buffer | undefined,
+  ): { lines: string[]; judged: Buffer | undefined } {
     const where = dir.display(name);
     let now: Buffer;
     try {
       now = dir.read(name, MAX_GIT_CONFIG_BYTES);
     } catch (error) {
-      if (error instanceof OwnFileError && error.missing) return [];
+      if (error instanceof OwnFileError && error.missing) return { lines: [], judged: undefined };
       // A link, a FIFO, a config too big to be a person's: git might read it, aic cannot judge it.
-      return moveAside(dir.at(name), where, `${where} (${(error as Error).message})`);
+      return { lines: moveAside(dir.at(name), where, `${where} (${(error as Error).message})`), judged: undefined };
     }
-    if (before?.equals(now)) return [];
+    const kept = { lines: [], judged: now };
+    if (before?.equals(now)) return kept;
     const settings = gitSettings(now);
-    if (settings === undefined) return []; // git refuses to work with it: nothing in it runs
+    if (settings === undefined) return kept; // git refuses to work with it: nothing in it runs
     const was = new Set((before ? (gitSettings(before) ?? []) : []).map((s) => `${s.key}\n${s.value}`));
     const added = settings.filter((s) => runsCode(s) && !was.has(`${s.key}\n${s.value}`));
-    if (added.length === 0) return [];
+    if (added.length === 0) return kept;
+    const cleaned = gitConfigText(settings.filter((s) => !added.includes(s)));
     try {
       dir.replace(`${name}.aic-disabled`, now, true);
-      dir.replace(name, gitConfigText(settings.filter((s) => !added.includes(s))), true);
-      return [`${where}: ${added.map((s) => s.key).join(", ")} (as it was: ${dir.display(`${name}.aic-disabled`)})`];
+      dir.replace(name, cleaned, true);
+      const line = `${where}: ${added.map((s) => s.key).join(", ")} (as it was: ${dir.display(`${name}.aic-disabled`)})`;
+      return { lines: [line], judged: Buffer.from(cleaned) };
     } catch (error) {
-      return [
-        `${where}: ${added.map((s) => s.key).join(", ")}, which aic could not take out: ${(error as Error).message}`,
-      ];
+      const line = `${where}: ${added.map((s) => s.key).join(", ")}, which aic could not take out: ${(error as Error).message}`;
+      return { lines: [line], judged: before };
     }
   }
 }
@@ -15315,6 +15331,11 @@ class Agent {
     this.suggestions.push(text);
   }
 
+  /** The steering text no step used (the run ended first): handed back, so it never joins the next, other task. */
+  takeUnusedSuggestions(): string[] {
+    return this.suggestions.splice(0);
+  }
+
   /** Stops the run; `exitCode` is what its `end` event reports (130 unless a signal says otherwise). */
   stop(exitCode: number = EXIT.sigint): void {
     this.stopExitCode = exitCode;
@@ -18681,9 +18702,19 @@ class Tui implements EventSink {
     this.running = this.agent.run(request);
     this.running.finally(() => {
       this.running = undefined;
+      this.giveBackUnusedSuggestions();
       this.refreshStatus();
       this.pacing.runEnded();
     });
+  }
+
+  /** Text typed while the agent worked that no turn used goes back into the prompt, never into the next task. */
+  private giveBackUnusedSuggestions(): void {
+    const unused = this.agent.takeUnusedSuggestions();
+    if (!unused.length) return;
+    const text = unused.join("\n");
+    this.prompt.value = this.prompt.value ? `${this.prompt.value}\n${text}` : text;
+    this.agentPane.line("[suggestion not used: it is back in the prompt]", COLORS.info);
   }
 
   private async runSlash(text: string): Promise<void> {

@@ -563,6 +563,19 @@ describe("status footer and steering", () => {
     expect(msgs.at(-2).content).toContain("released");
     expect(msgs.at(-1)).toEqual({ role: "user", content: "[Suggestion from user] steer-left-please" });
   });
+
+  // A suggestion no turn used (the run ended first: interrupted, failed) goes back into the prompt, not into the next task.
+  test("a suggestion queued when the run ends unused comes back into the prompt", async () => {
+    const h = await openTui({ args: ["--auto-approve"] });
+    await h.type("run: sleep 30; echo done-sleeping");
+    await h.until((f) => f.includes("$ sleep 30"));
+    await h.type("steer-me-back");
+    await h.until((f) => f.includes("[queued suggestion] steer-me-back"));
+    h.s.mockInput.pressEscape(); // interrupts the run before any step uses the suggestion
+    await h.until((f) => f.includes("[suggestion not used: it is back in the prompt]"));
+    expect(h.tui.prompt.value).toBe("steer-me-back");
+    expect(JSON.stringify(h.requests().map((r) => messagesOf(r)))).not.toContain("steer-me-back");
+  });
 });
 
 describe("session and quitting", () => {
