@@ -433,7 +433,7 @@ case $pg in '' | *[!0-9]* | 0 | 1) pg= ;; esac
 marker=$2 all=$3
 [ -n "$4" ] && rm -f "$4"
 members() {
-  local d p st v
+  local d p st v only=$1
   for d in /proc/[0-9]*; do
     p=${d#/proc/}
     [ "$p" = "$$" ] && continue
@@ -442,10 +442,20 @@ members() {
     set -- $st
     [ "$1" = Z ] && continue
     if [ -n "$pg" ] && [ "$3" = "$pg" ]; then echo "$p"; continue; fi
-    [ "$all" = all ] || continue
+    [ "$all" = all ] && [ "$only" != group ] || continue
     { while IFS= read -r -d '' v; do [ "$v" = "$marker" ] && { echo "$p"; break; }; done < "$d/environ"; } 2>/dev/null
   done
 }
+# aic's own group first, and alone until it is gone: a command killed before aic would end with a result that aic
+# hands to the model, which is then asked again after the trial was cancelled.
+first=$(members group)
+if [ -n "$first" ]; then
+  kill -TERM $first 2>/dev/null
+  i=0
+  while [ $i -lt 50 ] && [ -n "$(members group)" ]; do sleep 0.1; i=$((i + 1)); done
+  first=$(members group)
+  [ -n "$first" ] && kill -KILL $first 2>/dev/null
+fi
 left=$(members)
 [ -z "$left" ] && exit 0
 kill -TERM $left 2>/dev/null
