@@ -8853,8 +8853,12 @@ class RenderedOutput {
     this.flushFile();
     if (this.file !== undefined) fs.closeSync(this.file);
     const half = Math.floor(this.maxBytes / 2);
-    const head = headBytes(this.head.join("\n"), half);
-    const tail = tailBytes(this.tail.slice(this.tailStart).join("\n"), this.maxBytes - Buffer.byteLength(head));
+    const headText = this.head.join("\n");
+    const head = headBytes(headText, half);
+    // One line longer than the cap is the head and, with nothing after it, the tail too: its end is what matters.
+    const rest = this.tail.slice(this.tailStart).join("\n");
+    const tailSource = rest || (Buffer.byteLength(headText) > Buffer.byteLength(head) ? headText : "");
+    const tail = tailBytes(tailSource, this.maxBytes - Buffer.byteLength(head));
     const omitted = this.bytes - Buffer.byteLength(head) - Buffer.byteLength(tail);
     const where = this.fileError ? { error: this.fileError } : { savedTo: this.filePath ?? "" };
     const text = [head, truncationNote(omitted, this.bytes, this.linesOut, where), tail, TRUNCATION_SENTINEL].join(

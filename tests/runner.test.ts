@@ -271,6 +271,18 @@ describe("what the model sees", () => {
     E2E_MS,
   );
 
+  // A single line longer than the cap keeps its end too: the model sees how it finished.
+  test("one output line longer than the cap reaches the model with its head and its tail", async () => {
+    const content = await modelView("head -c 60000 /dev/zero | tr '\\0' x; printf 'END-OF-THE-LINE\\n'", [
+      "--max-output-bytes",
+      "2000",
+    ]);
+    const output = outputOf(content);
+    expect(output).toStartWith("xxxx");
+    expect(output).toContain("END-OF-THE-LINE");
+    expect(output.indexOf("END-OF-THE-LINE")).toBeGreaterThan(output.indexOf("xxxx"));
+  });
+
   // The cut is in UTF-8 bytes and never splits a character.
   test(
     "truncated multibyte output stays valid UTF-8 and within the cap",
