@@ -6616,12 +6616,8 @@ function namespacesTried(net: boolean): string | undefined {
  */
 function directoryBehindLinks(dir: string): string | undefined {
   for (let hops = 0; hops < 8; hops++) {
-    let st: fs.Stats | undefined;
-    try {
-      st = fs.lstatSync(dir, { throwIfNoEntry: false });
-    } catch {
-      return undefined; // below a directory aic may not search (another user's): no command can reach it either
-    }
+    // Below a directory aic may not search (another user's): no command can reach it either.
+    const st = lstatIfReachable(dir);
     if (!st) return undefined;
     if (st.isDirectory()) return dir;
     if (!st.isSymbolicLink()) return undefined;

@@ -225,14 +225,26 @@ function headersToRecord(headers: Headers): Record<string, string> {
 
 /**
  * Stream pre-rendered SSE frames, optionally pausing between them. Stops quietly if the client
- * goes away (the agent aborting mid-stream must not crash the server).
+ * goes away (the agent aborting mid-stream must not crash the server). `prelude` frames come
+ * first, each at its offset from `started` (an empty frame only waits).
  */
-function streamFrames(frames: string[], delayMs: number, signal: AbortSignal): Response {
+function streamFrames(
+  frames: string[],
+  delayMs: number,
+  signal: AbortSignal,
+  prelude: { atMs: number; frame: string }[] = [],
+  started = Date.now(),
+): Response {
   const bytes = new TextEncoder();
   let cancelled = false;
   const body = new ReadableStream<Uint8Array>({
     async start(controller) {
       try {
+        for (const step of prelude) {
+          await sleepUnlessAborted(started + step.atMs - Date.now(), signal);
+          if (cancelled || signal.aborted) return;
+          if (step.frame) controller.enqueue(bytes.encode(step.frame));
+        }
         for (let i = 0; i < frames.length; i++) {
           if (i > 0 && delayMs > 0) await sleep(delayMs);
           if (cancelled || signal.aborted) return;
@@ -276,34 +288,9 @@ async function streamAfterWait(
   wait: { waitMs: number; progress: { atMs: number; frame: string }[]; headersFirst: boolean },
 ): Promise<Response> {
   const started = Date.now();
-  const until = (atMs: number) => sleepUnlessAborted(started + atMs - Date.now(), signal);
   const schedule = [...wait.progress.map((p) => ({ atMs: p.atMs, frame: p.frame })), { atMs: wait.waitMs, frame: "" }];
-  if (!wait.headersFirst) await until(schedule[0]!.atMs);
-  const bytes = new TextEncoder();
-  let cancelled = false;
-  const body = new ReadableStream<Uint8Array>({
-    async start(controller) {
-      try {
-        for (const step of schedule) {
-          await until(step.atMs);
-          if (cancelled || signal.aborted) return;
-          if (step.frame) controller.enqueue(bytes.encode(step.frame));
-        }
-        for (let i = 0; i < frames.length; i++) {
-          if (i > 0 && delayMs > 0) await sleep(delayMs);
-          if (cancelled || signal.aborted) return;
-          controller.enqueue(bytes.encode(frames[i]));
-        }
-        controller.close();
-      } catch {
-        // Client disconnected while we were writing; nothing to do.
-      }
-    },
-    cancel() {
-      cancelled = true;
-    },
-  });
-  return new Response(body, { status: 200, headers: SSE_HEADERS });
+  if (!wait.headersFirst) await sleepUnlessAborted(started + schedule[0]!.atMs - Date.now(), signal);
+  return streamFrames(frames, delayMs, signal, schedule, started);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -226,6 +226,30 @@ describe("a run where no command can start", () => {
 // ---------------------------------------------------------------------------------------------
 // Nothing in the file system stops aic
 
+/**
+ * A run as `user` in `where` whose command `c1` must run (exit 0, no internal error) and the run complete;
+ * c1's command_result.
+ */
+async function ranAs(
+  user: { wrap: string[] },
+  where: { cwd: string; env: Record<string, string> },
+  turns: Turn[],
+  request: string,
+): Promise<any> {
+  const srv = fixtures.serve(turns);
+  const run = await startAic([...headless(srv.url), "--json", "--auto-approve", request], {
+    prefix: user.wrap,
+    cwd: where.cwd,
+    env: where.env,
+  }).done;
+  expect(run.stderr, shown(run)).not.toMatch(/internal error/i);
+  expect(run.code, shown(run)).toBe(0);
+  const result = resultsOf(run.stdout).find((e) => e.id === "c1");
+  expect(result, shown(run)).toMatchObject({ status: "exited", exit_code: 0 });
+  expect(endOf(run.stdout)).toMatchObject({ status: "completed", exit_code: 0 });
+  return result;
+}
+
 /** Who runs aic: root, and uid 65534 through setpriv (needs root and setpriv). */
 const USERS = [
   { label: "as root", uid: 0, wrap: [] as string[], skip: !has.root },
@@ -271,18 +295,8 @@ describe.skipIf(!has.root)("nothing in the file system stops aic", () => {
           chmodSync(join(top, name), mode);
         }
         const where = placeFor(user.uid);
-        const srv = fixtures.serve([bash("echo ran-below-unsearchable", "c1"), done]);
-        const run = await startAic([...headless(srv.url), "--json", "--auto-approve", "run"], {
-          prefix: user.wrap,
-          cwd: where.cwd,
-          env: where.env,
-        }).done;
-        expect(run.stderr, shown(run)).not.toMatch(/internal error/i);
-        expect(run.code, shown(run)).toBe(0);
-        const result = resultsOf(run.stdout).find((e) => e.id === "c1");
-        expect(result, shown(run)).toMatchObject({ status: "exited", exit_code: 0 });
+        const result = await ranAs(user, where, [bash("echo ran-below-unsearchable", "c1"), done], "run");
         expect(result.output).toContain("ran-below-unsearchable");
-        expect(endOf(run.stdout)).toMatchObject({ status: "completed", exit_code: 0 });
       },
     );
 
@@ -303,28 +317,19 @@ describe.skipIf(!has.root)("nothing in the file system stops aic", () => {
         symlinkSync("loop0", join(where.cwd, "loop0"));
         if (user.uid !== 0)
           Bun.spawnSync(["chown", "-h", `${user.uid}:${user.uid}`, join(where.cwd, "pipe0"), join(where.cwd, "loop0")]);
-        const srv = fixtures.serve([
+        const turns = [
           // The command makes more of them while the checkpoints snapshot the project around it.
           bash(
             "mkfifo pipe1 && ln -s loop1 loop1 && ln -s nowhere/at/all dangling && echo made > made.txt && echo ok",
             "c1",
           ),
           done,
-        ]);
-        const run = await startAic([...headless(srv.url), "--json", "--auto-approve", "make things"], {
-          prefix: user.wrap,
-          cwd: where.cwd,
-          env: where.env,
-        }).done;
-        expect(run.stderr, shown(run)).not.toMatch(/internal error/i);
-        expect(run.code, shown(run)).toBe(0);
-        const result = resultsOf(run.stdout).find((e) => e.id === "c1");
-        expect(result, shown(run)).toMatchObject({ status: "exited", exit_code: 0 });
+        ];
+        const result = await ranAs(user, where, turns, "make things");
         expect(result.output).toContain("ok");
-        expect(result.changed_files, shown(run)).not.toBeNull();
+        expect(result.changed_files).not.toBeNull();
         expect(result.changed_files.created).toContain("made.txt");
         expect(result.changed_files.created).not.toContain("pipe1"); // a FIFO is skipped, never read
-        expect(endOf(run.stdout)).toMatchObject({ status: "completed", exit_code: 0 });
       },
     );
   }

@@ -388,31 +388,27 @@ describe("rules a command wrote are not in force at the next start", () => {
       expect(notInForceLines(third.run)).toEqual({ stderr: [], json: [] });
     });
 
-  test("a change made while no aic runs is the person's, and in force at the next start", async () => {
-    const { dir, session } = project();
-    const srv = fixtures.serve([bash("echo hello", "hello"), done]);
-    expect(
-      (await runAic([...headless(srv.url), "--auto-approve", "--session", session, "hi"], { cwd: dir })).code,
-    ).toBe(0);
-    writeFileSync(join(dir, ".aicrules"), "allow rm *\n");
-    const { run, rm } = await nextRun(dir, session);
-    expect(rm?.decision).toBe("allowed");
-    expect(existsSync(join(dir, "x"))).toBe(false);
-    expect(notInForceLines(run)).toEqual({ stderr: [], json: [] });
-  });
-
-  test("the person edits the rules after a command rewrote them: the person's rules are in force", async () => {
-    const { dir, session } = project();
-    const srv = fixtures.serve([bash("printf 'allow *\\n' > .aicrules; echo rewrote", "attack"), done]);
-    expect(
-      (await runAic([...headless(srv.url), "--auto-approve", "--session", session, "widen"], { cwd: dir })).code,
-    ).toBe(0);
-    writeFileSync(join(dir, ".aicrules"), "allow rm *\n");
-    const { run, rm } = await nextRun(dir, session);
-    expect(rm?.decision).toBe("allowed");
-    expect(existsSync(join(dir, "x"))).toBe(false);
-    expect(notInForceLines(run)).toEqual({ stderr: [], json: [] });
-  });
+  // The person's own change between runs is in force, whether the run before left the file alone or a command
+  // rewrote it.
+  for (const [label, first] of [
+    ["a change made while no aic runs is the person's, and in force at the next start", "echo hello"],
+    [
+      "the person edits the rules after a command rewrote them: the person's rules are in force",
+      "printf 'allow *\\n' > .aicrules; echo rewrote",
+    ],
+  ] as const)
+    test(label, async () => {
+      const { dir, session } = project();
+      const srv = fixtures.serve([bash(first, "first"), done]);
+      expect(
+        (await runAic([...headless(srv.url), "--auto-approve", "--session", session, "go"], { cwd: dir })).code,
+      ).toBe(0);
+      writeFileSync(join(dir, ".aicrules"), "allow rm *\n");
+      const { run, rm } = await nextRun(dir, session);
+      expect(rm?.decision).toBe("allowed");
+      expect(existsSync(join(dir, "x"))).toBe(false);
+      expect(notInForceLines(run)).toEqual({ stderr: [], json: [] });
+    });
 });
 
 // ---------------------------------------------------------------------------------------------------------------
