@@ -4803,6 +4803,11 @@ interface LoadedSession extends Partial<SessionState> {
   reports: string[];
   /** The file could not be used (shown as a warning, not a status line). */
   failed?: boolean;
+  /**
+   * At start, the file is no session aic can read (`PATH:LINE:COL: why`): it stays as it is, nothing is
+   * written, and no model is asked until the person fixes it (headless: exit 2; the TUI: /reload).
+   */
+  broken?: string;
 }
 
 /**
@@ -4810,7 +4815,7 @@ interface LoadedSession extends Partial<SessionState> {
  * hand-edited session (the parser's own message names no place). A small
  * scanner of the grammar, run only after JSON.parse has refused the text.
  */
-function jsonErrorPlace(text: string): string {
+function jsonErrorPlace(text: string): { line: number; column: number } | undefined {
   let i = 0;
   const ws = () => {
     while (i < text.length && " \t\n\r".includes(text[i]!)) i++;
@@ -4871,12 +4876,11 @@ function jsonErrorPlace(text: string): string {
     value();
     ws();
     if (i < text.length) fail();
-    return "";
+    return undefined;
   } catch (at) {
     if (typeof at !== "number") throw at;
     const before = text.slice(0, at);
-    const line = before.split("\n").length;
-    return `line ${line}, column ${at - before.lastIndexOf("\n")}`;
+    return { line: before.split("\n").length, column: at - before.lastIndexOf("\n") };
   }
 }
 
@@ -5107,11 +5111,11 @@ class SessionStore {
     throw new Error(`could not claim any session file next to ${absolute}`);
   }
 
-  /** Reads and repairs the file. Never throws for bad content: it is moved aside and the run starts clean. */
   /**
-   * Reads the claimed file. At start a file that cannot be used is moved
-   * aside and the run starts clean; on /reload (`reloading`) it stays where it
-   * is, untouched, and the conversation in memory stays too.
+   * Reads the claimed file. Never throws for bad content. A file that cannot
+   * be used stays where it is, untouched: at start nothing runs until it is
+   * fixed (`broken`); on /reload (`reloading`) the conversation in memory
+   * stays too.
    */
   load(systemPrompt?: string, reloading = false): LoadedSession {
     let fd = this.claimedFd;
@@ -5123,7 +5127,7 @@ class SessionStore {
     }
     try {
       const loaded = this.loadFrom(fd, systemPrompt, reloading);
-      if (!loaded.failed) this.reloadRefused = false;
+      if (!loaded.failed) this.reloadRefused = this.brokenAtStart = false;
       const changed = this.changedSinceWritten();
       return changed ? { ...loaded, reports: [changed, ...loaded.reports] } : loaded;
     } finally {
@@ -5162,15 +5166,19 @@ class SessionStore {
         parsed = JSON.parse(text);
       } catch (error) {
         const place = jsonErrorPlace(text);
-        const why = `it is not valid JSON${place ? ` at ${place}` : ""} (${(error as Error).message.replace(/^JSON Parse error: /, "")})`;
-        return reloading ? this.keepAsItIs(why) : this.moveAside(why);
+        const message = (error as Error).message.replace(/^JSON Parse error: /, "");
+        const why = `it is not valid JSON${place ? ` at line ${place.line}, column ${place.column}` : ""} (${message})`;
+        if (reloading) return this.keepAsItIs(why);
+        return this.keepBroken(`${place ? `${place.line}:${place.column}` : "1:1"}: it is not valid JSON (${message})`);
       }
     }
     let rawMessages: unknown;
     if (Array.isArray(parsed)) rawMessages = parsed;
     else if (parsed && typeof parsed === "object") rawMessages = (parsed as Record<string, unknown>).messages;
     if (!Array.isArray(rawMessages))
-      return reloading ? this.keepAsItIs("it has no `messages` list") : this.moveAside("it has no `messages` list");
+      return reloading
+        ? this.keepAsItIs("it has no `messages` list")
+        : this.keepBroken("1:1: it is JSON, but no session (it has no `messages` list)");
     const doc = Array.isArray(parsed) ? {} : (parsed as Record<string, unknown>);
     const version = doc.aic_session_version;
     if (typeof version === "number" && version > SESSION_VERSION) {
@@ -5257,33 +5265,19 @@ class SessionStore {
   }
   private reloadRefused = false;
 
-  private moveAside(why: string): LoadedSession {
-    try {
-      for (let n = 1; ; n++) {
-        const aside = `${this.name}.corrupt.${newSessionId()}${n > 1 ? `-${n}` : ""}`;
-        try {
-          this.dir.renameNoReplace(this.name, aside);
-          return {
-            failed: true,
-            reports: [
-              `${this.path} could not be loaded: ${why}; moved it to ${this.dir.display(aside)} and started a clean session`,
-            ],
-          };
-        } catch (error) {
-          if ((error as NodeJS.ErrnoException).code !== "EEXIST") throw error;
-        }
-      }
-    } catch (error) {
-      // It could not be preserved elsewhere, so it must not be overwritten either: this run saves nothing.
-      this.frozen = true;
-      return {
-        failed: true,
-        reports: [
-          `${this.path} could not be loaded: ${why}; could not move it aside (${(error as Error).message}); starting clean without saving, so the file stays untouched`,
-        ],
-      };
-    }
+  /** At start, a file aic cannot read as a session: left exactly as it is, and not written until a /reload loads it. */
+  private keepBroken(placeAndWhy: string): LoadedSession {
+    this.reloadRefused = true;
+    this.brokenAtStart = true;
+    const broken = `${this.path}:${placeAndWhy} — fix it and run aic again (or --no-session)`;
+    return { failed: true, broken, reports: [`${broken}; in the TUI, fix it and type /reload`] };
   }
+
+  /** Whether the file could not be read at start, and no /reload has loaded it since: no task runs on it. */
+  get waitsForReload(): boolean {
+    return this.brokenAtStart;
+  }
+  private brokenAtStart = false;
 
   /** Writes one checkpoint atomically; a failure is reported once and the run goes on. */
   save(reason: string, state: SessionState): boolean {
@@ -7262,6 +7256,62 @@ class FoundGit {
   }
 }
 
+/** What the search for git dirs needs of one directory's entries. */
+interface GitListing {
+  /** Its subdirectories (links are not). */
+  subdirs: string[];
+  /** It holds a `.git` that is a file or a link. */
+  pointer: boolean;
+  /** It holds HEAD, objects/ and refs/: a git dir (a bare repository). */
+  gitLike: boolean;
+}
+
+/** How many directories' listings a search remembers; past it, it starts again. */
+const LISTING_MEMO_LIMIT = 100_000;
+/** A directory changed this close to its listing may change again within the same timestamp tick: read again. */
+const LISTING_RACY_NS = 50_000_000n;
+
+/**
+ * Directory listings remembered by identity and change times. Adding,
+ * removing or renaming an entry sets a directory's mtime and ctime, and
+ * nobody can set a ctime back, so a directory whose inode and both times
+ * are as at the last look holds the same entries: the search after each
+ * command reads only the directories commands changed. A listing taken
+ * within a timestamp tick of the directory's last change is not trusted
+ * (as git treats a racily clean index entry).
+ */
+class ListingMemo {
+  private readonly seen = new Map<string, { stamp: string; listing: GitListing }>();
+
+  listing(dir: HeldDirectory): GitListing {
+    let st: fs.BigIntStats;
+    try {
+      st = fs.fstatSync(dir.descriptor, { bigint: true });
+    } catch {
+      return gitListingOf(dir.entries());
+    }
+    const key = `${st.dev}:${st.ino}`;
+    const stamp = `${st.mtimeNs}:${st.ctimeNs}`;
+    const known = this.seen.get(key);
+    if (known?.stamp === stamp) return known.listing;
+    const now = BigInt(Date.now()) * 1_000_000n;
+    const listing = gitListingOf(dir.entries());
+    if (st.ctimeNs + LISTING_RACY_NS < now && st.mtimeNs + LISTING_RACY_NS < now) {
+      if (this.seen.size >= LISTING_MEMO_LIMIT) this.seen.clear();
+      this.seen.set(key, { stamp, listing });
+    } else this.seen.delete(key);
+    return listing;
+  }
+}
+
+function gitListingOf(entries: readonly fs.Dirent[]): GitListing {
+  return {
+    subdirs: entries.filter((e) => e.isDirectory()).map((e) => e.name),
+    pointer: entries.some((e) => e.name === ".git" && !e.isDirectory()),
+    gitLike: looksLikeGitDir(entries),
+  };
+}
+
 /**
  * Every git dir below `root` (root itself included when it is one): each
  * `.git` directory, each directory that looks like a git dir (a bare
@@ -7271,7 +7321,7 @@ class FoundGit {
  * (its repositories matter as gitlinks, which the guard reads from the
  * index). Links are never followed.
  */
-function searchGitDirs(root: HeldDirectory, depth: number, limit: number): FoundGit {
+function searchGitDirs(root: HeldDirectory, depth: number, limit: number, memo = new ListingMemo()): FoundGit {
   const found = new FoundGit();
   let budget = limit;
   const take = (gitDir: HeldDirectory) => {
@@ -7296,24 +7346,24 @@ function searchGitDirs(root: HeldDirectory, depth: number, limit: number): Found
     }
   };
   const walk = (dir: HeldDirectory, left: number) => {
-    for (const e of dir.entries()) {
-      if (e.name === ".git" && !e.isDirectory()) {
-        const parent = dir.child(".");
-        if (parent) found.pointers.push({ parent, at: parent.at(".git"), display: parent.display(".git") });
-        continue;
-      }
-      if (!e.isDirectory() || e.name === "node_modules" || budget-- <= 0) continue;
-      if (e.name !== ".git" && left <= 1) continue;
-      const sub = dir.child(e.name);
+    const listing = memo.listing(dir);
+    if (listing.pointer) {
+      const parent = dir.child(".");
+      if (parent) found.pointers.push({ parent, at: parent.at(".git"), display: parent.display(".git") });
+    }
+    for (const name of listing.subdirs) {
+      if (name === "node_modules" || budget-- <= 0) continue;
+      if (name !== ".git" && left <= 1) continue;
+      const sub = dir.child(name);
       if (!sub) continue;
-      if (e.name === ".git" || looksLikeGitDir(sub.entries())) take(sub);
+      if (name === ".git" || memo.listing(sub).gitLike) take(sub);
       else {
         walk(sub, left - 1);
         sub.close();
       }
     }
   };
-  const self = looksLikeGitDir(root.entries()) ? root.child(".") : undefined;
+  const self = memo.listing(root).gitLike ? root.child(".") : undefined;
   if (self) take(self);
   else walk(root, depth);
   return found;
@@ -7409,6 +7459,7 @@ class GitGuard {
   private readonly enclosing: { gitDir: string; top: string } | undefined;
   private readonly roots: HeldDirectory[];
   private indexSeen: string | undefined;
+  private readonly listings = new ListingMemo();
 
   constructor(private readonly where: GuardRoots) {
     this.enclosing = enclosingRepository(where.workDir.path);
@@ -7460,8 +7511,8 @@ class GitGuard {
     const all = new FoundGit();
     for (const root of this.roots) {
       const found = deep
-        ? searchGitDirs(root, Number.MAX_SAFE_INTEGER, GIT_DEEP_SEARCH_LIMIT)
-        : searchGitDirs(root, GIT_SEARCH_DEPTH, GIT_SEARCH_LIMIT);
+        ? searchGitDirs(root, Number.MAX_SAFE_INTEGER, GIT_DEEP_SEARCH_LIMIT, this.listings)
+        : searchGitDirs(root, GIT_SEARCH_DEPTH, GIT_SEARCH_LIMIT, this.listings);
       all.dirs.push(...found.dirs);
       all.pointers.push(...found.pointers);
     }
@@ -8942,41 +8993,124 @@ function guardSequenceHandlers(term: XTerm): SequenceHandler | undefined {
 }
 
 /**
- * Feeds raw PTY bytes through a headless xterm and hands each finished line
- * to RenderedOutput. A line is finished once it scrolls above the screen (no
- * cursor movement can reach it any more); the rest is read when the command
- * ends. Input goes in 4 KB slices so the scrollback never overflows between
- * two reads.
+ * What makes output more than plain text to a terminal: a control character other than CR LF (a lone CR, a
+ * lone LF, which moves down without going back, a tab, ESC), DEL and the C1 controls xterm acts on.
+ */
+const PLAIN_TEXT_BREAKER = /[\x00-\x09\x0b-\x0c\x0e-\x1f\x7f-\x9f]|\r(?!\n)|(?<!\r)\n/;
+
+/** How many bytes at the end of `bytes` may still be completed by the next chunk: a CR, or a UTF-8 character begun. */
+function unfinishedTail(bytes: Uint8Array, crToo = true): number {
+  const n = bytes.length;
+  if (crToo && n && bytes[n - 1] === 0x0d) return 1;
+  for (let back = 1; back <= Math.min(3, n); back++) {
+    const b = bytes[n - back]!;
+    if ((b & 0xc0) === 0x80) continue; // a continuation byte: look further back for the lead
+    const need = b >= 0xf0 ? 4 : b >= 0xe0 ? 3 : b >= 0xc0 ? 2 : 1;
+    return need > back ? back : 0;
+  }
+  return 0;
+}
+
+/**
+ * Turns raw PTY bytes into finished lines for RenderedOutput. Plain text
+ * (printable characters and CR LF line ends, which is what most commands
+ * print) is cut into lines directly; the first byte of anything else
+ * (colours, a lone CR, cursor movement) starts a headless xterm, given the
+ * screen as it stands, and from then on every byte goes through it. A line
+ * is finished once it scrolls above the screen (no cursor movement can
+ * reach it any more); the rest is read when the command ends. Input goes to
+ * xterm in 1 KB slices so the scrollback never overflows between two reads.
  */
 class TerminalRenderer {
   /** A slice can hold at most this many line feeds, so a scrollback this deep never loses an unread line. */
   private static readonly SLICE = 1024;
-  private readonly term: XTerm;
+  private term: XTerm | undefined;
   private marker: XTermMarker | undefined;
   private pending: string | undefined;
+  private cols = COMMAND_COLUMNS;
+  private rows = COMMAND_ROWS;
+  /** Before xterm: the lines still on the screen (a cursor movement could yet reach them), oldest first. */
+  private onScreen: string[] = [];
+  /** Before xterm: the line the cursor is on. */
+  private partial = "";
+  /** Before xterm: the bytes of a chunk's end that may begin a CR LF or a UTF-8 character, kept raw. */
+  private held: Uint8Array = new Uint8Array(0);
 
   constructor(
-    TerminalClass: XTermClass,
+    private readonly TerminalClass: XTermClass,
     /** Where finished lines go; a command that waits starts a fresh one at each look. */
     public sink: RenderedOutput,
     /** Back-pressure on the command: it is paused while xterm is far behind, so nothing is lost and memory stays flat. */
     private readonly flow: { pause(): void; resume(): void },
-  ) {
+  ) {}
+
+  /** The emulator, made with the screen plain text has drawn so far (its lines then leave the sink's side). */
+  private emulator(): XTerm {
+    if (this.term) return this.term;
     this.term = tameEmulator(
-      new TerminalClass({
-        cols: COMMAND_COLUMNS,
-        rows: COMMAND_ROWS,
-        scrollback: TerminalRenderer.SLICE + COMMAND_ROWS,
+      new this.TerminalClass({
+        cols: this.cols,
+        rows: this.rows,
+        scrollback: TerminalRenderer.SLICE + this.rows,
         allowProposedApi: true,
         convertEol: false,
         logLevel: "off",
       }),
     );
+    const drawn = [...this.onScreen, this.partial].join("\r\n");
+    this.onScreen = [];
+    this.partial = "";
+    if (drawn) this.feed(utf8.encode(drawn));
+    return this.term;
+  }
+
+  /** Plain text with its lines cut, or undefined when `bytes` hold anything a terminal would act on. */
+  private plainText(bytes: Uint8Array): string | undefined {
+    const all = this.held.length ? Buffer.concat([this.held, bytes]) : bytes;
+    const keep = unfinishedTail(all);
+    const text = utf8Decoder.decode(all.subarray(0, all.length - keep));
+    if (PLAIN_TEXT_BREAKER.test(text)) return undefined;
+    this.held = all.slice(all.length - keep);
+    return text;
+  }
+
+  write(bytes: Uint8Array): void {
+    const text = this.term ? undefined : this.plainText(bytes);
+    if (text === undefined) return this.toEmulator(bytes);
+    const lines = text.split("\r\n");
+    this.partial += lines[0]!;
+    if (lines.length === 1) return;
+    this.onScreen.push(this.partial, ...lines.slice(1, -1));
+    this.partial = lines.at(-1)!;
+    const over = this.onScreen.length - this.rows;
+    if (over > 0) for (const line of this.onScreen.splice(0, over)) this.sink.add(line);
+  }
+
+  /** Bytes held for a character's rest, given to xterm as they are (a look, or the end, cannot wait for more). */
+  private flushHeld(): void {
+    const held = this.held;
+    this.held = new Uint8Array(0);
+    if (held.length) this.enqueue(held);
+  }
+
+  /** The screen before xterm: the lines on it, wrapped at the terminal's width, the newest `rows`. */
+  private plainScreen(): string {
+    const rows: string[] = [];
+    for (const line of [...this.onScreen, this.partial]) {
+      const chars = [...line];
+      if (!chars.length) rows.push("");
+      for (let at = 0; at < chars.length; at += this.cols) rows.push(chars.slice(at, at + this.cols).join(""));
+    }
+    const lines = rows.slice(-this.rows).map((l) => l.replace(/\s+$/, ""));
+    while (lines.length && !lines.at(-1)!.trim()) lines.pop();
+    return lines.join("\n");
   }
 
   /** The command's terminal changed size (a person's pane): the screen the model is shown follows. */
   resize(cols: number, rows: number): void {
-    this.term.resize(cols, rows);
+    this.cols = cols;
+    this.rows = rows;
+    this.term?.resize(cols, rows);
   }
 
   /** Bytes handed to xterm and not parsed yet. */
@@ -8995,7 +9129,17 @@ class TerminalRenderer {
    * A PTY delivers faster than xterm parses; past MAX_PENDING the bytes wait
    * in a bounded backlog instead, so memory stays flat whatever a command prints.
    */
-  write(bytes: Uint8Array): void {
+  private toEmulator(chunk: Uint8Array): void {
+    if (!this.term) this.emulator();
+    // A character begun at a chunk's end waits for the rest: xterm drops one whose bytes come in two writes.
+    const all = this.held.length ? Buffer.concat([this.held, chunk]) : chunk;
+    const keep = unfinishedTail(all, false);
+    this.held = all.slice(all.length - keep);
+    this.enqueue(all.subarray(0, all.length - keep));
+  }
+
+  /** Bytes for xterm: parsed now, or kept in the backlog while it is behind. */
+  private enqueue(bytes: Uint8Array): void {
     if (this.unparsed <= TerminalRenderer.MAX_PENDING && !this.backlog.length) return this.feed(bytes);
     if (!this.paused) {
       this.paused = true;
@@ -9011,10 +9155,13 @@ class TerminalRenderer {
   }
 
   private feed(bytes: Uint8Array): void {
-    for (let at = 0; at < bytes.length; at += TerminalRenderer.SLICE) {
-      const slice = bytes.subarray(at, at + TerminalRenderer.SLICE);
+    for (let at = 0, end = 0; at < bytes.length; at = end) {
+      // Never between the bytes of one character: xterm drops a character whose bytes come in two writes.
+      end = Math.min(at + TerminalRenderer.SLICE, bytes.length);
+      while (end < bytes.length && end > at + 1 && (bytes[end]! & 0xc0) === 0x80) end--;
+      const slice = bytes.subarray(at, end);
       this.unparsed += slice.length;
-      this.term.write(slice, () => {
+      this.term!.write(slice, () => {
         this.unparsed -= slice.length;
         this.extract(false);
         // Parsing leaves short-lived garbage behind; a nudge every 256 KB keeps a flood of output from inflating the heap.
@@ -9046,12 +9193,15 @@ class TerminalRenderer {
    * is on the alternate screen (vim, less, top): then the screen is all there is.
    */
   async screen(): Promise<{ text: string; full: boolean }> {
+    const term = this.term;
+    if (!term) return { text: this.plainScreen(), full: false };
+    this.flushHeld();
     if (this.backlog.length) this.catchUp();
-    await new Promise<void>((resolve) => this.term.write("", resolve));
+    await new Promise<void>((resolve) => term.write("", resolve));
     this.extract(false);
-    const buffer = this.term.buffer.active;
+    const buffer = term.buffer.active;
     const lines: string[] = [];
-    for (let y = 0; y < this.term.rows; y++)
+    for (let y = 0; y < term.rows; y++)
       // A full-screen program paints its blank cells with spaces: trailing blanks go, whatever made them.
       lines.push((buffer.getLine(buffer.baseY + y)?.translateToString(true) ?? "").replace(/\s+$/, ""));
     while (lines.length && !lines.at(-1)!.trim()) lines.pop();
@@ -9065,18 +9215,33 @@ class TerminalRenderer {
    * rendered by then is the result, with a note.
    */
   async finish(): Promise<void> {
+    const term = this.term;
+    if (!term) {
+      const rest = utf8Decoder.decode(this.held).replace(/\r$/, "");
+      for (const line of this.onScreen) this.sink.add(line);
+      this.sink.add((this.partial + rest).trimEnd());
+      this.onScreen = [];
+      this.partial = "";
+      return;
+    }
+    this.flushHeld();
     if (this.backlog.length) this.catchUp();
+    // A timer cleared at once, not a sleep left pending: a pending sleep kept every finished emulator alive for its 5 s.
+    let timer: ReturnType<typeof setTimeout> | undefined;
     const parsed = await Promise.race([
-      new Promise<boolean>((resolve) => this.term.write("", () => resolve(true))),
-      Bun.sleep(RENDER_FINISH_MAX_MS).then(() => false),
+      new Promise<boolean>((resolve) => term.write("", () => resolve(true))),
+      new Promise<boolean>((resolve) => (timer = setTimeout(() => resolve(false), RENDER_FINISH_MAX_MS))),
     ]);
+    clearTimeout(timer);
     this.extract(true);
     if (!parsed) this.sink.add(renderingCutNote(RENDER_FINISH_MAX_MS));
-    this.term.dispose();
+    term.dispose();
   }
 
   private extract(all: boolean): void {
-    const buffer = this.term.buffer.active;
+    const term = this.term;
+    if (!term) return;
+    const buffer = term.buffer.active;
     const from = this.marker && !this.marker.isDisposed ? this.marker.line : 0;
     const until = all ? buffer.length : buffer.baseY;
     for (let i = from; i < until; i++) {
@@ -9097,7 +9262,7 @@ class TerminalRenderer {
     }
     if (until > from) {
       this.marker?.dispose();
-      this.marker = this.term.registerMarker(-buffer.cursorY);
+      this.marker = term.registerMarker(-buffer.cursorY);
     }
   }
 }
@@ -15941,6 +16106,9 @@ function runOutputs(session: SessionStore | undefined): OutputStore {
   );
 }
 
+/** A session file that does not parse, at the start of a headless run: one line, exit 2, nothing asked or written. */
+class BrokenSession extends Error {}
+
 function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, request: string): Run {
   const sessionPath = config.sessionPath;
   OutputStore.pruneOld();
@@ -15948,6 +16116,10 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
     ? SessionStore.claim(sessionPath, { model: config.model, apiBase: config.apiBase }, front.sink)
     : undefined;
   const loaded = session?.load(fullSystemPrompt(prepared));
+  if (loaded?.broken && config.nogui) {
+    session!.release();
+    throw new BrokenSession(loaded.broken);
+  }
   // A run without a session file still has an id: the JSON events and the end line name it.
   const runId = newSessionId();
   const sessionId = () => session?.sessionId ?? runId;
@@ -16221,18 +16393,25 @@ async function runHeadless(config: Config, prepared: PreparedRun): Promise<numbe
     }
   }
   const stdinIsTerminal = Boolean(process.stdin.isTTY);
-  const run = createRun(
-    config,
-    prepared,
-    {
-      sink,
-      approve: plainApproval(stdin, !config.json || Boolean(process.stdin.isTTY)),
-      attended: false,
-      canAnswerInput: () => stdinIsTerminal,
-      attachInput: stdinIsTerminal ? (io) => stdin.attach(io.write) : undefined,
-    },
-    request,
-  );
+  let run: Run;
+  try {
+    run = createRun(
+      config,
+      prepared,
+      {
+        sink,
+        approve: plainApproval(stdin, !config.json || Boolean(process.stdin.isTTY)),
+        attended: false,
+        canAnswerInput: () => stdinIsTerminal,
+        attachInput: stdinIsTerminal ? (io) => stdin.attach(io.write) : undefined,
+      },
+      request,
+    );
+  } catch (error) {
+    if (!(error instanceof BrokenSession)) throw error;
+    writeOut(2, `${error.message}\n`);
+    return EXIT.usage;
+  }
   const finish = (code: number, reason: string) => {
     run.close(reason);
     return code;
@@ -18695,6 +18874,14 @@ class Tui implements EventSink {
   }
 
   private startRun(request: string): void {
+    if (this.session?.waitsForReload) {
+      // Nothing runs on a conversation that could not be read: the task waits in the prompt.
+      this.prompt.value = request;
+      return this.agentPane.line(
+        `[SESSION] ${this.session.path} does not load: fix it and type /reload (or start aic with --no-session); the task is back in the prompt`,
+        COLORS.warning,
+      );
+    }
     this.agentPane.toEnd();
     this.agentPane.line(`> ${visibleControls(request)}`, COLORS.command);
     this.figures.step = 0;

@@ -402,16 +402,20 @@ describe("without a terminal", () => {
     expect(statSync(file).size).toBeGreaterThan(0);
   });
 
-  test("a session with a trailing comma: the start warning names line and column and where it was moved", async () => {
+  test("a session with a trailing comma stays where it is: one PATH:LINE:COL line, exit 2, no model call", async () => {
     const cwd = scratch("aic-person-");
-    writeFileSync(join(cwd, "s.json"), '{\n  "messages": [\n    {"role": "user", "content": "hi"},\n  ]\n}\n');
+    const text = '{\n  "messages": [\n    {"role": "user", "content": "hi"},\n  ]\n}\n';
+    writeFileSync(join(cwd, "s.json"), text);
     const srv = fixtures.serve([{ content: "TASKCOMPLETE" }]);
     const run = await runAic([...headless(srv.url), "--session", "s.json", "go"], { cwd });
-    expect(run.code).toBe(0);
-    expect(run.stderr).toMatch(
-      /warning: \[SESSION\] .*s\.json could not be loaded: it is not valid JSON at line 4, column 3/,
-    );
-    expect(run.stderr).toContain("s.json.corrupt.");
-    expect(readdirSync(cwd).some((n) => n.startsWith("s.json.corrupt."))).toBe(true);
+    expect(run.code).toBe(2);
+    expect(run.stderr.trim().split("\n")).toEqual([
+      expect.stringMatching(
+        /^\/.*s\.json:4:3: it is not valid JSON \(.*\) — fix it and run aic again \(or --no-session\)$/,
+      ),
+    ]);
+    expect(srv.requests).toHaveLength(0);
+    expect(readFileSync(join(cwd, "s.json"), "utf8")).toBe(text);
+    expect(readdirSync(cwd).filter((n) => !n.endsWith(".lock"))).toEqual(["s.json"]);
   });
 });

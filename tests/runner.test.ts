@@ -221,6 +221,44 @@ describe("what the model sees", () => {
     E2E_MS,
   );
 
+  // Plain text is cut into lines without the emulator until the first byte a terminal acts on; from there the
+  // emulator takes over with the screen as it stands. Each command is compared with itself behind a leading
+  // colour reset (which makes the emulator render it all), and with what a person would read.
+  test(
+    "plain text then escapes renders as the emulator alone renders it",
+    async () => {
+      const cases: [string, (out: string) => void][] = [
+        [
+          `printf '%0200d\\n' 7; for i in $(seq 1 30); do echo "line $i é"; done; printf '\\033[2Aover\\n'`,
+          (out) => {
+            const lines = out.split("\n");
+            expect(lines[0]).toBe(`${"0".repeat(199)}7`);
+            expect(lines.slice(1, 29)).toEqual(Array.from({ length: 28 }, (_, i) => `line ${i + 1} é`));
+            expect(lines.slice(29)).toEqual(["over 29 é", "line 30 é"]);
+          },
+        ],
+        [
+          "for i in $(seq 1 500); do printf 'é—%s\\n' $i; done; printf 'done\\rDONE\\n'",
+          (out) => {
+            const lines = out.split("\n");
+            expect(lines).toHaveLength(501);
+            expect(lines[499]).toBe("é—500");
+            expect(lines[500]).toBe("DONE");
+          },
+        ],
+        ["printf 'a  \\nb\\tc\\n'; printf 'x\\033[Ky\\n'", (out) => expect(out).toBe("a  \nb       c\nxy")],
+        // One character's bytes in two reads of the terminal, with and without the emulator.
+        ["printf 'é\\342\\200'; sleep 0.3; printf '\\224é\\n'", (out) => expect(out).toBe("é—é")],
+      ];
+      for (const [command, check] of cases) {
+        const plain = outputOf(await modelView(command));
+        check(plain);
+        expect(plain).toBe(outputOf(await modelView(`printf '\\033[0m'; ${command}`)));
+      }
+    },
+    E2E_MS,
+  );
+
   // Soft-wrapped lines (longer than the PTY width) are joined back into one line.
   test(
     "a line longer than the terminal width arrives as one line",

@@ -221,19 +221,26 @@ describe("SessionStore", () => {
     expect(sink.warnings().filter((w) => w.includes("s.json") && !w.includes(".lock"))).toHaveLength(1);
   });
 
-  // "Never delete a user's file": two broken files moved aside within one second must both survive.
-  test("corrupt files moved aside in the same second do not overwrite each other", () => {
+  // "Never delete a user's file": a broken file is neither moved nor written, at start or on /reload.
+  test("a broken file stays as it is, with its place, and nothing is saved over it", () => {
     const dir = scratch();
     const path = join(dir, "s.json");
-    const contents = ["{broken one", "{broken two", "{broken three"];
-    for (const text of contents) {
+    for (const [text, place] of [
+      ["{broken one", "s.json:1:2: it is not valid JSON"],
+      ['{\n  "a": 1,\n}', "s.json:3:1: it is not valid JSON"],
+      ['{"no": "messages"}', "s.json:1:1: it is JSON, but no session"],
+    ] as const) {
       writeFileSync(path, text);
       const store = claim(path);
-      expect(store.load(SYSTEM).messages).toBeUndefined();
+      const loaded = store.load(SYSTEM);
+      expect(loaded.messages).toBeUndefined();
+      expect(loaded.broken).toContain(place);
+      expect(store.waitsForReload).toBe(true);
+      expect(store.save("tool_result", state([{ role: "system", content: SYSTEM }]))).toBe(false);
       store.release();
+      expect(readFileSync(path, "utf8")).toBe(text);
+      expect(readdirSync(dir).filter((n) => !n.endsWith(".lock"))).toEqual(["s.json"]);
     }
-    const aside = readdirSync(dir).filter((n) => n.startsWith("s.json.corrupt."));
-    expect(aside.map((n) => readFileSync(join(dir, n), "utf8")).sort()).toEqual([...contents].sort());
   });
 });
 
@@ -592,12 +599,13 @@ describe("fuzzed session files (loading)", () => {
         if (!existsSync(path) || !readFileSync(path).equals(c.bytes))
           failures.push(`${name} [${c.kinds}]: a newer-format file was changed`);
       } else {
+        // Not loaded: left where it is, byte for byte, with the place it breaks.
         outcome.set(c.index, "moved");
-        if (aside.length !== 1)
-          failures.push(`${name} [${c.kinds}]: no messages, and ${aside.length} files moved aside`);
-        else if (!readFileSync(join(dir, aside[0]!)).equals(c.bytes))
-          failures.push(`${name} [${c.kinds}]: the moved-aside file differs from the original`);
-        if (existsSync(path)) failures.push(`${name} [${c.kinds}]: not loaded, yet still in place`);
+        if (aside.length) failures.push(`${name} [${c.kinds}]: no messages, and ${aside.length} files moved aside`);
+        if (!existsSync(path) || !readFileSync(path).equals(c.bytes))
+          failures.push(`${name} [${c.kinds}]: not loaded, and no longer as it was`);
+        if (!/:\d+:\d+: .* — fix it and run aic again/.test(loaded.broken ?? ""))
+          failures.push(`${name} [${c.kinds}]: not loaded, and no line:column said so (${loaded.broken})`);
       }
     }
     expect(failures.slice(0, 15)).toEqual([]);
@@ -609,9 +617,9 @@ describe("fuzzed session files (loading)", () => {
     expect(moved).toBeGreaterThan(FUZZ_COUNT / 5);
   });
 
-  // The same files through the real binary: a sample covering every mutation kind, loaded or moved
-  // aside; aic never crashes, completes, and sends the model a well-formed history.
-  test("a sample of 20 mutated files run through dist/aic: exit 0 and a well-formed request", async () => {
+  // The same files through the real binary: a sample covering every mutation kind, loaded or not; aic never
+  // crashes, and either completes with a well-formed history or stops with one line before any request.
+  test("a sample of 20 mutated files run through dist/aic: a well-formed request, or exit 2 and no request", async () => {
     expect(outcome.size).toBe(FUZZ_COUNT); // needs the test above
     const sample: FuzzCase[] = [];
     const add = (c: FuzzCase | undefined) => c && !sample.includes(c) && sample.push(c);
@@ -645,7 +653,12 @@ describe("fuzzed session files (loading)", () => {
         );
         const label = `case-${c.index} [${c.kinds}] (${outcome.get(c.index)})`;
         const sent = srv.requests[0]?.body?.messages;
-        if (run.code !== 0)
+        if (outcome.get(c.index) === "moved") {
+          // A file that does not load: exit 2 with one line, no request, the file as it was.
+          if (run.code !== 2 || srv.requests.length || run.stderr.trim().split("\n").length !== 1)
+            failures.push(`${label}: exit ${run.code}, ${srv.requests.length} requests: ${run.stderr.trim()}`);
+          if (!readFileSync(join(cwd, "sess.json")).equals(c.bytes)) failures.push(`${label}: the file changed`);
+        } else if (run.code !== 0)
           failures.push(`${label}: exit ${run.code}: ${run.stderr.trim().split("\n").slice(-3).join(" | ")}`);
         else if (/internal error|unexpected failure/i.test(run.stderr)) failures.push(`${label}: ${run.stderr}`);
         else {

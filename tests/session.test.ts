@@ -506,8 +506,8 @@ describe("one file per live instance (locking)", () => {
 });
 
 describe("loading", () => {
-  // Broken JSON is never deleted: it is moved aside with its bytes intact and the run starts clean.
-  test("a corrupt file is moved to <session>.corrupt.<timestamp> and the run starts clean", async () => {
+  // Broken JSON is never deleted or moved: the run stops before any model call, naming where the JSON breaks.
+  test("a corrupt file stays in place, untouched, and the run exits 2 before asking the model", async () => {
     const cwd = scratch();
     const session = join(cwd, "sess.json");
     writeFileSync(session, "{not json");
@@ -515,13 +515,19 @@ describe("loading", () => {
 
     const run = await runAic(sessionArgs(srv.url, "sess.json", "fresh task"), { cwd });
 
-    expect(run.code).toBe(0);
-    const aside = readdirSync(cwd).filter((n) => n.startsWith("sess.json.corrupt."));
-    expect(aside).toHaveLength(1);
-    expect(readFileSync(join(cwd, aside[0]!), "utf8")).toBe("{not json");
-    expect(run.stderr).toContain(aside[0]!);
-    expect(messagesOf(srv.requests[0]).map((m) => m.role)).toEqual(["system", "user"]);
-    expect(observe(session, "after exit").reason).toBe("process_exit");
+    expect(run.code).toBe(2);
+    expect(run.stderr).toContain(`${session}:1:2: it is not valid JSON`);
+    expect(readFileSync(session, "utf8")).toBe("{not json");
+    expect(readdirSync(cwd).filter((n) => n.startsWith("sess.json") && !n.endsWith(".lock"))).toEqual(["sess.json"]);
+    expect(srv.requests).toHaveLength(0);
+
+    // --no-session runs the task, and the file is still untouched.
+    const unsaved = serve(undefined, [bash("true"), { content: "TASKCOMPLETE" }]);
+    const fresh = await runAic([...headless(unsaved.url, "gpt-x", "--auto-approve", "--no-session"), "fresh task"], {
+      cwd,
+    });
+    expect(fresh.code).toBe(0);
+    expect(readFileSync(session, "utf8")).toBe("{not json");
   });
 
   // A bare JSON array is a message list: it resumes, and is written back as a full document.
