@@ -1525,8 +1525,19 @@ function changedFilesNote(c: ChangedFiles): string {
 }
 
 /** What aic took out of the project's repositories after a command, for the model and the person. */
-const disarmedMessage = (lines: readonly string[]) =>
-  `aic took out what would have made git run code outside the sandbox: ${lines.join("; ")}.`;
+/** A line of the repository guard's that is no setting taken out but a word on the search itself. */
+const GUARD_SEARCH_NOTE = "the search for git dirs ";
+
+const disarmedMessage = (lines: readonly string[]) => {
+  const notes = lines.filter((l) => l.startsWith(GUARD_SEARCH_NOTE));
+  const taken = lines.filter((l) => !l.startsWith(GUARD_SEARCH_NOTE));
+  return [
+    ...(taken.length
+      ? [`aic took out what would have made git run code outside the sandbox: ${taken.join("; ")}.`]
+      : []),
+    ...notes.map((n) => `aic: ${n}.`),
+  ].join(" ");
+};
 
 /** Output a command printed faster than it could be rendered, when even pausing it could not keep up. */
 const droppedOutputNote = (bytes: number) =>
@@ -7088,7 +7099,9 @@ const GIT_INERT_SETTING = new RegExp(
       "branch\\..+\\.(remote|merge|rebase|pushremote|description)",
       "init\\.defaultbranch",
       "extensions\\.(objectformat|preciousobjects|partialclone|refstorage)",
-      "(color|advice|status|log|gc|pack|index|feature|i18n|rerere|fetch|transfer|receive\\.fsck)\\.[^.]+",
+      "(color|advice|status|log|pack|index|feature|i18n|rerere|fetch|transfer|receive\\.fsck)\\.[^.]+",
+      // Not gc.*: gc.recentObjectsHook (git 2.42) runs a program.
+      "gc\\.(auto|autopacklimit|autodetach|pruneexpire|reflogexpire|reflogexpireunreachable|aggressivewindow|aggressivedepth|packrefs|writecommitgraph|cruftpacks|bigpackthreshold|logexpiry|worktreepruneexpire|rerereresolved|rerereunresolved)",
       "color\\..+\\.[^.]+",
       "pull\\.(rebase|ff|twohead|octopus)",
       "push\\.(default|autosetupremote|followtags|recursesubmodules)",
@@ -7114,8 +7127,8 @@ const MAX_GIT_CONFIG_BYTES = 1 << 20;
 /** How deep, and through how many directories, git dirs are searched for after each command. */
 const GIT_SEARCH_DEPTH = 6;
 const GIT_SEARCH_LIMIT = 3000;
-/** The end of a run searches the whole tree, up to this many directories. */
-const GIT_DEEP_SEARCH_LIMIT = 50_000;
+/** The end of a run searches the whole tree, up to this many directories (node_modules aside). */
+const GIT_DEEP_SEARCH_LIMIT = 1_000_000;
 
 /** One setting of a config as git lists it. */
 interface GitSetting {
@@ -7152,9 +7165,37 @@ function gitSettings(text: Buffer): GitSetting[] | undefined {
 
 /** Whether a setting may make git run something (or read more settings): anything not known to be inert. */
 function runsCode(s: GitSetting): boolean {
-  if (/^alias\./i.test(s.key)) return (s.value ?? "").trimStart().startsWith("!");
+  if (/^alias\./i.test(s.key)) return aliasRunsCode(s.value ?? "");
   if (/^core\.fsmonitor$/i.test(s.key)) return !/^(true|false|yes|no|on|off|1|0|)$/i.test((s.value ?? "").trim());
   return !GIT_INERT_SETTING.test(s.key);
+}
+
+/**
+ * git subcommands an alias may stand for (`st = status -sb`): none of them runs a program of the
+ * repository's choosing unless an option names one (those are in ALIAS_PROGRAM_OPTIONS). Not
+ * difftool, mergetool, bisect, filter-branch, submodule, config (it writes settings) and the like.
+ */
+const ALIAS_SUBCOMMANDS = new Set(
+  (
+    "status log show diff branch checkout switch commit add reset restore stash tag fetch pull push merge " +
+    "rebase cherry-pick revert remote blame shortlog describe reflog ls-files grep mv rm worktree whatchanged " +
+    "show-branch rev-parse rev-list cat-file ls-tree count-objects fsck gc prune clean format-patch am apply"
+  ).split(" "),
+);
+/** Options with which those subcommands run a program: `-x`/`--exec`, `--upload-pack`, `--receive-pack`, `-c`… */
+const ALIAS_PROGRAM_OPTIONS =
+  /^(-x|--exec|--upload-pack|--receive-pack|--extcmd|-c|--config-env|--tool|--exec-path|--git-dir|--work-tree|-C|--open-files-in-pager|-O)(=|$)|^-[a-zA-Z]*[xO]/;
+
+/**
+ * Whether an alias may run a program: a `!` alias always; otherwise unless it is plain words naming
+ * one of ALIAS_SUBCOMMANDS without an option that names a program (`ls-remote --upload-pack=PROG`
+ * or `difftool -x PROG` run PROG, and a repository's alias wins over the person's own of that name).
+ */
+function aliasRunsCode(value: string): boolean {
+  const words = value.trim().split(/\s+/);
+  if (!words[0] || value.trimStart().startsWith("!") || /["'\\$`;|&<>(){}]/.test(value)) return true;
+  if (!ALIAS_SUBCOMMANDS.has(words[0])) return true;
+  return words.slice(1).some((w) => ALIAS_PROGRAM_OPTIONS.test(w));
 }
 
 /** A git dir's configs as the repository guard last judged them (what it left there). */
@@ -7250,6 +7291,8 @@ function gitPointer(p: GitPointer): string | undefined {
 class FoundGit {
   readonly dirs: HeldDirectory[] = [];
   readonly pointers: GitPointer[] = [];
+  /** The search stopped at its limit of directories: a git dir beyond it was not seen. */
+  exhausted = false;
 
   close(): void {
     for (const held of [...this.dirs, ...this.pointers.map((p) => p.parent)]) held.close();
@@ -7351,8 +7394,16 @@ function searchGitDirs(root: HeldDirectory, depth: number, limit: number, memo =
       const parent = dir.child(".");
       if (parent) found.pointers.push({ parent, at: parent.at(".git"), display: parent.display(".git") });
     }
-    for (const name of listing.subdirs) {
-      if (name === "node_modules" || budget-- <= 0) continue;
+    // A `.git` here is looked at whatever the budget: a command cannot hide one behind many directories.
+    const ordered = listing.subdirs.includes(".git")
+      ? [".git", ...listing.subdirs.filter((n) => n !== ".git")]
+      : listing.subdirs;
+    for (const name of ordered) {
+      if (name === "node_modules") continue;
+      if (name !== ".git" && budget-- <= 0) {
+        found.exhausted = true;
+        continue;
+      }
       if (name !== ".git" && left <= 1) continue;
       const sub = dir.child(name);
       if (!sub) continue;
@@ -7367,6 +7418,56 @@ function searchGitDirs(root: HeldDirectory, depth: number, limit: number, memo =
   if (self) take(self);
   else walk(root, depth);
   return found;
+}
+
+/** A project's index larger than this is not read for its gitlinks (200,000 files make about 20 MB). */
+const MAX_GIT_INDEX_BYTES = 256 * 1024 * 1024;
+
+/**
+ * The paths of the gitlinks (submodules: mode 160000) in a git index file,
+ * versions 2 to 4, or undefined when the bytes are not one. Every offset is
+ * checked: the file is a command's to write.
+ */
+function gitlinksInIndex(b: Buffer): string[] | undefined {
+  if (b.length < 12 || b.toString("latin1", 0, 4) !== "DIRC") return undefined;
+  const version = b.readUInt32BE(4);
+  const count = b.readUInt32BE(8);
+  if (version < 2 || version > 4) return undefined;
+  const links: string[] = [];
+  let at = 12;
+  let previous: Buffer = Buffer.alloc(0);
+  for (let i = 0; i < count; i++) {
+    const start = at;
+    if (at + 62 > b.length) return undefined;
+    const mode = b.readUInt32BE(at + 24);
+    const flags = b.readUInt16BE(at + 60);
+    at += 62;
+    if (version >= 3 && flags & 0x4000) at += 2;
+    let name: Buffer;
+    if (version === 4) {
+      // The path is the previous one less `strip` bytes, then this entry's own bytes (git's offset varint).
+      let c = b[at++];
+      if (c === undefined) return undefined;
+      let strip = c & 127;
+      while (c & 128) {
+        c = b[at++];
+        if (c === undefined || strip > previous.length) return undefined;
+        strip = ((strip + 1) << 7) | (c & 127);
+      }
+      const end = b.indexOf(0, at);
+      if (end < 0 || strip > previous.length) return undefined;
+      name = Buffer.concat([previous.subarray(0, previous.length - strip), b.subarray(at, end)]);
+      at = end + 1;
+    } else {
+      const end = b.indexOf(0, at);
+      if (end < 0) return undefined;
+      name = b.subarray(at, end);
+      at = start + ((end - start + 8) & ~7);
+    }
+    previous = name;
+    if ((mode & 0o170000) === 0o160000) links.push(name.toString("utf8"));
+  }
+  return links;
 }
 
 /** What one git dir held at the last look. */
@@ -7460,6 +7561,7 @@ class GitGuard {
   private readonly roots: HeldDirectory[];
   private indexSeen: string | undefined;
   private readonly listings = new ListingMemo();
+  private saidExhausted = false;
 
   constructor(private readonly where: GuardRoots) {
     this.enclosing = enclosingRepository(where.workDir.path);
@@ -7490,6 +7592,14 @@ class GitGuard {
   audit(deep = false): string[] {
     const done: string[] = [...this.auditParents()];
     const found = this.search(deep);
+    if (found.exhausted && (deep || !this.saidExhausted)) {
+      this.saidExhausted = true;
+      done.push(
+        deep
+          ? `${GUARD_SEARCH_NOTE}in the whole tree stopped at ${GIT_DEEP_SEARCH_LIMIT.toLocaleString("en-US")} directories (the commands made that many): run \`find . -name .git\` before you trust git in this tree`
+          : `${GUARD_SEARCH_NOTE}after this command stopped at ${GIT_SEARCH_LIMIT.toLocaleString("en-US")} directories; one deeper in the tree is found when the run ends, by the search of the whole tree`,
+      );
+    }
     try {
       const known = [...this.dirs.keys(), ...found.dirs.map((d) => d.path)];
       for (const p of found.pointers) done.push(...this.auditPointer(p, known));
@@ -7515,6 +7625,7 @@ class GitGuard {
         : searchGitDirs(root, GIT_SEARCH_DEPTH, GIT_SEARCH_LIMIT, this.listings);
       all.dirs.push(...found.dirs);
       all.pointers.push(...found.pointers);
+      all.exhausted ||= found.exhausted;
     }
     const enclosing = this.enclosing && HeldDirectory.tryOpen(this.enclosing.gitDir);
     if (enclosing) {
@@ -7537,35 +7648,25 @@ class GitGuard {
 
   private gitlinks: string[] = [];
 
-  /** Re-reads the gitlinks of the project's index when the index changed (git status recurses into them). */
+  /**
+   * Re-reads the gitlinks of the project's index when the index changed (git status recurses into them).
+   * The index is parsed here, never by git: git run on the project's git dir reads its config, and a
+   * `core.fsmonitor` a command planted there (or in a repository its `commondir` names) would run outside.
+   */
   private gitlinksChanged(): boolean {
     const gitDir = this.enclosing?.gitDir ?? path.join(this.where.workDir.path, ".git");
     const sig = fileSignature(path.join(gitDir, "index"));
     if (sig === this.indexSeen) return false;
     this.indexSeen = sig;
     const top = this.enclosing?.top ?? this.where.workDir.path;
-    const git = gitProgram();
-    if (!git) return ((this.gitlinks = []), true);
-    const r = Bun.spawnSync([git, "--git-dir", gitDir, "--work-tree", top, "ls-files", "--stage", "-z"], {
-      cwd: "/",
-      env: {
-        ...process.env,
-        PATH: trustedPath(),
-        GIT_CONFIG_NOSYSTEM: "1",
-        GIT_CONFIG_GLOBAL: "/dev/null",
-        GIT_OPTIONAL_LOCKS: "0",
-      },
-      stdout: "pipe",
-      stderr: "ignore",
-    });
-    if (r.exitCode !== 0) return ((this.gitlinks = []), true);
+    let index: Buffer;
+    try {
+      index = readOwnFile(path.join(gitDir, "index"), MAX_GIT_INDEX_BYTES);
+    } catch {
+      return ((this.gitlinks = []), true);
+    }
     const inProject = (rel: string) => path.relative(this.where.workDir.path, path.join(top, rel));
-    this.gitlinks = r.stdout
-      .toString("utf8")
-      .split("\0")
-      .filter((line) => line.startsWith("160000 "))
-      .map((line) => inProject(line.slice(line.indexOf("\t") + 1)))
-      .filter((rel) => rel && !rel.startsWith(".."));
+    this.gitlinks = (gitlinksInIndex(index) ?? []).map(inProject).filter((rel) => rel && !rel.startsWith(".."));
     return true;
   }
 
@@ -11162,18 +11263,24 @@ class ShadowRepository {
     // times faster on a busy disk (measured: 0.58 s against 2.67 s for 5,000 files). Later ones store a few
     // files, where loose objects are cheaper than a new pack each time.
     const bulkCheckIn = bulk ? ["-c", "core.bigFileThreshold=1"] : [];
-    const add = await this.git([...bulkCheckIn, "add", "-A", "--ignore-errors", ...this.pathspec], { limitMs });
+    if (!this.last) await this.resumeLastState();
+    const add = await this.git([...bulkCheckIn, "add", "-A", "--ignore-errors", "--verbose", ...this.pathspec], {
+      limitMs,
+    });
     if (add.timedOut) throw new Error(`taking the snapshot took longer than ${limitMs / 1000} s`);
     // --ignore-errors stages everything it can; a nested repository (a clone, a submodule) needs its files listed.
     if (add.code !== 0 || add.stderr) await this.includeNestedRepositories();
-    // git rewrites the index whenever a file's content, mode or directory changed (the untracked cache notes
-    // new directories): the same index is the same tree and the same manifest.
-    if (this.last && this.indexAtLast !== undefined && this.indexIdentity() === this.indexAtLast) {
+    // git rewrites the index whenever a file's content, mode or directory changed: the same index, and the
+    // same directories (an empty one made or removed leaves the index as it was), are the same checkpoint.
+    const dirsAsBefore = this.dirsUnchanged();
+    if (this.last && this.indexAtLast !== undefined && this.indexIdentity() === this.indexAtLast && dirsAsBefore) {
       await this.confirmInPlace(undefined);
       return this.last;
     }
     const tree = (await this.gitOk(["write-tree"])).trim();
-    const manifest = await this.manifest();
+    // A changed .gitignore may show or hide empty directories whose parents did not change.
+    const ignoresChanged = /\.gitignore'?\s*$/m.test(add.stdout.toString("utf8"));
+    const manifest = await this.manifest(dirsAsBefore && !ignoresChanged ? this.last : undefined);
     if (!this.last) {
       const head = await this.git(["rev-parse", "--verify", "-q", `${LAST_CHECKPOINT_REF}^{commit}`]);
       const commit = head.code === 0 ? head.stdout.toString().trim() : "";
@@ -11184,7 +11291,81 @@ class ShadowRepository {
     // Read after write-tree, which may have stored its cache in the index.
     this.indexAtLast = this.indexIdentity();
     await this.confirmInPlace(same ? undefined : made);
+    this.keepLastState(made);
     return made;
+  }
+
+  /** The directories the last manifest looked at (relative to the start directory), with their stamps. */
+  private dirStamps: Map<string, string> | undefined;
+
+  /** Whether every directory the last manifest looked at is as it was (nothing added, removed or renamed in it). */
+  private dirsUnchanged(): boolean {
+    if (!this.dirStamps) return false;
+    for (const [rel, stamp] of this.dirStamps) if (this.dirStamp(rel) !== stamp) return false;
+    return true;
+  }
+
+  /** A directory's inode and change times; undefined when it is gone, or changed too recently to be sure of. */
+  private dirStamp(rel: string): string | undefined {
+    const st = fs.lstatSync(this.project.at(rel), { bigint: true, throwIfNoEntry: false });
+    if (!st?.isDirectory()) return undefined;
+    const now = BigInt(Date.now()) * 1_000_000n;
+    if (st.ctimeNs + LISTING_RACY_NS >= now || st.mtimeNs + LISTING_RACY_NS >= now) return undefined;
+    return `${st.ino}:${st.mtimeNs}:${st.ctimeNs}`;
+  }
+
+  /** Stamps of `dirs`, or undefined when one of them cannot be trusted (then the next snapshot looks again). */
+  private stampsOf(dirs: Iterable<string>): Map<string, string> | undefined {
+    const stamps = new Map<string, string>();
+    for (const rel of dirs) {
+      const stamp = this.dirStamp(rel);
+      if (stamp === undefined) return undefined;
+      stamps.set(rel, stamp);
+    }
+    return stamps;
+  }
+
+  private get lastStateFile(): string {
+    return path.join(this.home, "last-state.json");
+  }
+
+  /**
+   * What the last snapshot knew (its commit, the index's identity, the directories' stamps), for the next
+   * run: its first snapshot of an unchanged tree is then one `git add`, as every later one is.
+   */
+  private keepLastState(made: Snapshot): void {
+    const state = { commit: made.commit, index: this.indexAtLast, dirs: this.dirStamps ? [...this.dirStamps] : null };
+    const text = JSON.stringify(state);
+    if (text === this.lastStateWritten) return;
+    try {
+      writeOwnFile(this.lastStateFile, text);
+      this.lastStateWritten = text;
+    } catch {
+      /* the next run takes the long way once more */
+    }
+  }
+  private lastStateWritten: string | undefined;
+
+  /** A run's first snapshot: the last one's state, when the store's newest checkpoint is still the one it names. */
+  private async resumeLastState(): Promise<void> {
+    let state: { commit?: unknown; index?: unknown; dirs?: unknown };
+    try {
+      state = JSON.parse(readOwnFile(this.lastStateFile, 64 * 1024 * 1024).toString("utf8")) as typeof state;
+    } catch {
+      return;
+    }
+    if (typeof state.commit !== "string" || typeof state.index !== "string") return;
+    const head = await this.git(["rev-parse", "--verify", "-q", `${LAST_CHECKPOINT_REF}^{commit}`]);
+    if (head.code !== 0 || head.stdout.toString().trim() !== state.commit) return;
+    this.last = await this.snapshotOf(state.commit);
+    this.indexAtLast = state.index;
+    if (Array.isArray(state.dirs) && state.dirs.every((d) => Array.isArray(d) && d.length === 2))
+      this.dirStamps = new Map(state.dirs as [string, string][]);
+  }
+
+  /** Whether a run before this one left its state: the tree was counted and snapshotted then. */
+  get snapshottedBefore(): boolean {
+    return fs.existsSync(this.lastStateFile);
   }
 
   /** Throws ProjectMoved when the start directory's path no longer leads to the directory aic holds. */
@@ -11232,17 +11413,33 @@ class ShadowRepository {
    * whose permission bits are not what a checkout would give them (git
    * keeps only the executable bit), and empty directories.
    */
-  private async manifest(): Promise<string> {
+  private async manifest(unchangedSince?: Snapshot): Promise<string> {
     const lines: string[] = [];
+    /** Every directory holding a tracked file, and each one the empty-directory search entered. */
+    const dirs = new Set<string>([""]);
+    const parentsOf = (rel: string) => {
+      for (let at = rel.lastIndexOf("/"); at > 0; at = rel.lastIndexOf("/", at - 1)) {
+        const dir = rel.slice(0, at);
+        if (dirs.has(dir)) break;
+        dirs.add(dir);
+      }
+    };
     for (const entry of (await this.gitOk(["ls-files", "-z", "-s", ...this.pathspec])).split("\0")) {
       const tab = entry.indexOf("\t");
       const kind = entry.slice(0, 6);
-      const rel = tab > 0 && (kind === "100644" || kind === "100755") ? this.relative(entry.slice(tab + 1)) : undefined;
+      const inside = tab > 0 ? this.relative(entry.slice(tab + 1)) : undefined;
+      if (inside !== undefined) parentsOf(inside);
+      const rel = kind === "100644" || kind === "100755" ? inside : undefined;
       if (rel === undefined) continue;
       const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
       const mode = st?.isFile() ? st.mode & 0o7777 : undefined;
       if (mode !== undefined && mode !== checkoutMode(kind === "100755"))
         lines.push(`mode ${mode.toString(8)} ${JSON.stringify(rel)}`);
+    }
+    // With no directory changed since the last snapshot, its empty directories are this one's too.
+    if (unchangedSince && this.dirStamps) {
+      for (const line of unchangedSince.manifest.split("\n")) if (line.startsWith("dir ")) lines.push(line);
+      return lines.join("\n");
     }
     // After add -A every file git would keep is staged: what it still lists as untracked directories holds
     // only empty directories (and ignored files), whose empty leaves are recorded.
@@ -11250,14 +11447,15 @@ class ShadowRepository {
     const empty: string[] = [];
     for (const entry of (await this.gitOk(others)).split("\0")) {
       const rel = entry.endsWith("/") ? this.relative(entry.slice(0, -1)) : undefined;
-      if (rel !== undefined) this.emptyLeaves(rel, empty, 0);
+      if (rel !== undefined) this.emptyLeaves(rel, empty, 0, dirs);
     }
     for (const rel of empty) lines.push(`dir ${JSON.stringify(rel)}`);
+    this.dirStamps = this.stampsOf(dirs);
     return lines.join("\n");
   }
 
   /** The empty directories at or below `rel` (a directory git tracks nothing in), walked without following links. */
-  private emptyLeaves(rel: string, out: string[], depth: number): void {
+  private emptyLeaves(rel: string, out: string[], depth: number, seen: Set<string>): void {
     if (depth > MANIFEST_DIR_DEPTH || out.length >= MANIFEST_DIR_LIMIT) return;
     let entries: fs.Dirent[];
     try {
@@ -11265,8 +11463,9 @@ class ShadowRepository {
     } catch {
       return; // gone meanwhile
     }
+    seen.add(rel);
     if (entries.length === 0) out.push(rel);
-    for (const e of entries) if (e.isDirectory()) this.emptyLeaves(`${rel}/${e.name}`, out, depth + 1);
+    for (const e of entries) if (e.isDirectory()) this.emptyLeaves(`${rel}/${e.name}`, out, depth + 1, seen);
   }
 
   /** A checkpoint commit as a snapshot: its tree and the manifest in its message. */
@@ -11586,6 +11785,8 @@ class Checkpoints {
       return (this.turnOff("git was not found on PATH, outside the directories commands may write"), false);
     this.shadow.ensureInPlace();
     await this.shadow.prepare();
+    // A tree an earlier run snapshotted was counted then: its next first step is one `git add`, not a count.
+    if (this.shadow.snapshottedBefore) return (this.ready = true);
     const { count, tooBig } = await this.shadow.countFiles(MAX_CHECKPOINT_FILES, FIRST_SNAPSHOT_LIMIT_MS);
     if (tooBig)
       return (
@@ -14239,16 +14440,38 @@ function fileIdentity(file: string): string {
 }
 
 /**
+ * The person's own rules for the project at `root`: in aic's state directory, named by the directory's
+ * device and inode (a project moved keeps them; another at the same path does not inherit them).
+ */
+function personalRulesPath(root: string): string | undefined {
+  const state = aicStateDir();
+  if (!state) return undefined;
+  try {
+    const st = fs.statSync(root);
+    return path.join(state, "own-rules", `${st.dev}-${st.ino}.aicrules`);
+  } catch {
+    return undefined;
+  }
+}
+
+/**
  * The rules in force and where they come from. They are read when aic
  * starts and when the person reloads them (`/rules reload`, or an "always
  * allow" answer): never because the file changed, since the commands it
  * governs can write it. A change is noticed and said once.
  */
 class CommandRules {
-  rules: CommandRule[] = [];
+  /** The project's rules file's rules (the team's, which it may commit). */
+  private projectRules: CommandRule[] = [];
+  /** The person's own ("Always allow"), kept in aic's state directory for this project, out of commands' reach. */
+  private personalRules: CommandRule[] = [];
   problems: string[] = [];
-  /** Whether the file existed when last read; without one, aic behaves as it always did. */
+  /** Whether either file existed when last read; without one, aic behaves as it always did. */
   present = false;
+  /** Whether the project's rules file existed when last read. */
+  projectPresent = false;
+  /** Where the person's own rules for this project live (undefined: nowhere to keep them; the project file takes them). */
+  readonly personalPath: string | undefined;
   loadedAt = "";
   /** What the last read found wrong (lines ignored, a file that could not be read): said at start and on reload. */
   reports: string[] = [];
@@ -14259,19 +14482,48 @@ class CommandRules {
     readonly path: string,
     /** The start directory: write rules name paths from there. */
     readonly root: string,
-  ) {}
+  ) {
+    this.personalPath = personalRulesPath(root);
+  }
+
+  /** Every rule in force: the project's, then the person's own (a deny in either wins: see judgeCommand). */
+  get rules(): CommandRule[] {
+    return [...this.projectRules, ...this.personalRules];
+  }
 
   /** `--rules FILE` must exist; the default `.aicrules` may not. */
   static load(config: Pick<Config, "rules">): CommandRules {
     const rules = new CommandRules(path.resolve(config.rules ?? RULES_FILE_NAME), process.cwd());
     rules.read();
-    if (config.rules !== undefined && !rules.present)
+    if (config.rules !== undefined && !rules.projectPresent)
       throw new UsageError(`--rules ${config.rules}: ${rules.reports[0] ?? "no such file"}`);
     return rules;
   }
 
   /** Reads the file again; returns what to tell the person (also kept in `reports`). */
   read(): string[] {
+    const reports = this.readProject();
+    this.readPersonal();
+    return reports;
+  }
+
+  /** The person's own rules: written only by aic, where no command reaches, so read as they are. */
+  private readPersonal(): void {
+    this.personalRules = [];
+    if (!this.personalPath) return;
+    const onDisk = rulesOnDisk(this.personalPath);
+    if (onDisk.kind === "unreadable") {
+      this.reports.push(`cannot read your own rules ${this.personalPath}: ${onDisk.why}; they are not in force`);
+      return;
+    }
+    if (onDisk.missing) return;
+    const parsed = parseRuleLines(onDisk.text);
+    this.personalRules = parsed.rules;
+    this.reports.push(...parsed.problems.map((p) => `${this.personalPath} ${p} (this line is ignored)`));
+    this.present = true;
+  }
+
+  private readProject(): string[] {
     this.identity = this.noticed = fileIdentity(this.path);
     this.loadedAt = localIsoSeconds();
     const trust = RulesTrust.of(this.path);
@@ -14300,14 +14552,14 @@ class CommandRules {
   /** The rules of `text` in force (none when undefined), and its problems reported by line. */
   private apply(text: string | undefined): void {
     if (text === undefined) {
-      this.rules = [];
-      this.present = false;
+      this.projectRules = [];
+      this.present = this.projectPresent = false;
       this.problems = [];
       this.reports = [];
       return;
     }
-    ({ rules: this.rules, problems: this.problems } = parseRuleLines(text));
-    this.present = true;
+    ({ rules: this.projectRules, problems: this.problems } = parseRuleLines(text));
+    this.present = this.projectPresent = true;
     this.reports = this.problems.map((p) => `${this.path} ${p} (this line is ignored)`);
   }
 
@@ -14360,6 +14612,7 @@ class CommandRules {
    * may have rewritten it meanwhile. Never follows a link; creates the file if needed.
    */
   append(lines: string[]): void {
+    if (this.personalPath) return this.appendPersonal(lines, this.personalPath);
     const unchanged = fileIdentity(this.path) === this.identity;
     const fd = openRegular(this.path, O.O_WRONLY | O.O_APPEND | O.O_CREAT);
     try {
@@ -14379,9 +14632,9 @@ class CommandRules {
     } finally {
       fs.closeSync(fd);
     }
-    const next = Math.max(0, ...this.rules.map((r) => r.lineNumber)) + 1;
+    const next = Math.max(0, ...this.projectRules.map((r) => r.lineNumber)) + 1;
     const added = parseRuleLines(lines.join("\n"), next);
-    this.rules.push(...added.rules);
+    this.projectRules.push(...added.rules);
     this.present = true;
     // Our own write is no change to tell about; a change a command made before it still is.
     if (unchanged) {
@@ -14389,6 +14642,31 @@ class CommandRules {
       const onDisk = rulesOnDisk(this.path);
       if (onDisk.kind !== "unreadable") RulesTrust.trust(this.path, onDisk.text);
     }
+  }
+
+  /** "Always allow" into the person's own file (made private, in aic's state directory), and into force. */
+  private appendPersonal(lines: string[], file: string): void {
+    fs.mkdirSync(path.dirname(file), { recursive: true, mode: 0o700 });
+    const fd = openRegular(file, O.O_WRONLY | O.O_APPEND | O.O_CREAT);
+    try {
+      const size = fs.fstatSync(fd).size;
+      if (size === 0)
+        fs.writeSync(
+          fd,
+          `# ${this.root}: rules you chose with "Always allow" (aic keeps them here, out of the project)\n`,
+        );
+      fs.writeSync(fd, `${lines.join("\n")}\n`);
+    } finally {
+      fs.closeSync(fd);
+    }
+    const next = Math.max(0, ...this.personalRules.map((r) => r.lineNumber)) + 1;
+    this.personalRules.push(...parseRuleLines(lines.join("\n"), next).rules);
+    this.present = true;
+  }
+
+  /** Where "Always allow" writes, for the messages that say so. */
+  get allowFile(): string {
+    return this.personalPath ?? this.path;
   }
 
   /** One paragraph for the system prompt, so the model does not spend steps on refused commands. */
@@ -14418,18 +14696,29 @@ class CommandRules {
 
   /** `/rules`: where they come from and each rule in force. */
   describe(): string[] {
+    const own = this.personalPath
+      ? this.personalRules.length
+        ? [
+            `Your own rules ("Always allow") from ${this.personalPath}:`,
+            ...this.personalRules.map((r) => `  line ${r.lineNumber}: ${visibleControls(r.text)}`),
+          ]
+        : [`Your own rules ("Always allow") go to ${this.personalPath}: none yet.`]
+      : [];
     if (!this.present)
       return [
         `No rules in force: ${this.path} ${this.reports[0] ? "could not be read" : "does not exist"}, so every command goes through approval.`,
+        ...own,
         ...this.reports,
       ];
     const changed =
       fileIdentity(this.path) !== this.identity ? " (changed on disk since: /rules reload to use it)" : "";
-    return [
-      `Rules from ${this.path}, read at ${this.loadedAt}${changed}:`,
-      ...this.rules.map((r) => `  line ${r.lineNumber}: ${visibleControls(r.text)}`),
-      ...this.problems.map((p) => `  ignored: ${p}`),
-    ];
+    const project = this.projectRules.length
+      ? [
+          `Rules from ${this.path}, read at ${this.loadedAt}${changed}:`,
+          ...this.projectRules.map((r) => `  line ${r.lineNumber}: ${visibleControls(r.text)}`),
+        ]
+      : [`The project's rules file ${this.path}: ${fs.existsSync(this.path) ? "no rules" : "none"}${changed}.`];
+    return [...project, ...this.problems.map((p) => `  ignored: ${p}`), ...own];
   }
 }
 
@@ -14755,11 +15044,11 @@ function addRules(lines: string[], ctx: ToolCallContext): string[] | undefined {
   } catch (error) {
     ctx.emit({
       type: "warning",
-      text: `could not add to ${rules.path}: ${(error as Error).message}; approved this once`,
+      text: `could not add to ${rules.allowFile}: ${(error as Error).message}; approved this once`,
     });
     return undefined;
   }
-  ctx.emit({ type: "info", text: `[rules] added to ${rules.path}: ${lines.join("; ")}` });
+  ctx.emit({ type: "info", text: `[rules] added to ${rules.allowFile}: ${lines.join("; ")}` });
   for (const report of rules.reports) ctx.emit({ type: "warning", text: report });
   ctx.rulesChanged();
   return lines;
@@ -16641,6 +16930,19 @@ function compactCount(n: number): string {
   return `${(n / 1_000_000).toFixed(1)}M`;
 }
 
+/** NO_COLOR set (to anything): the TUI keeps to the terminal's own colours; bold, underline and reverse stay. */
+const noColor = (): boolean => Boolean(process.env.NO_COLOR);
+
+/** A foreground for the TUI: `color`, or the terminal's own under NO_COLOR. */
+function fgColor(ot: OpenTui, color: string): RGBA {
+  return noColor() ? ot.RGBA.defaultForeground() : ot.parseColor(color);
+}
+
+/** A background for the TUI: `color`, or the terminal's own under NO_COLOR. */
+function bgColor(ot: OpenTui, color: string): RGBA {
+  return noColor() ? ot.RGBA.defaultBackground() : ot.parseColor(color);
+}
+
 /** The figures the footer shows, kept up to date from the agent's events. */
 interface FooterFigures {
   sandboxOn: boolean;
@@ -16660,16 +16962,58 @@ interface FooterFigures {
   session: string;
   /** A notice that must be seen now ("Ctrl+C again to quit", "keys go to the command"). */
   notice?: string;
+  /** What the run waits on now, since when: the signs of life a silent model or a quiet command leaves out. */
+  activity?: Activity;
+}
+
+/** The model's turn (from the step's start to its answer, with the tokens streamed so far), or a command running. */
+interface Activity {
+  kind: "model" | "command";
+  since: number;
+  tokens: number;
+}
+
+/** The spinner's frames and how often it turns (the footer is redrawn only then, and only while something runs). */
+const SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏";
+const SPINNER_MS = 125;
+
+/** The activity as the footer shows it: `⠋ model 12s · 340 tok` (the frame follows the clock). */
+function activityField(a: Activity, now: number): FooterField {
+  const frame = SPINNER_FRAMES[Math.floor(now / SPINNER_MS) % SPINNER_FRAMES.length];
+  const seconds = `${Math.max(0, Math.floor((now - a.since) / 1000))}s`;
+  const label = a.kind === "model" ? "waiting for the model" : "command running";
+  const tokens = a.kind === "model" && a.tokens ? ` · ${compactCount(a.tokens)} tok` : "";
+  return {
+    text: `${frame} ${label} ${seconds}${tokens}`,
+    short: `${frame} ${a.kind} ${seconds}`,
+    keep: 0,
+    color: COLORS.info,
+  };
 }
 
 /** The figures the TUI keeps itself; the rest (rate, state, auto-approve) are read when the footer is drawn. */
 type TuiFigures = Omit<FooterFigures, "rate" | "state" | "autoApprove">;
 
 /** What an agent event changes in the footer's figures; true when it changed something. */
-function updateFigures(f: TuiFigures, e: AgentEvent): boolean {
+function updateFigures(f: TuiFigures, e: AgentEvent, now = Date.now()): boolean {
   switch (e.type) {
     case "step":
       f.step = e.step;
+      f.activity = { kind: "model", since: now, tokens: 0 };
+      return true;
+    case "assistant_delta":
+    case "reasoning_delta":
+      if (f.activity?.kind !== "model") return false;
+      f.activity.tokens++;
+      return false;
+    case "command":
+      f.activity = { kind: "command", since: now, tokens: 0 };
+      return true;
+    case "assistant":
+    case "command_result":
+    case "approval":
+    case "end":
+      f.activity = undefined;
       return true;
     case "usage":
       f.tokens = e.total.billable_tokens;
@@ -16713,7 +17057,9 @@ function footerFields(f: FooterFigures): FooterField[] {
   fields.push(
     f.state === "pending"
       ? { text: "⚠ approval pending", short: "⚠ pending", keep: 0, color: COLORS.warning }
-      : { text: f.state, keep: 4 },
+      : f.state === "running" && f.activity
+        ? activityField(f.activity, Date.now())
+        : { text: f.state, keep: 4 },
     { text: `auto-approve ${f.autoApprove ? "ON" : "off"}`, short: `AA ${f.autoApprove ? "ON" : "off"}`, keep: 0 },
     { text: `step ${f.step}/${f.maxSteps}`, short: `${f.step}/${f.maxSteps}`, keep: 1 },
     {
@@ -16771,7 +17117,13 @@ class SearchLine {
     /** Puts a value into the prompt when the search ends. */
     private readonly done: (value: string) => void,
   ) {
-    this.node = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#ffd75f", content: "", visible: false });
+    this.node = new ot.TextRenderable(r, {
+      height: 1,
+      width: "100%",
+      fg: fgColor(ot, "#ffd75f"),
+      content: "",
+      visible: false,
+    });
     this.search = new ReverseSearch(history);
   }
 
@@ -16836,8 +17188,20 @@ class StatusBar {
     private readonly ot: OpenTui,
     r: CliRenderer,
   ) {
-    this.banner = new ot.TextRenderable(r, { height: 1, width: "100%", bg: "#5f0000", fg: "#ffffaf", content: "" });
-    this.footer = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#b0b0b0", bg: "#202020", content: "" });
+    this.banner = new ot.TextRenderable(r, {
+      height: 1,
+      width: "100%",
+      bg: bgColor(ot, "#5f0000"),
+      fg: fgColor(ot, "#ffffaf"),
+      content: "",
+    });
+    this.footer = new ot.TextRenderable(r, {
+      height: 1,
+      width: "100%",
+      fg: fgColor(ot, "#b0b0b0"),
+      bg: bgColor(ot, "#202020"),
+      content: "",
+    });
   }
 
   draw(figures: FooterFigures, pending: ApprovalRequest | undefined, width: number): void {
@@ -16851,7 +17215,7 @@ class StatusBar {
         chunks.push({
           __isChunk: true,
           text: `${i ? "│" : " "}${f.text}`,
-          fg: f.color ? ot.parseColor(f.color) : undefined,
+          fg: f.color ? fgColor(ot, f.color) : undefined,
         } as TextChunk),
       );
       this.footer.content = new ot.StyledText(chunks);
@@ -16982,7 +17346,7 @@ class LogPane {
   }
 
   private chunk(text: string, color?: string): TextChunk {
-    return { __isChunk: true, text, fg: color ? this.ot.parseColor(color) : undefined } as TextChunk;
+    return { __isChunk: true, text, fg: color ? fgColor(this.ot, color) : undefined } as TextChunk;
   }
 
   /** Appends text (newlines start new lines) in one colour. */
@@ -16990,8 +17354,23 @@ class LogPane {
     this.appendLines(text.split("\n").map((part) => (part ? [this.chunk(part, color)] : [])));
   }
 
+  /** What wrote the pane's last line through `lineOnce`, until anything else is written. */
+  private lastKey: string | undefined;
+
+  /** A line that replaces the last one when that one came from the same `key` (a retry's next attempt). */
+  lineOnce(key: string, text: string, color?: string): void {
+    const entry = this.entries[this.entries.length - 1];
+    if (this.lastKey === key && entry?.kind === "text" && entry.lines.length >= 2 && !entry.lines.at(-1)!.length) {
+      entry.lines[entry.lines.length - 2] = [this.chunk(text, color)];
+      this.dirty.add(entry);
+      this.schedule();
+    } else this.line(text, color);
+    this.lastKey = key;
+  }
+
   /** Appends styled lines: the first continues the line in progress, each next one starts a new line. */
   appendLines(lines: TextChunk[][]): void {
+    this.lastKey = undefined;
     let entry = this.lastText();
     lines.forEach((chunks, i) => {
       if (i > 0) {
@@ -17034,6 +17413,7 @@ class LogPane {
 
   /** Starts a Markdown message (the model's text): headings, emphasis, lists and highlighted code blocks. */
   markdown(syntaxStyle: SyntaxStyle, text = "", streaming = true): MarkdownStream {
+    this.lastKey = undefined;
     if (!this.atLineStart) this.append("\n");
     const node = new this.ot.MarkdownRenderable(this.renderer, {
       content: text,
@@ -17168,11 +17548,12 @@ class SgrParser {
   }
 
   private chunk(text: string): TextChunk {
+    const plain = noColor();
     return {
       __isChunk: true,
       text: text.replace(PANE_CONTROLS, ""),
-      fg: this.fg,
-      bg: this.bg,
+      fg: plain ? undefined : this.fg,
+      bg: plain ? undefined : this.bg,
       attributes: this.attributes || undefined,
     } as TextChunk;
   }
@@ -17420,6 +17801,12 @@ interface TerminalColors {
 
 function terminalColors(ot: OpenTui): TerminalColors {
   const cache = new Map<number, RGBA>();
+  if (noColor()) {
+    // A program's colours become the terminal's own; its reverse video and bold still show.
+    const fg = ot.RGBA.defaultForeground();
+    const bg = ot.RGBA.defaultBackground();
+    return { palette: xtermPalette().map(() => fg), fg, bg, rgb: () => fg, attrs: terminalAttributes(ot) };
+  }
   return {
     palette: xtermPalette().map((h) => ot.RGBA.fromHex(h)),
     fg: ot.RGBA.fromHex("#d0d0d0"),
@@ -17429,12 +17816,16 @@ function terminalColors(ot: OpenTui): TerminalColors {
       if (!c) cache.set(n, (c = ot.RGBA.fromInts((n >> 16) & 255, (n >> 8) & 255, n & 255, 255)));
       return c;
     },
-    attrs: {
-      bold: ot.TextAttributes.BOLD,
-      dim: ot.TextAttributes.DIM,
-      italic: ot.TextAttributes.ITALIC,
-      underline: ot.TextAttributes.UNDERLINE,
-    },
+    attrs: terminalAttributes(ot),
+  };
+}
+
+function terminalAttributes(ot: OpenTui): TerminalColors["attrs"] {
+  return {
+    bold: ot.TextAttributes.BOLD,
+    dim: ot.TextAttributes.DIM,
+    italic: ot.TextAttributes.ITALIC,
+    underline: ot.TextAttributes.UNDERLINE,
   };
 }
 
@@ -17613,7 +18004,7 @@ class ApprovalDialog {
       border: true,
       borderStyle: "rounded",
       title: " Approve command? ",
-      backgroundColor: "#1c1c3a",
+      backgroundColor: bgColor(ot, "#1c1c3a"),
       flexDirection: "column",
       paddingLeft: 1,
       paddingRight: 1,
@@ -17630,7 +18021,7 @@ class ApprovalDialog {
     const hint = new ot.TextRenderable(r, {
       content:
         "Enter approves (or type y) · Escape rejects (or type n) · any other line you type is a suggestion · PgUp/PgDn scroll",
-      fg: COLORS.dim,
+      fg: fgColor(ot, COLORS.dim),
       flexShrink: 0,
       wrapMode: "word",
     });
@@ -17642,12 +18033,17 @@ class ApprovalDialog {
       flexShrink: 0,
     });
     const button = (label: string, color: string, answer: Approval) => {
-      const b = new ot.BoxRenderable(r, { backgroundColor: color, paddingLeft: 1, paddingRight: 1, height: 1 });
+      const b = new ot.BoxRenderable(r, {
+        backgroundColor: bgColor(ot, color),
+        paddingLeft: 1,
+        paddingRight: 1,
+        height: 1,
+      });
       b.onMouseDown = (e) => {
         e.stopPropagation();
         onAnswer(answer);
       };
-      const text = new ot.TextRenderable(r, { content: label, fg: "#000000" });
+      const text = new ot.TextRenderable(r, { content: label, fg: fgColor(ot, "#000000") });
       b.add(text);
       return Object.assign(b, { label: text });
     };
@@ -17757,7 +18153,7 @@ class ShellTab {
     this.box.add(
       new ot.TextRenderable(r, {
         content: "Your own shell, not sandboxed. Tab goes back to the console.",
-        fg: COLORS.dim,
+        fg: fgColor(ot, COLORS.dim),
         height: 1,
         width: "100%",
       }),
@@ -17957,7 +18353,11 @@ class AgentView {
   }
 
   private style(): SyntaxStyle {
-    this.syntax ??= this.ot.SyntaxStyle.fromStyles(MARKDOWN_STYLES, this.r.nativeScene);
+    // Under NO_COLOR the Markdown keeps its bold, italics and underlines, in the terminal's own colour.
+    const styles = noColor()
+      ? Object.fromEntries(Object.entries(MARKDOWN_STYLES).map(([k, { fg: _fg, ...rest }]) => [k, rest]))
+      : MARKDOWN_STYLES;
+    this.syntax ??= this.ot.SyntaxStyle.fromStyles(styles, this.r.nativeScene);
     return this.syntax;
   }
 
@@ -18013,8 +18413,12 @@ class AgentView {
       case "summary_delta":
         return this.consolePane.append(visibleControls(e.text), COLORS.summary);
     }
-    for (const line of describeEvent(e))
-      (line.pane === "agent" ? agent : this.consolePane).line(line.text, TUI_TONES[line.tone]);
+    // The attempts of one failing request share one line, updated in place: the newest attempt is what matters.
+    if (e.type === "retry" || e.type === "model_wait")
+      for (const line of describeEvent(e)) agent.lineOnce(e.type, line.text, TUI_TONES[line.tone]);
+    else
+      for (const line of describeEvent(e))
+        (line.pane === "agent" ? agent : this.consolePane).line(line.text, TUI_TONES[line.tone]);
     for (const line of transcriptLines(e)) agent.line(line.text, TUI_TONES[line.tone]);
   }
 
@@ -18091,7 +18495,7 @@ function tooSmallOverlay(ot: OpenTui, r: CliRenderer): BoxNode {
     width: "100%",
     height: "100%",
     zIndex: 100,
-    backgroundColor: "#000000",
+    backgroundColor: bgColor(ot, "#000000"),
     justifyContent: "center",
     alignItems: "center",
     visible: false,
@@ -18124,7 +18528,13 @@ class PromptBar {
   private readonly cursor: HistoryCursor;
 
   constructor(ot: OpenTui, r: CliRenderer, historyFile: string, onSubmit: (value: string) => void) {
-    this.hint = new ot.TextRenderable(r, { height: 1, width: "100%", fg: "#87afd7", content: "", visible: false });
+    this.hint = new ot.TextRenderable(r, {
+      height: 1,
+      width: "100%",
+      fg: fgColor(ot, "#87afd7"),
+      content: "",
+      visible: false,
+    });
     this.history = new PromptHistory(historyFile);
     this.cursor = new HistoryCursor(() => this.history.entries);
     this.search = new SearchLine(
@@ -18142,8 +18552,8 @@ class PromptBar {
       maxHeight: PROMPT_MAX_LINES,
       wrapMode: "word",
       placeholder: PROMPT_PLACEHOLDER,
-      backgroundColor: "#1c1c1c",
-      focusedBackgroundColor: "#262626",
+      backgroundColor: bgColor(ot, "#1c1c1c"),
+      focusedBackgroundColor: bgColor(ot, "#262626"),
       keyBindings: [
         { name: "return", action: "submit" },
         { name: "kpenter", action: "submit" },
@@ -18456,7 +18866,7 @@ class CommandScreen {
 function transcriptLines(e: AgentEvent): { tone: Tone; text: string }[] {
   switch (e.type) {
     case "command":
-      return [{ tone: "command", text: visibleControls(oneLine(`$ ${e.command}`, TRANSCRIPT_COMMAND_CHARS)) }];
+      return transcriptCommand(e.command).map((text) => ({ tone: "command", text }));
     case "input":
       return [
         {
@@ -18475,6 +18885,21 @@ function transcriptLines(e: AgentEvent): { tone: Tone; text: string }[] {
 
 /** The longest command line the transcript shows (the Console has all of it). */
 const TRANSCRIPT_COMMAND_CHARS = 300;
+/** A multi-line command shows this many of its lines in the transcript (the Console and the dialog show them all). */
+const TRANSCRIPT_COMMAND_LINES = 12;
+
+/** A command as the transcript shows it: its own lines (a script reads as one), each cut, the first after `$ `. */
+function transcriptCommand(command: string): string[] {
+  const lines = command.replace(/\r/g, "").trim().split("\n");
+  const cut = (line: string) =>
+    line.length > TRANSCRIPT_COMMAND_CHARS ? `${line.slice(0, TRANSCRIPT_COMMAND_CHARS - 1)}…` : line;
+  const shown = lines
+    .slice(0, TRANSCRIPT_COMMAND_LINES)
+    .map((line, i) => visibleControls(`${i ? "  " : "$ "}${cut(line)}`));
+  if (lines.length > TRANSCRIPT_COMMAND_LINES)
+    shown.push(`  … (${lines.length - TRANSCRIPT_COMMAND_LINES} more lines: the Console shows them all)`);
+  return shown;
+}
 
 /** "✓ exit 0 · 1.2 s · 2 changed: a.txt, b.txt": how a command ended, in one line. */
 function commandStatusLine(e: Extract<AgentEvent, { type: "command_result" }>): string {
@@ -19026,10 +19451,13 @@ class Tui implements EventSink {
     if (Date.now() - this.ctrlCAt < CTRL_C_QUIT_WINDOW_MS) return void this.quit(EXIT.ok, "process_exit");
     this.ctrlCAt = Date.now();
     if (!this.tooSmall.visible) this.escape();
-    this.figures.notice = "Ctrl+C again to quit";
+    // Quitting stops what the commands left running: the notice says so before the second press.
+    const jobs = this.o.config.keepJobs ? 0 : this.run.jobs.running.length;
+    const notice = jobs ? `Ctrl+C again to quit and stop ${jobs} job${jobs === 1 ? "" : "s"}` : "Ctrl+C again to quit";
+    this.figures.notice = notice;
     clearTimeout(this.ctrlCTimer);
     this.ctrlCTimer = setTimeout(() => {
-      if (this.figures.notice === "Ctrl+C again to quit") this.figures.notice = undefined;
+      if (this.figures.notice === notice) this.figures.notice = undefined;
       this.refreshStatus();
     }, CTRL_C_QUIT_WINDOW_MS);
     this.refreshStatus();
@@ -19117,10 +19545,45 @@ class Tui implements EventSink {
     );
   }
 
+  private spinner: ReturnType<typeof setInterval> | undefined;
+
+  /**
+   * Ctrl+Z, as a shell's job control would: the terminal given back as it
+   * was, aic stopped; `fg` (SIGCONT) redraws it. The raw terminal sends
+   * Ctrl+Z as a key, so aic stops itself.
+   */
+  async suspendToShell(): Promise<void> {
+    if (this.exiting) return;
+    await this.r.suspend();
+    process.once("SIGCONT", () => {
+      void this.r.resume().then(() => {
+        this.checkSize();
+        this.r.requestRender();
+      });
+    });
+    process.kill(process.pid, "SIGTSTP");
+  }
+
+  /** While the run waits on the model or a command, the footer's spinner turns and its seconds count. */
+  private spinWhileBusy(): void {
+    if (this.figures.activity && !this.spinner)
+      this.spinner = setInterval(() => {
+        if (this.exiting || !this.figures.activity || !this.agent?.running) {
+          clearInterval(this.spinner);
+          this.spinner = undefined;
+          return;
+        }
+        this.refreshStatus();
+      }, SPINNER_MS);
+  }
+
   // ── events from the agent ────────────────────────────────────────────────
 
   emit(e: AgentEvent): void {
-    if (updateFigures(this.figures, e)) this.refreshStatus();
+    if (updateFigures(this.figures, e)) {
+      this.refreshStatus();
+      this.spinWhileBusy();
+    }
     switch (e.type) {
       case "step":
       case "usage":
@@ -19170,6 +19633,7 @@ class Tui implements EventSink {
     // A hung-up terminal leaves nobody to wait for: the guard's time is all there is.
     const hungUp = reason === `signal_${os.constants.signals.SIGHUP}`;
     if (this.running) await Promise.race([this.running, Bun.sleep(hungUp ? QUIT_HANGUP_WAIT_MS : QUIT_RUN_WAIT_MS)]);
+    const stopped = this.o.config.keepJobs ? [] : this.run.jobs.running.map(stoppedJobLine);
     this.closeRun(reason);
     this.shellTab.stop();
     try {
@@ -19182,7 +19646,7 @@ class Tui implements EventSink {
     } catch {
       /* the terminal is gone; nothing left to restore */
     } finally {
-      writeOut(2, (message ?? "") + exitLine(this.session, this.o.config));
+      writeOut(2, (message ?? "") + stopped.join("") + exitLine(this.session, this.o.config));
       this.o.onExit(code);
     }
   }
@@ -19355,7 +19819,7 @@ function alwaysAllow(t: Tui): void {
   if (!request) return t.agentPane.line("No command is waiting for approval.", COLORS.warning);
   if (!request.alwaysAllow)
     return t.agentPane.line(
-      `No allow rule can be written for this command (a rule asks for it, or its program is only known when it runs); approve it with Y, or edit ${t.prepared.rules.path} yourself.`,
+      `No allow rule can be written for this command (a rule asks for it, or its program is only known when it runs); approve it with Y, or edit ${t.prepared.rules.allowFile} yourself.`,
       COLORS.warning,
     );
   t.answerApproval({ kind: "always" });
@@ -19460,6 +19924,11 @@ function toggleAutoApprove(t: Tui): void {
 }
 
 /** The one line left on the restored terminal: where the conversation is, and how to continue it. */
+/** A job quitting stopped, as the last lines after the TUI closes say it. */
+function stoppedJobLine(job: Job): string {
+  return `aic: stopped job ${job.id} (pid ${job.pid}): ${visibleControls(oneLine(job.command, 200))}\n`;
+}
+
 function exitLine(session: SessionStore | undefined, config: Config): string {
   if (!session) return "aic: nothing was saved (--no-session).\n";
   const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
@@ -19526,6 +19995,7 @@ const TUI_KEYS: Record<string, (tui: Tui) => boolean | void> = {
   "M-escape": (t) => t.escape(),
   "C-c": (t) => t.ctrlC(),
   "C-d": (t) => t.ctrlD(),
+  "C-z": (t) => void t.suspendToShell(),
 };
 
 /** The keys as /help lists them. */
@@ -19546,6 +20016,7 @@ const TUI_KEY_HELP: readonly [string, string][] = [
   ["Ctrl+C", "the same as Esc; twice within 2 s quits"],
   ["Ctrl+O", "hand a program you approved, waiting for input, to the model"],
   ["Ctrl+D", "quit, on an empty prompt"],
+  ["Ctrl+Z", "suspend aic to the shell (fg brings it back; the agent goes on meanwhile)"],
 ];
 
 /**
@@ -19560,11 +20031,56 @@ async function importOpenTui(): Promise<OpenTui> {
   const before = process.env.OTUI_ASSET_ROOT;
   if (root) process.env.OTUI_ASSET_ROOT = root;
   try {
-    return await import("@opentui/core");
+    const ot = await import("@opentui/core");
+    return noColor() ? plainOpenTui(ot) : ot;
   } finally {
     if (before === undefined) delete process.env.OTUI_ASSET_ROOT;
     else process.env.OTUI_ASSET_ROOT = before;
   }
+}
+
+/**
+ * OpenTUI under NO_COLOR: every part aic makes draws in the terminal's own
+ * colours unless it names one (and fgColor/bgColor turn those into the
+ * terminal's own too); OpenTUI's own default is white text and borders.
+ */
+function plainOpenTui(ot: OpenTui): OpenTui {
+  const fg = ot.RGBA.defaultForeground();
+  const fill = <T extends object>(options: T, keys: string[]): T => {
+    const out = { ...options } as Record<string, unknown>;
+    for (const key of keys) if (out[key] === undefined) out[key] = fg;
+    return out as T;
+  };
+  type Options<C extends abstract new (...a: never[]) => unknown> = ConstructorParameters<C>[1];
+  const borders = ["borderColor", "focusedBorderColor"];
+  return {
+    ...ot,
+    TextRenderable: class extends ot.TextRenderable {
+      constructor(r: CliRenderer, o: Options<typeof ot.TextRenderable>) {
+        super(r, fill(o ?? {}, ["fg"]));
+      }
+    },
+    MarkdownRenderable: class extends ot.MarkdownRenderable {
+      constructor(r: CliRenderer, o: Options<typeof ot.MarkdownRenderable>) {
+        super(r, fill(o, ["fg"]));
+      }
+    },
+    BoxRenderable: class extends ot.BoxRenderable {
+      constructor(r: CliRenderer, o: Options<typeof ot.BoxRenderable>) {
+        super(r, fill(o ?? {}, borders));
+      }
+    },
+    ScrollBoxRenderable: class extends ot.ScrollBoxRenderable {
+      constructor(r: CliRenderer, o: Options<typeof ot.ScrollBoxRenderable>) {
+        super(r, fill(o ?? {}, borders));
+      }
+    },
+    TextareaRenderable: class extends ot.TextareaRenderable {
+      constructor(r: CliRenderer, o: Options<typeof ot.TextareaRenderable>) {
+        super(r, fill(o ?? {}, ["textColor", "focusedTextColor", "placeholderColor"]));
+      }
+    },
+  } as OpenTui;
 }
 
 /** OpenTUI's asset root for its native library in aic's state directory, written anew unless it holds aic's own bytes. */
@@ -19620,6 +20136,7 @@ async function runTui(config: Config, prepared: PreparedRun): Promise<number> {
       openConsoleOnError: false,
       useMouse: true,
       maxFps: 60,
+      ...(noColor() ? { backgroundColor: ot.RGBA.defaultBackground() } : {}),
     });
   } catch (error) {
     writeOut(

@@ -9,7 +9,16 @@
  */
 import { describe, expect, test } from "bun:test";
 import { createHash } from "node:crypto";
-import { chmodSync, existsSync, mkdirSync, readdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
+import {
+  chmodSync,
+  existsSync,
+  mkdirSync,
+  readdirSync,
+  readFileSync,
+  statSync,
+  utimesSync,
+  writeFileSync,
+} from "node:fs";
 import { join, relative } from "node:path";
 import {
   alive,
@@ -119,6 +128,47 @@ describe("undo and redo from the command line", () => {
       const sent = messagesOf(next.requests[0]);
       expect(sent.filter((m: any) => m.role === "tool").map((m: any) => m.tool_call_id)).toEqual(["edit"]);
       expect(JSON.stringify(sent)).not.toContain("rm -rf src");
+    },
+  );
+
+  // An empty directory changes no index entry: the checkpoint after the command must still hold it, in this run
+  // (a tree seen just before) and in the next one (resumed from the store's saved state).
+  test.skipIf(!has.git)(
+    "a command that only makes or removes an empty directory is undone, in this run and the next",
+    async () => {
+      const { dir, env } = project();
+      writeFileSync(join(dir, "a.txt"), "a\n");
+      mkdirSync(join(dir, "old-empty"));
+      // Files written long ago: git's index then settles at once, and nothing but the directory changes.
+      const past = new Date(Date.now() - 3_600_000);
+      utimesSync(join(dir, "a.txt"), past, past);
+      const session = join(dir, "s.json");
+      const srv = fixtures.serve([bash("true", "warm"), bash("mkdir made-empty", "mk"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--session", session, "make a dir"], {
+        cwd: dir,
+        env,
+      });
+      expect(run.code).toBe(0);
+      expect(existsSync(join(dir, "made-empty"))).toBe(true);
+      // The next run starts from what the last one saved; its command removes the older empty directory.
+      const again = fixtures.serve([bash("rmdir old-empty", "rm"), done]);
+      const second = await runAic([...headless(again.url), "--auto-approve", "--session", session, "remove a dir"], {
+        cwd: dir,
+        env,
+      });
+      expect(second.code).toBe(0);
+      expect(existsSync(join(dir, "old-empty"))).toBe(false);
+      const undoRm = await runAic(["undo", "--session", session], { cwd: dir, env });
+      expect(undoRm.code).toBe(0);
+      expect(existsSync(join(dir, "old-empty"))).toBe(true);
+      const undoMk = await runAic(["undo", "--session", session], { cwd: dir, env });
+      expect(undoMk.code).toBe(0);
+      expect(existsSync(join(dir, "made-empty"))).toBe(false);
+      expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("a\n");
+      // Redo needs the checkpoint after the command: it holds the directory the command made.
+      const redo = await runAic(["redo", "--session", session], { cwd: dir, env });
+      expect(redo.code).toBe(0);
+      expect(existsSync(join(dir, "made-empty"))).toBe(true);
     },
   );
 

@@ -321,6 +321,93 @@ describe.skipIf(!jailUsable || !has.git)("git's other config files leave nothing
     );
 });
 
+describe.skipIf(!jailUsable || !has.git)(
+  "the repository guard itself, and what hides from it (red team, round 4)",
+  () => {
+    const runs = [
+      ...USERS.map((user) => ({ user, label: user.label, env: {} as Record<string, string> })),
+      { user: USERS[0]!, label: `${USERS[0]!.label}, AIC_NO_NAMESPACES=1`, env: { AIC_NO_NAMESPACES: "1" } },
+    ];
+    for (const { user, label, env } of runs)
+      test.skipIf(user.skip)(
+        `${label}: the guard's own look at the index runs no fsmonitor, planted in a new repository or behind commondir`,
+        async () => {
+          const where = place(user);
+          const other = join(where.base, "common");
+          const hook = (name: string) => `printf '#!/bin/sh\\ntouch ${join(where.marks, name)}\\n' `;
+          const srv = fixtures.serve([
+            // A repository the command makes where there was none, whose index changes: aic reads its gitlinks.
+            bash(
+              `mkdir a && cd a && git init -q && ${hook("PWN-new")} > .git/fsm && chmod +x .git/fsm && git config core.fsmonitor $PWD/.git/fsm; cd .. && git init -q . && ${hook("PWN-top")} > .git/fsm && chmod +x .git/fsm && git config core.fsmonitor $PWD/.git/fsm && echo x > x && git add x 2>/dev/null; echo planted`,
+              "new",
+            ),
+            done,
+          ]);
+          const run = await aicAs(user, where, srv.url, ["--auto-approve", "plant"], env);
+          expect(run.code).toBe(0);
+          expect(toolAnswer(srv.requests[1], "new")).toContain("planted");
+          expect(marks(where)).toEqual([]);
+
+          // The project's repository existed at start; a command points its commondir at one whose config runs a hook.
+          const second = place(user);
+          expect(person(user, second, second.cwd, [GIT, "init", "-q"]).code).toBe(0);
+          person(user, second, second.cwd, [GIT, "commit", "-q", "--allow-empty", "-m", "init"]);
+          const srv2 = fixtures.serve([
+            bash(
+              `git init -q --bare ${other}2 && ${hook("PWN-common")} > ${other}2/fsm && chmod +x ${other}2/fsm && git --git-dir=${other}2 config core.fsmonitor ${other}2/fsm; echo ${other}2 > .git/commondir; touch .git/index; echo redirected`,
+              "common",
+            ),
+            done,
+          ]);
+          if (user.uid !== process.getuid?.()) Bun.spawnSync(["chown", "-R", `${user.uid}:${user.uid}`, where.base]);
+          const redirected = await aicAs(user, second, srv2.url, ["--auto-approve", "redirect"], env);
+          expect(redirected.code).toBe(0);
+          expect(marks(second)).toEqual([]);
+          expect(marks(where)).toEqual([]);
+        },
+      );
+
+    test("aliases that run a program without `!` are taken out of a repository a command made", async () => {
+      const user = USERS[0]!;
+      const where = place(user);
+      const mark = (name: string) => join(where.marks, name);
+      const srv = fixtures.serve([
+        bash(
+          `git init -q sub && git -C sub config alias.st "difftool --no-index -y -x 'touch ${mark("PWN-difftool")}' a b" && git -C sub config alias.co "ls-remote --upload-pack='touch ${mark("PWN-upload")}' ." && git -C sub config alias.lg "log --oneline" && touch sub/a sub/b && echo planted`,
+          "alias",
+        ),
+        done,
+      ]);
+      const run = await aicAs(user, where, srv.url, ["--auto-approve", "--json", "plant"]);
+      expect(run.code).toBe(0);
+      for (const alias of ["st", "co"]) person(user, where, join(where.cwd, "sub"), [GIT, alias]);
+      expect(marks(where)).toEqual([]);
+      expect(existsSync(join(where.cwd, "sub", ".git", "config.aic-disabled"))).toBe(true);
+    });
+
+    test("a new repository behind thousands of directories made at once is still found", async () => {
+      const user = USERS[0]!;
+      const where = place(user);
+      const srv = fixtures.serve([
+        // More directories than the search after a command looks through, before the planted repository.
+        bash(
+          `mkdir -p aaa && (cd aaa && seq -f d%05g 4000 | xargs mkdir) && mkdir -p zzz/r && cd zzz/r && git init -q && git config core.fsmonitor ${touching(where, "PWN-deep")} && echo planted`,
+          "deep",
+        ),
+        done,
+      ]);
+      const run = await aicAs(user, where, srv.url, ["--auto-approve", "--json", "plant"]);
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests[1], "deep")).toContain("planted");
+      // The search after the command says where it stopped; the one of the whole tree at the end takes it out.
+      expect(toolAnswer(srv.requests[1], "deep")).toContain("the search for git dirs after this command stopped");
+      person(user, where, join(where.cwd, "zzz", "r"), [GIT, "status"]);
+      expect(marks(where)).toEqual([]);
+      expect(existsSync(join(where.cwd, "zzz", "r", ".git", "config.aic-disabled"))).toBe(true);
+    });
+  },
+);
+
 // ---------------------------------------------------------------------------------------------------------------
 // .aicrules a command wrote
 

@@ -13,7 +13,7 @@ import { existsSync, readFileSync, realpathSync, statSync, writeFileSync } from 
 import { join } from "node:path";
 import { LogPane, PromptHistory, TokenRate, Tui, keyToBytes, loadXterm, parseArgs } from "../aic.ts";
 import { startFakeServer, type FakeServer, type RecordedRequest, type Turn } from "./fake-openai.ts";
-import { ROOT, bash, footer, messagesOf, reapAfterAll, scratch, waitFor } from "./helpers.ts";
+import { ROOT, bash, footer, messagesOf, reapAfterAll, scratch, testStateHome, waitFor } from "./helpers.ts";
 
 reapAfterAll();
 
@@ -28,9 +28,12 @@ const BILLABLE = USAGE.prompt_tokens - USAGE.cached_tokens + USAGE.completion_to
  * One fake server for the whole file. The reply depends only on the newest message, so every test
  * scripts its own runs through what it types: "run: CMD" → a tool call running CMD; "two: A || B" →
  * one turn calling two commands; "say: TEXT" → TEXT as the answer (\n for a newline), streamed in
- * pieces; "slow: TEXT" → TEXT streamed a character at a time; "hang" → a request that never
+ * pieces; "slow: TEXT" → TEXT streamed a character at a time; "flaky: NAME" → three 500s, then an
+ * answer; "hang" → a request that never
  * answers; "usage" → TASKCOMPLETE with USAGE; anything else → TASKCOMPLETE.
  */
+const flakyTries = new Map<string, number>();
+
 function scripted(req: RecordedRequest): Turn {
   const last = req.body?.messages?.at(-1);
   if (last?.role === "user" && typeof last.content === "string") {
@@ -48,6 +51,15 @@ function scripted(req: RecordedRequest): Turn {
       };
     const slow = /^slow: ([\s\S]*)$/.exec(last.content);
     if (slow) return { content: slow[1]!, contentPieces: slow[1]!.length, delayMs: 20 };
+    const flaky = /^flaky: (.*)$/.exec(last.content);
+    if (flaky) {
+      // The first three attempts of each such task fail with a 500 the server asks to retry at once.
+      const tries = (flakyTries.get(flaky[1]!) ?? 0) + 1;
+      flakyTries.set(flaky[1]!, tries);
+      if (tries <= 3)
+        return { type: "http_error", status: 500, body: { error: "busy" }, headers: { "retry-after": "0" } };
+      return { content: "TASKCOMPLETE" };
+    }
     if (last.content === "hang") return { type: "hang" };
     if (last.content === "usage") return { content: "TASKCOMPLETE", usage: USAGE };
   }
@@ -55,10 +67,17 @@ function scripted(req: RecordedRequest): Turn {
 }
 
 let srv: FakeServer;
+/** aic's state (the person's own rules, the prompt history's lock, the native library) goes to the tests' own place. */
+const savedStateHome = process.env.XDG_STATE_HOME;
 beforeAll(() => {
   srv = startFakeServer({ turns: scripted });
+  process.env.XDG_STATE_HOME = testStateHome();
 });
-afterAll(() => srv.close());
+afterAll(() => {
+  srv.close();
+  if (savedStateHome === undefined) delete process.env.XDG_STATE_HOME;
+  else process.env.XDG_STATE_HOME = savedStateHome;
+});
 
 type Screen = Awaited<ReturnType<typeof createTestRenderer>>;
 
@@ -715,11 +734,26 @@ describe("slash commands", () => {
     expect(h.requests()).toHaveLength(0);
   });
 
+  // Three failed attempts of one request are one line, updated in place, not three.
+  test("retries of a failing request share one updating line", async () => {
+    const h = await openTui({ request: "flaky: one" });
+    const frame = await h.until((f) => f.includes("[completed]"));
+    const retries = frame.split("\n").filter((l) => /model request failed/.test(l));
+    expect(retries).toHaveLength(1);
+    const text = frame.replace(/[│\s]+/g, " ");
+    expect(text).toContain("retry 3 in");
+    expect(text).not.toContain("retry 1 in");
+    expect(h.requests().filter((r) => JSON.stringify(r.body).includes("flaky: one"))).toHaveLength(4);
+  });
+
   // /stop ends a run whose model call never answers.
-  test("/stop stops a running agent", async () => {
+  test("/stop stops a running agent; until then the footer counts the seconds of the silent model", async () => {
     const h = await openTui({ request: "hang" });
     await waitFor("the hanging request", () => h.requests().length === 1);
-    await h.until((f) => footer(f).includes("running"));
+    // While the model is silent the footer says so, with a spinner and the seconds counting up.
+    const first = await h.until((f) => /waiting for the model \d+s/.test(footer(f)));
+    const seconds = (f: string) => Number(/waiting for the model (\d+)s/.exec(footer(f))?.[1] ?? -1);
+    await h.until((f) => seconds(f) > seconds(first));
     expect(h.tui.agent.running).toBe(true);
     await h.type("/stop");
     await waitFor("the agent to stop", () => !h.tui.agent.running);
@@ -1287,48 +1321,64 @@ describe("a TUI a person can trust (round 2)", () => {
 
   // Command rules in the TUI: an allowed command runs without the dialog; for an asked one the dialog offers
   // "Always allow", which (clicked, or /always) runs it and adds the rule, so the next such command is not asked.
-  test("rules: allow skips the dialog; Always allow (click or /always) adds the rule and runs it", async () => {
+  test("rules: allow skips the dialog; Always allow (click or /always) adds the person's own rule and runs it", async () => {
     const dir = scratch("aic-tui-rules-");
     const rulesFile = join(dir, "rules");
-    writeFileSync(rulesFile, "allow printf *\ndeny git push *  # pushing needs a person\n");
-    const h = await openTui({ request: "run: printf 'allowed-%s\\n' $((6*7))", args: ["--rules", rulesFile], dir });
-    let frame = await h.until(showsAll("allowed-42", "(runs without asking: allow printf *)"));
-    expect(frame).not.toContain("Approve command");
-    expect(frame).toContain("(runs without asking: allow printf *)");
-    await h.idle(2);
+    const teamRules = "allow printf *\ndeny git push *  # pushing needs a person\n";
+    writeFileSync(rulesFile, teamRules);
+    // The person's own rules belong to the project (its directory's device and inode), in the state directory.
+    const saved = { cwd: process.cwd(), state: process.env.XDG_STATE_HOME };
+    process.env.XDG_STATE_HOME = join(dir, "state");
+    process.chdir(dir);
+    try {
+      const st = statSync(dir);
+      const own = join(dir, "state", "aic", "own-rules", `${st.dev}-${st.ino}.aicrules`);
+      const ownRules = () => (existsSync(own) ? readFileSync(own, "utf8").replace(/^#.*\n/, "") : "");
+      const h = await openTui({ request: "run: printf 'allowed-%s\\n' $((6*7))", args: ["--rules", rulesFile], dir });
+      let frame = await h.until(showsAll("allowed-42", "(runs without asking: allow printf *)"));
+      expect(frame).not.toContain("Approve command");
+      expect(frame).toContain("(runs without asking: allow printf *)");
+      await h.idle(2);
 
-    await h.type("run: echo clicked-$((2*3))");
-    frame = await h.until((f) => f.includes("Always allow: allow echo *"));
-    const rows = frame.split("\n");
-    const row = rows.findIndex((r) => r.includes("Always allow: allow echo *"));
-    await h.s.mockMouse.click(rows[row]!.indexOf("Always allow") + 2, row);
-    const withEcho = "allow printf *\ndeny git push *  # pushing needs a person\nallow echo *\n";
-    await h.until((f) => f.includes("clicked-6") && readFileSync(rulesFile, "utf8") === withEcho);
-    expect(readFileSync(rulesFile, "utf8")).toBe(withEcho);
-    await h.idle(4);
+      await h.type("run: echo clicked-$((2*3))");
+      frame = await h.until((f) => f.includes("Always allow: allow echo *"));
+      const rows = frame.split("\n");
+      const row = rows.findIndex((r) => r.includes("Always allow: allow echo *"));
+      await h.s.mockMouse.click(rows[row]!.indexOf("Always allow") + 2, row);
+      await h.until((f) => f.includes("clicked-6") && ownRules() === "allow echo *\n");
+      // The team's file is as it was: nothing for a commit to pick up.
+      expect(readFileSync(rulesFile, "utf8")).toBe(teamRules);
+      await h.idle(4);
 
-    // Now allowed: no dialog.
-    await h.type("run: echo no-dialog-$((3*3))");
-    frame = await h.until(showsAll("no-dialog-9", "(runs without asking: allow echo *)"));
-    expect(frame).toContain("(runs without asking: allow echo *)");
-    await h.idle(6);
+      // Now allowed: no dialog.
+      await h.type("run: echo no-dialog-$((3*3))");
+      frame = await h.until(showsAll("no-dialog-9", "(runs without asking: allow echo *)"));
+      expect(frame).toContain("(runs without asking: allow echo *)");
+      await h.idle(6);
 
-    // /always from the keyboard, for another program; and /rules shows what is in force.
-    await h.type("run: date +%Y-always");
-    await h.until((f) => f.includes("Always allow: allow date *"));
-    await h.type("/always");
-    await h.until((f) => /\d{4}-always/.test(f));
-    await h.idle(8);
-    await h.type("/rules");
-    const inForce = ["line 1: allow printf *", "line 3: allow echo *", "line 4: allow date *"];
-    frame = await h.until(showsAll(`Rules from ${rulesFile}`, ...inForce));
-    for (const line of inForce) expect(frame).toContain(line);
-    // The model is told the new rules in the system prompt of its next request.
-    await h.type("usage");
-    await h.idle(9);
-    expect(messagesOf(h.requests()[8])[0].content).toContain(
-      "these run without asking: `printf *`, `echo *`, `date *`",
-    );
+      // /always from the keyboard, for another program; and /rules shows both files and what is in force.
+      await h.type("run: date +%Y-always");
+      await h.until((f) => f.includes("Always allow: allow date *"));
+      await h.type("/always");
+      await h.until((f) => /\d{4}-always/.test(f));
+      expect(ownRules()).toBe("allow echo *\nallow date *\n");
+      await h.idle(8);
+      await h.type("/rules");
+      const inForce = ["line 1: allow printf *", "line 1: allow echo *", "line 2: allow date *"];
+      frame = await h.until(showsAll(`Rules from ${rulesFile}`, "Your own rules", ...inForce));
+      for (const line of inForce) expect(frame).toContain(line);
+      expect(frame.replace(/[│\s]+/g, "")).toContain(own.replace(/\s+/g, ""));
+      // The model is told the new rules in the system prompt of its next request.
+      await h.type("usage");
+      await h.idle(9);
+      expect(messagesOf(h.requests()[8])[0].content).toContain(
+        "these run without asking: `printf *`, `echo *`, `date *`",
+      );
+    } finally {
+      process.chdir(saved.cwd);
+      if (saved.state === undefined) delete process.env.XDG_STATE_HOME;
+      else process.env.XDG_STATE_HOME = saved.state;
+    }
   });
 
   // /undo and /redo in the TUI: the files go back and forth, the conversation is cut and restored, and the
