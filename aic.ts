@@ -7136,8 +7136,20 @@ interface GitSetting {
   value: string | undefined;
 }
 
+/** Configs already parsed, by their bytes: the guard looks at the same ones after every command. */
+const parsedGitConfigs = new Map<string, GitSetting[] | undefined>();
+
 /** A config's settings as git itself parses them (no includes followed, nothing run); undefined when git rejects it. */
 function gitSettings(text: Buffer): GitSetting[] | undefined {
+  const key = createHash("sha256").update(text).digest("hex");
+  if (parsedGitConfigs.has(key)) return parsedGitConfigs.get(key);
+  const settings = parseGitConfig(text);
+  if (parsedGitConfigs.size >= 256) parsedGitConfigs.clear();
+  parsedGitConfigs.set(key, settings);
+  return settings;
+}
+
+function parseGitConfig(text: Buffer): GitSetting[] | undefined {
   const git = gitProgram();
   if (!git) return undefined;
   const r = Bun.spawnSync([git, "config", "--file", "-", "--list", "-z"], {
@@ -11295,13 +11307,26 @@ class ShadowRepository {
     return made;
   }
 
-  /** The directories the last manifest looked at (relative to the start directory), with their stamps. */
-  private dirStamps: Map<string, string> | undefined;
+  /**
+   * The directories the last manifest looked at (relative to the start directory): each one's stamp and
+   * the names of its subdirectories, which are all an empty directory's coming or going can change.
+   */
+  private dirStamps: Map<string, [stamp: string, subdirs: string]> | undefined;
 
-  /** Whether every directory the last manifest looked at is as it was (nothing added, removed or renamed in it). */
+  /**
+   * Whether no directory the last manifest looked at gained, lost or renamed a subdirectory. A stamp as
+   * recorded answers at once; another (a file came or went: aic's own session file does each step) is
+   * settled by listing that directory again.
+   */
   private dirsUnchanged(): boolean {
     if (!this.dirStamps) return false;
-    for (const [rel, stamp] of this.dirStamps) if (this.dirStamp(rel) !== stamp) return false;
+    for (const [rel, [stamp, subdirs]] of this.dirStamps) {
+      const now = this.dirStamp(rel);
+      if (now !== undefined && now === stamp) continue;
+      const listed = this.subdirsOf(rel);
+      if (listed === undefined || listed !== subdirs) return false;
+      if (now !== undefined) this.dirStamps.set(rel, [now, subdirs]);
+    }
     return true;
   }
 
@@ -11314,13 +11339,27 @@ class ShadowRepository {
     return `${st.ino}:${st.mtimeNs}:${st.ctimeNs}`;
   }
 
-  /** Stamps of `dirs`, or undefined when one of them cannot be trusted (then the next snapshot looks again). */
-  private stampsOf(dirs: Iterable<string>): Map<string, string> | undefined {
-    const stamps = new Map<string, string>();
+  /** The names of a directory's subdirectories, in order; undefined when it cannot be read. */
+  private subdirsOf(rel: string): string | undefined {
+    try {
+      const names = fs.readdirSync(this.project.at(rel), { withFileTypes: true });
+      return names
+        .filter((e) => e.isDirectory())
+        .map((e) => e.name)
+        .sort()
+        .join("\0");
+    } catch {
+      return undefined;
+    }
+  }
+
+  /** Stamps and subdirectories of `dirs` (a stamp too recent to trust is left empty: it never matches). */
+  private stampsOf(dirs: Iterable<string>): Map<string, [string, string]> | undefined {
+    const stamps = new Map<string, [string, string]>();
     for (const rel of dirs) {
-      const stamp = this.dirStamp(rel);
-      if (stamp === undefined) return undefined;
-      stamps.set(rel, stamp);
+      const subdirs = this.subdirsOf(rel);
+      if (subdirs === undefined) return undefined;
+      stamps.set(rel, [this.dirStamp(rel) ?? "", subdirs]);
     }
     return stamps;
   }
@@ -11359,8 +11398,10 @@ class ShadowRepository {
     if (head.code !== 0 || head.stdout.toString().trim() !== state.commit) return;
     this.last = await this.snapshotOf(state.commit);
     this.indexAtLast = state.index;
-    if (Array.isArray(state.dirs) && state.dirs.every((d) => Array.isArray(d) && d.length === 2))
-      this.dirStamps = new Map(state.dirs as [string, string][]);
+    const entry = (d: unknown) =>
+      Array.isArray(d) && d.length === 2 && typeof d[0] === "string" && Array.isArray(d[1]) && d[1].length === 2;
+    if (Array.isArray(state.dirs) && state.dirs.every(entry))
+      this.dirStamps = new Map(state.dirs as [string, [string, string]][]);
   }
 
   /** Whether a run before this one left its state: the tree was counted and snapshotted then. */
