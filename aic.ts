@@ -762,7 +762,12 @@ function configFromFlags(
       case "required":
       case "url": {
         const value = raw || recorded()[f.key];
-        if (!value) throw new UsageError(`missing ${f.missing}: give ${describeFlag(f)}${recorded().why ?? ""}`);
+        if (!value) {
+          // A session that does not parse says so first: fixing it is what lets the run resume.
+          const seen = recorded();
+          if (seen.broken) throw new UsageError(seen.broken);
+          throw new UsageError(`missing ${f.missing}: give ${describeFlag(f)}${seen.why ?? ""}`);
+        }
         set(f.key, f.kind === "url" ? parseUrlFlag(f, value) : value);
         break;
       }
@@ -1009,6 +1014,8 @@ function tomlErrorLine(text: string, message: string): string {
 interface RecordedEndpoint {
   model?: string;
   apiBase?: string;
+  /** The session file does not parse (`PATH:LINE:COL: …`): said instead of a missing flag. */
+  broken?: string;
   /** Appended to the missing-flag error when the session's values were not used. */
   why?: string;
 }
@@ -1046,6 +1053,7 @@ function recordedEndpoint(sessionFile: string | undefined): RecordedEndpoint {
   const last = readWrittenRecord(absolute);
   if (last?.identity !== now || last.hash !== createHash("sha256").update(bytes).digest("hex"))
     return {
+      broken: brokenSessionLine(absolute, bytes),
       why: `; ${sessionFile} records one, but aic cannot tell the file is as it wrote it (edited, copied or moved since), so it is not used`,
     };
   const field = (key: string): string | undefined => {
@@ -16436,6 +16444,19 @@ function runOutputs(session: SessionStore | undefined): OutputStore {
   );
 }
 
+/** `PATH:LINE:COL: why — fix it…` when `bytes` are not JSON, else undefined (the same line the session store says). */
+function brokenSessionLine(file: string, bytes: Buffer): string | undefined {
+  const text = bytes.toString("utf8");
+  try {
+    JSON.parse(text);
+    return undefined;
+  } catch (error) {
+    const place = jsonErrorPlace(text);
+    const message = (error as Error).message.replace(/^JSON Parse error: /, "");
+    return `${file}:${place ? `${place.line}:${place.column}` : "1:1"}: it is not valid JSON (${message}) — fix it and run aic again (or --no-session)`;
+  }
+}
+
 /** A session file that does not parse, at the start of a headless run: one line, exit 2, nothing asked or written. */
 class BrokenSession extends Error {}
 
@@ -19555,9 +19576,12 @@ class Tui implements EventSink {
     this.tab = tab;
     this.consolePane.box.visible = tab === "console";
     this.shellTab.box.visible = tab === "shell";
+    const ot = this.o.ot;
     const label = (node: TextNode, on: boolean) => {
-      node.fg = on ? "#000000" : COLORS.dim;
-      node.bg = on ? COLORS.tabOn : "transparent";
+      node.fg = fgColor(ot, on ? "#000000" : COLORS.dim);
+      node.bg = on ? bgColor(ot, COLORS.tabOn) : "transparent";
+      // Without colours the tab in front is told by reverse video.
+      if (noColor()) node.attributes = on ? ot.TextAttributes.INVERSE : 0;
     };
     label(this.tabConsole, tab === "console");
     label(this.tabShell, tab === "shell");
@@ -20057,7 +20081,7 @@ const TUI_KEY_HELP: readonly [string, string][] = [
   ["Ctrl+C", "the same as Esc; twice within 2 s quits"],
   ["Ctrl+O", "hand a program you approved, waiting for input, to the model"],
   ["Ctrl+D", "quit, on an empty prompt"],
-  ["Ctrl+Z", "suspend aic to the shell (fg brings it back; the agent goes on meanwhile)"],
+  ["Ctrl+Z", "suspend aic to the shell (fg brings it back; the run pauses meanwhile)"],
 ];
 
 /**
@@ -20087,13 +20111,15 @@ async function importOpenTui(): Promise<OpenTui> {
  */
 function plainOpenTui(ot: OpenTui): OpenTui {
   const fg = ot.RGBA.defaultForeground();
+  const borders = ["borderColor", "focusedBorderColor"];
   const fill = <T extends object>(options: T, keys: string[]): T => {
     const out = { ...options } as Record<string, unknown>;
+    // A border colour on a box without a border would give it one.
+    if (keys === borders && !out.border) return options;
     for (const key of keys) if (out[key] === undefined) out[key] = fg;
     return out as T;
   };
   type Options<C extends abstract new (...a: never[]) => unknown> = ConstructorParameters<C>[1];
-  const borders = ["borderColor", "focusedBorderColor"];
   return {
     ...ot,
     TextRenderable: class extends ot.TextRenderable {

@@ -417,5 +417,12 @@ describe("without a terminal", () => {
     expect(srv.requests).toHaveLength(0);
     expect(readFileSync(join(cwd, "s.json"), "utf8")).toBe(text);
     expect(readdirSync(cwd).filter((n) => !n.endsWith(".lock"))).toEqual(["s.json"]);
+
+    // Resuming without --model and --api-base (they would come from the file): the same place is named first.
+    const bare = await runAic(["--nogui", "--session", "s.json", "go"], { cwd });
+    expect(bare.code).toBe(2);
+    expect(bare.stderr.trim().split("\n")).toHaveLength(1);
+    expect(bare.stderr).toMatch(/s\.json:4:3: it is not valid JSON .* — fix it and run aic again/);
+    expect(readFileSync(join(cwd, "s.json"), "utf8")).toBe(text);
   });
 });
