@@ -14310,6 +14310,9 @@ const NEVER_ALWAYS_ALLOWED = new Set([
   // sqlite3's .shell): allowing the program would let every keystroke and every -c through.
   ...["vi", "vim", "nvim", "view", "vimdiff", "rvim", "ex", "ed", "red", "emacs", "nano", "mc"],
   ...["less", "more", "most", "man", "info", "sqlite3", "psql", "mysql", "mongosh", "ftp", "telnet"],
+  // Programs that destroy what they are given: one click on "Always allow" for `rm -rf build` would let every later
+  // rm of anything run unasked.
+  ...["rm", "rmdir", "shred", "dd", "truncate", "mkfs", "wipefs", "kill", "pkill", "killall", "chmod", "chown"],
 ]);
 
 /** The rule lines that would let every asked part of `verdict` run from now on, or undefined when no such line can be written. */

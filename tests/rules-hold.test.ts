@@ -380,6 +380,9 @@ describe("always allow proposes a program and subcommand, never literal argument
       ["timeout 5 make all", ["allow make all *"]],
       ["sudo apt-get install x", undefined],
       ["xargs touch", ["allow touch *"]],
+      // A program that destroys what it is given is asked each time: `allow rm *` would let every rm through.
+      ["rm -rf build", undefined],
+      ["chmod -R 777 .", undefined],
     ];
     for (const [command, lines] of cases)
       expect([command, alwaysAllowLines(rules, judgeCommand(rules, command))]).toEqual([command, lines]);

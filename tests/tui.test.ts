@@ -67,16 +67,21 @@ function scripted(req: RecordedRequest): Turn {
 }
 
 let srv: FakeServer;
-/** aic's state (the person's own rules, the prompt history's lock, the native library) goes to the tests' own place. */
-const savedStateHome = process.env.XDG_STATE_HOME;
+/**
+ * aic's state (the person's own rules, the prompt history's lock, the native library) goes to the tests' own
+ * place; NO_COLOR (which .ci/run sets for its own log) is unset, since these tests read the TUI's colours.
+ */
+const saved = { XDG_STATE_HOME: process.env.XDG_STATE_HOME, NO_COLOR: process.env.NO_COLOR };
 beforeAll(() => {
   srv = startFakeServer({ turns: scripted });
   process.env.XDG_STATE_HOME = testStateHome();
+  delete process.env.NO_COLOR;
 });
 afterAll(() => {
   srv.close();
-  if (savedStateHome === undefined) delete process.env.XDG_STATE_HOME;
-  else process.env.XDG_STATE_HOME = savedStateHome;
+  for (const [key, value] of Object.entries(saved))
+    if (value === undefined) delete process.env[key];
+    else process.env[key] = value;
 });
 
 type Screen = Awaited<ReturnType<typeof createTestRenderer>>;
