@@ -10828,6 +10828,13 @@ function readCString(pid: number, at: number): string | undefined {
 const GIT_TIME_LIMIT_MS = 60_000;
 /** Checkpoints kept per directory; older ones are dropped (and their objects collected) now and then. */
 const CHECKPOINTS_KEPT = 200;
+/** The checkpoint store's cap, in MB, unless AIC_CHECKPOINT_STORE_MAX_MB says otherwise. */
+const CHECKPOINT_STORE_MAX_MB = 2048;
+
+function checkpointStoreCap(): number {
+  const given = Number(process.env.AIC_CHECKPOINT_STORE_MAX_MB);
+  return (Number.isFinite(given) && given > 0 ? given : CHECKPOINT_STORE_MAX_MB) * 1e6;
+}
 const CHECKPOINT_REF = "refs/aic/cp/";
 const LAST_CHECKPOINT_REF = "refs/aic/last";
 
@@ -11594,6 +11601,26 @@ class ShadowRepository {
   }
 
   /** Drops all but the newest CHECKPOINTS_KEPT checkpoints and collects their objects, once they pile up. */
+  /** Bytes the store's objects take (loose and packed), as git counts them. */
+  async storeBytes(): Promise<number> {
+    const out = await this.gitOk(["count-objects", "-v"]);
+    const kib = (key: string) => Number(new RegExp(`^${key}: (\\d+)`, "m").exec(out)?.[1] ?? 0);
+    return (kib("size") + kib("size-pack") + kib("size-garbage")) * 1024;
+  }
+
+  /** Every checkpoint but those in `keep` dropped, and what no ref reaches any more removed. */
+  async pruneAllBut(keep: Set<string>): Promise<void> {
+    const refs = (await this.gitOk(["for-each-ref", "--format=%(refname) %(objectname)", CHECKPOINT_REF]))
+      .split("\n")
+      .filter(Boolean);
+    const drop = refs.filter((r) => !keep.has(r.split(" ")[1]!));
+    if (drop.length)
+      await this.gitOk(["update-ref", "--stdin", "-z"], {
+        input: drop.map((r) => `delete ${r.split(" ")[0]}\0\0`).join(""),
+      });
+    await this.gitOk(["gc", "--quiet", "--prune=now"]);
+  }
+
   async pruneIfNeeded(keep: Set<string>): Promise<void> {
     const refs = (await this.gitOk(["for-each-ref", "--format=%(refname) %(objectname)", CHECKPOINT_REF]))
       .split("\n")
@@ -11895,11 +11922,46 @@ class Checkpoints {
     const made = await this.take(`after: ${oneLine(step.command, 200)}`);
     if (!made) return undefined;
     step.after = made.commit;
+    if (made.commit !== step.commit) await this.keepUnderCap();
     try {
       return await this.changesOf(step);
     } catch (error) {
       this.warn(`could not list what the command changed: ${(error as Error).message}`);
       return undefined;
+    }
+  }
+
+  /**
+   * The store stays under its cap (AIC_CHECKPOINT_STORE_MAX_MB, default CHECKPOINT_STORE_MAX_MB): a command
+   * that writes and deletes big files would otherwise grow it for good, where no command can delete it.
+   * Other runs' checkpoints go first, then this conversation's oldest commands (said once); a store over
+   * its cap with only the last command's checkpoints turns checkpoints off.
+   */
+  private async keepUnderCap(): Promise<void> {
+    const cap = checkpointStoreCap();
+    const lock = this.shadow.lock();
+    try {
+      if ((await this.shadow.storeBytes()) <= cap) return;
+      await this.shadow.pruneAllBut(this.keptCommits());
+      let dropped = 0;
+      while ((await this.shadow.storeBytes()) > cap && this.done.length > 1) {
+        this.done.shift();
+        this.redo = [];
+        dropped++;
+        await this.shadow.pruneAllBut(this.keptCommits());
+      }
+      const mb = (bytes: number) => `${Math.round(bytes / 1e6)} MB`;
+      if (dropped)
+        this.warn(
+          `the checkpoint store passed its cap of ${mb(cap)} (AIC_CHECKPOINT_STORE_MAX_MB): the oldest ${dropped} command(s) of this conversation can no longer be undone`,
+        );
+      const left = await this.shadow.storeBytes();
+      if (left > cap)
+        this.turnOff(
+          `the checkpoint store holds ${mb(left)}, over its cap of ${mb(cap)}, with only the last command's checkpoints`,
+        );
+    } finally {
+      lock();
     }
   }
 

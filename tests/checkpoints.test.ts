@@ -359,3 +359,37 @@ describe("what checkpoints leave alone", () => {
     expect(warnings).toEqual([expect.stringMatching(/^checkpoints are off: git was not found on PATH/)]);
   });
 });
+
+describe("the checkpoint store has a cap", () => {
+  /** Bytes of every file under `dir`. */
+  const bytesUnder = (dir: string): number => {
+    let total = 0;
+    for (const e of readdirSync(dir, { withFileTypes: true })) {
+      const abs = join(dir, e.name);
+      total += e.isDirectory() ? bytesUnder(abs) : e.isFile() ? statSync(abs).size : 0;
+    }
+    return total;
+  };
+
+  // Big files written and deleted again would stay in the store for good, where no command can delete them.
+  test.skipIf(!has.git)("commands that write and delete big files leave it under the cap, and say so", async () => {
+    const { dir, env } = project();
+    const big = (i: number) => `head -c 12000000 /dev/urandom > big${i}; rm -f big${i - 1}; echo wrote ${i}`;
+    const srv = fixtures.serve([bash(big(1), "b1"), bash(big(2), "b2"), bash(big(3), "b3"), bash(big(4), "b4"), done]);
+    const run = await runAic(
+      [...headless(srv.url), "--auto-approve", "--json", "--session", join(dir, "s.json"), "fill the store"],
+      { cwd: dir, env: { ...env, AIC_CHECKPOINT_STORE_MAX_MB: "30" } },
+    );
+    expect(run.code).toBe(0);
+    const store = join(env.XDG_STATE_HOME!, "aic", "checkpoints");
+    // Four random 12 MB files would be 48 MB; the cap keeps it near 30 MB (a store's own files aside).
+    expect(bytesUnder(store)).toBeLessThan(32_000_000);
+    const warned = jsonLines(run.stdout).filter((e) => e.type === "warning" && /passed its cap of 30 MB/.test(e.text));
+    expect(warned.length).toBeGreaterThan(0);
+    // The last command can still be undone: its file goes, the one before it comes back.
+    const undo = await runAic(["undo", "--session", join(dir, "s.json")], { cwd: dir, env });
+    expect(undo.code).toBe(0);
+    expect(existsSync(join(dir, "big4"))).toBe(false);
+    expect(statSync(join(dir, "big3")).size).toBe(12_000_000);
+  });
+});
