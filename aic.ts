@@ -94,6 +94,25 @@ const COMMAND_ROWS = 50;
 /** Background jobs running at once; a command that would start one more has its new ones stopped. */
 const MAX_JOBS = 8;
 /** How often running jobs are looked at (ended? orphans to reap or to adopt?). */
+/** How long a job whose groups are empty waits for the jail's init to say its exit code. */
+const JOB_EXIT_WAIT_MS = 1000;
+/** How long a tool result waits for jobs that were just signalled to end (see JobTable.settle), and how often it looks. */
+const JOB_SETTLE_MS = 300;
+const JOB_SETTLE_POLL_MS = 20;
+
+/** Whether a process has a signal pending that ends it by default (TERM, KILL, INT, HUP, QUIT): it is on its way out. */
+function dying(pid: number): boolean {
+  try {
+    const status = fs.readFileSync(`/proc/${pid}/status`, "utf8");
+    const fatal = (1n << 14n) | (1n << 8n) | (1n << 1n) | (1n << 0n) | (1n << 2n); // bits of signals 15, 9, 2, 1, 3
+    return ["SigPnd", "ShdPnd"].some((field) => {
+      const hex = new RegExp(`^${field}:\\s*([0-9a-f]+)`, "m").exec(status)?.[1];
+      return hex !== undefined && (BigInt(`0x${hex}`) & fatal) !== 0n;
+    });
+  } catch {
+    return false;
+  }
+}
 const JOB_POLL_MS = 1000;
 /** The environment variable that marks every process a command starts, so its jobs are found even after setsid. */
 const JOB_MARKER_ENV = "AIC_COMMAND_ID";
@@ -10394,6 +10413,8 @@ interface Job {
   terminal: JobTerminal;
   startedAt: number;
   endedAt?: number;
+  /** When its groups were first seen empty while its exit code was still on its way from the jail's init. */
+  emptySince?: number;
   exitCode: number | null;
   state: "running" | "ended" | "killed" | "stopped_at_exit" | "kept_at_exit" | "refused";
   /** The model has been told this job ended. */
@@ -10605,7 +10626,7 @@ class JobTable {
   }
 
   /** Reaps what ended, adopts orphans of a job that left its groups, and ends jobs whose groups are empty. */
-  private poll(): void {
+  private poll(force = false): void {
     reapAdoptedZombies();
     const running = this.running;
     for (const pid of this.children()) {
@@ -10617,10 +10638,46 @@ class JobTable {
     }
     // A group of zombies has ended too (the jail's init reaps them on its own timer).
     for (const job of running)
-      if (![...job.groups].some((g) => groupExists(g) && processesInGroup(g).length > 0)) this.finish(job, "ended");
+      if (this.groupsEmpty(job) && (force || this.exitKnownOrLate(job))) this.finish(job, "ended");
     if (this.running.length === 0 && this.timer) {
       clearInterval(this.timer);
       this.timer = undefined;
+    }
+  }
+
+  /**
+   * In the jail a job's leader is reaped by the jail's init, whose word (the `reaped` frame) can reach aic a
+   * moment after its group is seen empty: the job waits for it, up to JOB_EXIT_WAIT_MS, before it ends with
+   * its exit code unknown.
+   */
+  private exitKnownOrLate(job: Job): boolean {
+    if (this.exitKnown(job)) return true;
+    job.emptySince ??= Date.now();
+    return Date.now() - job.emptySince >= JOB_EXIT_WAIT_MS;
+  }
+
+  private exitKnown(job: Job): boolean {
+    return job.innerPid === undefined || jailReapedExitCodes.has(job.innerPid) || reapedExitCodes.has(job.pid);
+  }
+
+  private groupsEmpty(job: Job): boolean {
+    return ![...job.groups].some((g) => groupExists(g) && processesInGroup(g).length > 0);
+  }
+
+  /**
+   * Before a tool result reports the jobs: a job a command just signalled (`kill -- -N`) is given a moment
+   * (JOB_SETTLE_MS at most) to end, and an ended one in the jail to have its exit code said, so the result
+   * tells the model how it ended rather than that it still runs.
+   */
+  async settle(): Promise<void> {
+    for (const deadline = Date.now() + JOB_SETTLE_MS; this.running.length && Date.now() < deadline;) {
+      this.poll();
+      const waiting = this.running.some(
+        (j) =>
+          (this.groupsEmpty(j) && !this.exitKnown(j)) || [...j.groups].some((g) => processesInGroup(g).some(dying)),
+      );
+      if (!waiting) return;
+      await Bun.sleep(JOB_SETTLE_POLL_MS);
     }
   }
 
@@ -10714,7 +10771,7 @@ class JobTable {
 
   /** The lines every tool result ends with: each running job, and each that ended since the last result. */
   report(): string {
-    if (this.running.length) this.poll();
+    if (this.running.length) this.poll(true);
     const lines: string[] = [];
     for (const job of this.jobs) {
       if (job.state === "refused" || job.told) continue;
@@ -16167,6 +16224,7 @@ class Agent {
         answerOpenCalls(this.messages, NOT_EXECUTED_STOPPED);
         return "needs_approval";
       }
+      await this.o.jobs.settle();
       this.answer(call.id, result.content);
       if (result.kind === "suggestion") suggestion = result.text;
       if (this.stall.repeated(call.function.arguments, result.content)) return "stalled";
@@ -16952,13 +17010,27 @@ function readHistoryFile(file: string): string[] {
  */
 class PromptHistory {
   entries: string[];
+  /** This process's saves, one after another: the lock's randomized retries would let a later one win. */
+  private saving: Promise<void> = Promise.resolve();
   constructor(readonly file: string) {
     this.entries = readHistoryFile(file);
   }
 
-  async add(prompt: string): Promise<void> {
-    if (!prompt.trim()) return;
+  /** Adds `prompt` now, and saves it after every earlier save of this process (the promise says how that went). */
+  add(prompt: string): Promise<void> {
+    if (!prompt.trim()) return Promise.resolve();
     this.entries = appendHistoryEntry(this.entries, prompt);
+    const saved = this.saving.then(() => this.save(prompt));
+    this.saving = saved.catch(() => undefined);
+    return saved;
+  }
+
+  /** Resolves once every save begun so far has ended (at quit, so the last prompt is not lost). */
+  settled(): Promise<void> {
+    return this.saving;
+  }
+
+  private async save(prompt: string): Promise<void> {
     const lockfile = require("proper-lockfile") as typeof import("proper-lockfile");
     const writeFileAtomic = require("write-file-atomic") as typeof import("write-file-atomic");
     if (!fs.existsSync(this.file)) fs.writeFileSync(this.file, "", { mode: 0o600, flag: "a" });
@@ -19763,6 +19835,8 @@ class Tui implements EventSink {
     // A hung-up terminal leaves nobody to wait for: the guard's time is all there is.
     const hungUp = reason === `signal_${os.constants.signals.SIGHUP}`;
     if (this.running) await Promise.race([this.running, Bun.sleep(hungUp ? QUIT_HANGUP_WAIT_MS : QUIT_RUN_WAIT_MS)]);
+    // The last prompt typed is saved before the process ends (a save waits for the other aics' locks: bounded).
+    await Promise.race([this.prompt.history.settled(), Bun.sleep(hungUp ? 0 : QUIT_RUN_WAIT_MS)]);
     const stopped = this.o.config.keepJobs ? [] : this.run.jobs.running.map(stoppedJobLine);
     this.closeRun(reason);
     this.shellTab.stop();

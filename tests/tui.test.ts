@@ -487,6 +487,20 @@ describe("prompt history", () => {
     expect(lines.slice(-3)).toEqual(["old-999", "new-1", "new-2"]);
     expect(history.entries.slice(-3)).toEqual(["old-999", "new-1", "new-2"]);
   });
+
+  // Saves begun back to back, none awaited (as the prompt does): the file keeps the order they were typed in.
+  test("back-to-back saves, not awaited, land in the order they were typed", async () => {
+    for (let run = 0; run < 20; run++) {
+      const file = join(scratch("aic-tui-"), "history");
+      const history = new PromptHistory(file);
+      for (const prompt of ["first", "second", "third"]) void history.add(prompt);
+      await history.settled();
+      expect([run, readFileSync(file, "utf8").split("\n").filter(Boolean)]).toEqual([
+        run,
+        ["first", "second", "third"],
+      ]);
+    }
+  });
 });
 
 describe("shell tab", () => {
