@@ -19740,8 +19740,11 @@ class Tui implements EventSink {
   refreshStatus(): void {
     const state = this.awaitingApproval ? "pending" : this.agent?.running ? "running" : "idle";
     const autoApprove = this.agent?.autoApproving ?? this.o.config.autoApprove;
+    // While the dialog or the model has the turn, keys do not go to the waiting command: the footer does not say so.
+    const elsewhere = this.awaitingApproval || this.figures.activity?.kind === "model";
+    const notice = this.figures.notice === KEYS_TO_COMMAND_NOTICE && elsewhere ? undefined : this.figures.notice;
     this.status.draw(
-      { ...this.figures, rate: this.pacing.rate(), state, autoApprove },
+      { ...this.figures, notice, rate: this.pacing.rate(), state, autoApprove },
       this.dialog.request,
       this.r.width,
     );

@@ -305,8 +305,10 @@ describe.skipIf(!has.tmux)("the person at the keyboard, in tmux at 80×24", () =
     await waitFor("the model's turn at the keyboard", () => srv.requests.length >= 2);
     // The model was shown the program's screen.
     expect(toolAnswer(srv.requests[1], "call_read")).toContain("name?");
-    // Its keys are approved like any of its calls (--ask-every-command).
-    await tmux.waitFor("the keys' approval", (s) => s.includes("Approve input?"));
+    // Its keys are approved like any of its calls (--ask-every-command); the footer no longer says keys go to the
+    // program while the dialog has them.
+    const asked = await tmux.waitFor("the keys' approval", (s) => s.includes("Approve input?"));
+    expect(footer(asked)).not.toContain("keys go to the command");
     tmux.keys("Enter");
     await waitFor("the command's end", () => srv.requests.length >= 3);
     const answer = toolAnswer(srv.requests[2], "call_keys");
