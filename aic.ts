@@ -6,21 +6,36 @@
  * proposes in a real terminal (behind the person's approval unless
  * auto-approve is on), hands the result back, and loops until the model says
  * TASKCOMPLETE. The whole program lives in this file, in sections ordered the
- * way data flows through it, each opening with what it owns:
+ * way data flows through it, each opening with what it owns (this map names
+ * every section by its title; tests/build.test.ts holds it to that):
  *
- *   Constants and defaults → CLI and configuration → Secrets → What the model
- *   reads → Events → Plain and JSON output → Messages and token accounting →
- *   Model failures → Model client → Context compression → Own files on
- *   hostile ground → Session repairs → Session file writing → Session store →
- *   Sandbox → PTY and process groups → Sandbox launcher → Output capture →
- *   Waiting-for-input detection → Command runner → Background jobs →
- *   Checkpoints (the shadow repository; undo and redo) → Command rules
- *   (reading a command line; what it runs; the rules file and the verdict) →
- *   Tool calls: the approval gate and the command → Model calls and their
- *   tokens → Agent loop → Run wiring → Headless front end → Web search → TUI
- *   parts (prompt history and figures; log panes; the shell's screen and its
- *   keys; the approval dialog, the Shell tab and the footer; how events look,
- *   and the prompt; pacing) → TUI app → TUI keys, slash commands and start-up → Main
+ *   Constants and defaults → CLI: the configuration and its flags → CLI:
+ *   reading the command line → CLI: settings kept between runs → Secrets → What
+ *   the model reads → Events → Plain and JSON output → Messages and token
+ *   accounting → Model failures → Model client → Model client: the server's
+ *   context window → Context compression → Own files on hostile ground →
+ *   Session repairs → Session file writing → Session store: ids, state and
+ *   locks → Session store → Session store: kept out of commits → Sandbox: what
+ *   commands may touch → Sandbox: Landlock and capabilities → Sandbox: a run's
+ *   sandbox → The jail → The jail: building it → Repository guard → Repository
+ *   guard: the audit → PTY and process groups → Sandbox launcher → Output
+ *   capture → Waiting-for-input detection → Command runner → Background jobs:
+ *   finding them → Background jobs: the job table → Checkpoints: snapshot
+ *   settings and manifests → Checkpoints: the shadow repository → Checkpoints:
+ *   undo and redo → Checkpoints: putting files back → Command rules: reading a
+ *   command line → Command rules: what a command line runs → Command rules:
+ *   wrappers and interpreters → Command rules: programs that run programs, and
+ *   scripts a line runs → Command rules: the verdict → Command rules: read-only
+ *   programs and always-allow → Command rules: the rules file → Tool calls: the
+ *   approval gate and the command → Tool calls: keys for a waiting command →
+ *   Model calls and their tokens → Agent loop: stalls → Agent loop: the agent →
+ *   Run wiring → Headless front end → Web search → TUI parts: prompt history,
+ *   figures, footer and banner → TUI parts: log panes → TUI parts: the shell's
+ *   screen and its keys → TUI parts: the approval dialog and the Shell tab →
+ *   TUI parts: how events look, the prompt, and the layout → TUI parts: the
+ *   transcript, keys typed ahead, a program's screen → TUI parts: pacing → TUI
+ *   app → TUI keys, slash commands and start-up → Export: ATIF trajectories →
+ *   Main
  *
  * The agent core never touches the terminal: it emits typed events to a sink
  * and awaits an approval function. Plain text, JSON Lines and the TUI are

@@ -198,3 +198,20 @@ test("aic.ts and the tests type-check", () => {
   expect(tsc.stdout.toString() + tsc.stderr.toString()).toBe("");
   expect(tsc.exitCode).toBe(0);
 }, 120_000);
+
+// The file's header is its map: every section's title, in the order the file holds them (see the header of aic.ts).
+test("the header of aic.ts names every section, in order, by its title", () => {
+  const source = readFileSync(join(ROOT, "aic.ts"), "utf8");
+  const lines = source.split("\n");
+  const titles = lines.flatMap((line, i) =>
+    line.startsWith("// ════") && /^\/\/ [A-Z]/.test(lines[i + 1] ?? "") ? [lines[i + 1]!.slice(3)] : [],
+  );
+  expect(titles.length).toBeGreaterThan(40);
+  const header = source.slice(0, source.indexOf("*/")).replace(/\n \*\s*/g, " ");
+  const named = header
+    .slice(header.indexOf(titles[0]!))
+    .split(" → ")
+    .map((t) => t.trim());
+  named[named.length - 1] = named.at(-1)!.split(" ")[0]!; // the map's last entry ends where the next sentence starts
+  expect(named.slice(0, titles.length)).toEqual(titles);
+});
