@@ -1087,7 +1087,7 @@ function recordedEndpoint(sessionFile: string | undefined): RecordedEndpoint {
   const last = readWrittenRecord(absolute);
   if (last?.identity !== now || last.hash !== createHash("sha256").update(bytes).digest("hex"))
     return {
-      broken: brokenSessionLine(absolute, bytes),
+      broken: unparsedSessionLine(absolute, bytes.toString("utf8")),
       why: `; ${sessionFile} records one, but aic cannot tell the file is as it wrote it (edited, copied or moved since), so it is not used`,
     };
   const field = (key: string): string | undefined => {
@@ -1566,20 +1566,20 @@ function changedFilesNote(c: ChangedFiles): string {
   return parts.length ? `Files changed: ${parts.join("; ")}.` : "";
 }
 
-/** What aic took out of the project's repositories after a command, for the model and the person. */
-/** A line of the repository guard's that is no setting taken out but a word on the search itself. */
-const GUARD_SEARCH_NOTE = "the search for git dirs ";
+/** What the repository guard did in one look: the settings, hooks and pointers it took out, and words on its search. */
+interface GuardReport {
+  taken: string[];
+  notes: string[];
+}
 
-const disarmedMessage = (lines: readonly string[]) => {
-  const notes = lines.filter((l) => l.startsWith(GUARD_SEARCH_NOTE));
-  const taken = lines.filter((l) => !l.startsWith(GUARD_SEARCH_NOTE));
-  return [
-    ...(taken.length
-      ? [`aic took out what would have made git run code outside the sandbox: ${taken.join("; ")}.`]
+/** A guard report for the model and the person; "" when there is nothing to say. */
+const disarmedMessage = (report: GuardReport) =>
+  [
+    ...(report.taken.length
+      ? [`aic took out what would have made git run code outside the sandbox: ${report.taken.join("; ")}.`]
       : []),
-    ...notes.map((n) => `aic: ${n}.`),
+    ...report.notes.map((n) => `aic: ${n}.`),
   ].join(" ");
-};
 
 /** Output a command printed faster than it could be rendered, when even pausing it could not keep up. */
 const droppedOutputNote = (bytes: number) =>
@@ -4937,6 +4937,22 @@ function jsonErrorPlace(text: string): { line: number; column: number } | undefi
   }
 }
 
+/** How a session file that is no session aic can read is named at start: `PATH:LINE:COL: why — fix it…`. */
+function brokenSessionLine(file: string, place: { line: number; column: number } | undefined, why: string): string {
+  return `${file}:${place ? `${place.line}:${place.column}` : "1:1"}: ${why} — fix it and run aic again (or --no-session)`;
+}
+
+/** The broken-session line for `text` that does not parse as JSON, with the parser's own words; undefined when it parses. */
+function unparsedSessionLine(file: string, text: string): string | undefined {
+  try {
+    JSON.parse(text);
+    return undefined;
+  } catch (error) {
+    const message = (error as Error).message.replace(/^JSON Parse error: /, "");
+    return brokenSessionLine(file, jsonErrorPlace(text), `it is not valid JSON (${message})`);
+  }
+}
+
 const emptyUsage = (): Usage => ({ input_tokens: 0, output_tokens: 0, cached_tokens: 0, billable_tokens: 0 });
 
 function newSessionId(now = new Date()): string {
@@ -5222,7 +5238,7 @@ class SessionStore {
         const message = (error as Error).message.replace(/^JSON Parse error: /, "");
         const why = `it is not valid JSON${place ? ` at line ${place.line}, column ${place.column}` : ""} (${message})`;
         if (reloading) return this.keepAsItIs(why);
-        return this.keepBroken(`${place ? `${place.line}:${place.column}` : "1:1"}: it is not valid JSON (${message})`);
+        return this.keepBroken(brokenSessionLine(this.path, place, `it is not valid JSON (${message})`));
       }
     }
     let rawMessages: unknown;
@@ -5231,7 +5247,9 @@ class SessionStore {
     if (!Array.isArray(rawMessages))
       return reloading
         ? this.keepAsItIs("it has no `messages` list")
-        : this.keepBroken("1:1: it is JSON, but no session (it has no `messages` list)");
+        : this.keepBroken(
+            brokenSessionLine(this.path, undefined, "it is JSON, but no session (it has no `messages` list)"),
+          );
     const doc = Array.isArray(parsed) ? {} : (parsed as Record<string, unknown>);
     const version = doc.aic_session_version;
     if (typeof version === "number" && version > SESSION_VERSION) {
@@ -5319,10 +5337,9 @@ class SessionStore {
   private reloadRefused = false;
 
   /** At start, a file aic cannot read as a session: left exactly as it is, and not written until a /reload loads it. */
-  private keepBroken(placeAndWhy: string): LoadedSession {
+  private keepBroken(broken: string): LoadedSession {
     this.reloadRefused = true;
     this.brokenAtStart = true;
-    const broken = `${this.path}:${placeAndWhy} — fix it and run aic again (or --no-session)`;
     return { failed: true, broken, reports: [`${broken}; in the TUI, fix it and type /reload`] };
   }
 
@@ -5654,7 +5671,7 @@ interface Sandbox {
    * sandbox (README: "Threat model"); what it took out, one line each.
    * `deep`: the whole tree, not only the first levels (the end of a run).
    */
-  auditRepositories(deep?: boolean): string[];
+  auditRepositories(deep?: boolean): GuardReport;
   /** --keep-jobs at exit: what commands started goes on running once aic has gone (the jail stays up until it empties). */
   keepRunning(): void;
   /**
@@ -5891,7 +5908,7 @@ function sandboxOff(reason: string, keeper?: readonly string[]): Sandbox {
     sshAgent: false,
     reaper: undefined,
     start: () => void launcher?.start(),
-    auditRepositories: () => [],
+    auditRepositories: () => ({ taken: [], notes: [] }),
     keepRunning: () => launcher?.keepRunning(),
     stopEverything: () => killAdoptedOrphans(),
     spawn: async (argv, opts) => (launcher ? launcher.spawn(argv, opts) : unconfinedCommand(argv, opts)),
@@ -6458,7 +6475,7 @@ function liveSandbox(
         onRefused: (why) => (jail.refused = why),
       });
     },
-    auditRepositories: (deep) => guard?.audit(deep) ?? [],
+    auditRepositories: (deep) => guard?.audit(deep) ?? { taken: [], notes: [] },
     keepRunning: () => commands?.keepRunning(),
     stopEverything: () => {
       commands?.stopEverything();
@@ -7643,15 +7660,16 @@ class GitGuard {
   }
 
   /** What was taken out since the last audit, one line each; `deep` searches whole trees (the end of a run). */
-  audit(deep = false): string[] {
+  audit(deep = false): GuardReport {
     const done: string[] = [...this.auditParents()];
+    const notes: string[] = [];
     const found = this.search(deep);
     if (found.exhausted && (deep || !this.saidExhausted)) {
       this.saidExhausted = true;
-      done.push(
+      notes.push(
         deep
-          ? `${GUARD_SEARCH_NOTE}in the whole tree stopped at ${GIT_DEEP_SEARCH_LIMIT.toLocaleString("en-US")} directories (the commands made that many): run \`find . -name .git\` before you trust git in this tree`
-          : `${GUARD_SEARCH_NOTE}after this command stopped at ${GIT_SEARCH_LIMIT.toLocaleString("en-US")} directories; one deeper in the tree is found when the run ends, by the search of the whole tree`,
+          ? `the search for git dirs in the whole tree stopped at ${GIT_DEEP_SEARCH_LIMIT.toLocaleString("en-US")} directories (the commands made that many): run \`find . -name .git\` before you trust git in this tree`
+          : `the search for git dirs after this command stopped at ${GIT_SEARCH_LIMIT.toLocaleString("en-US")} directories; one deeper in the tree is found when the run ends, by the search of the whole tree`,
       );
     }
     try {
@@ -7667,7 +7685,7 @@ class GitGuard {
     } finally {
       found.close();
     }
-    return done;
+    return { taken: done, notes };
   }
 
   /** Every git dir to look at: below each root, the enclosing repository's, and the index's gitlinks. */
@@ -15128,10 +15146,10 @@ async function finishObservation(
   // Whatever the exit code: a pipeline (`apt-get install … | tail`) hides the failure's.
   const refused = sandboxRefusals(result.output, o.sandbox, ctx.cwd());
   if (refused.length) content += `\n${sandboxRefusalMessage(refused)}`;
-  const disarmed = o.sandbox.auditRepositories();
-  if (disarmed.length) {
-    content += `\n${disarmedMessage(disarmed)}`;
-    ctx.emit({ type: "warning", text: disarmedMessage(disarmed) });
+  const said = disarmedMessage(o.sandbox.auditRepositories());
+  if (said) {
+    content += `\n${said}`;
+    ctx.emit({ type: "warning", text: said });
   }
   if (result.jobs?.refused.length) content += `\n${refusedJobsNote(result.jobs.refused)}`;
   ctx.emit({
@@ -16582,19 +16600,6 @@ function runOutputs(session: SessionStore | undefined): OutputStore {
   );
 }
 
-/** `PATH:LINE:COL: why — fix it…` when `bytes` are not JSON, else undefined (the same line the session store says). */
-function brokenSessionLine(file: string, bytes: Buffer): string | undefined {
-  const text = bytes.toString("utf8");
-  try {
-    JSON.parse(text);
-    return undefined;
-  } catch (error) {
-    const place = jsonErrorPlace(text);
-    const message = (error as Error).message.replace(/^JSON Parse error: /, "");
-    return `${file}:${place ? `${place.line}:${place.column}` : "1:1"}: it is not valid JSON (${message}) — fix it and run aic again (or --no-session)`;
-  }
-}
-
 /** A session file that does not parse, at the start of a headless run: one line, exit 2, nothing asked or written. */
 class BrokenSession extends Error {}
 
@@ -16682,8 +16687,8 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
         jobs.stopAll();
         prepared.sandbox.stopEverything();
       }
-      const disarmed = prepared.sandbox.auditRepositories(true);
-      if (disarmed.length) front.sink.emit({ type: "warning", text: disarmedMessage(disarmed) });
+      const said = disarmedMessage(prepared.sandbox.auditRepositories(true));
+      if (said) front.sink.emit({ type: "warning", text: said });
       agent.checkpoint(reason);
       session?.release();
       outputs.close(config.keepJobs);

@@ -42,6 +42,8 @@ import {
   startAic,
   unique,
   waitFor,
+  NOBODY_USER,
+  THIS_USER,
 } from "./helpers.ts";
 
 const fixtures = perTestFixtures();
@@ -52,7 +54,6 @@ const PREFIX = "prefix" in refusals ? refusals.prefix : [];
 const NO_REFUSALS = "skip" in refusals ? refusals.skip : undefined;
 const LANDLOCK = kernelLandlockAbi() > 0;
 const PYTHON = "/usr/bin/python3";
-const NOBODY = 65534;
 
 /** Things a test starts outside aic (a socket listener, a kept server): stopped after each test. */
 const cleanups: (() => void)[] = [];
@@ -251,15 +252,7 @@ async function ranAs(
 }
 
 /** Who runs aic: root, and uid 65534 through setpriv (needs root and setpriv). */
-const USERS = [
-  { label: "as root", uid: 0, wrap: [] as string[], skip: !has.root },
-  {
-    label: "as uid 65534",
-    uid: NOBODY,
-    wrap: ["setpriv", `--reuid=${NOBODY}`, `--regid=${NOBODY}`, "--clear-groups", "--"],
-    skip: !has.root || !has.setpriv,
-  },
-];
+const USERS = [{ ...THIS_USER, label: "as root", skip: !has.root }, NOBODY_USER];
 
 /** A project, home and state directory owned by `uid`, under /var/tmp. */
 function placeFor(uid: number) {
@@ -501,9 +494,8 @@ describe.skipIf(!has.root || !has.setpriv)("a home aic may not search", () => {
     const dir = fixtures.varTmp("aic-field-home-");
     chmodSync(dir, 0o777);
     const srv = fixtures.serve([bash("echo ran-with-unsearchable-home", "c1"), done]);
-    const wrap = ["setpriv", `--reuid=${NOBODY}`, `--regid=${NOBODY}`, "--clear-groups", "--"];
     const run = await startAic([...headless(srv.url), "--json", "--auto-approve", "go"], {
-      prefix: wrap,
+      prefix: NOBODY_USER.wrap,
       cwd: dir,
       env: { HOME: "/root", XDG_STATE_HOME: undefined, XDG_CONFIG_HOME: undefined },
     }).done;

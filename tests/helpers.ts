@@ -76,6 +76,39 @@ export const has = {
   landlock: kernelLandlockAbi() > 0,
 };
 
+/** Whether this kernel lets aic build its jail: Landlock, util-linux unshare, and user namespaces that work. */
+export const jailUsable =
+  has.landlock &&
+  has.unshare &&
+  Bun.spawnSync(["unshare", "--user", "--map-current-user", "--mount", "--pid", "--fork", "true"]).exitCode === 0;
+
+/** The unprivileged user the tests run aic as (through setpriv, from root). */
+export const NOBODY = 65534;
+
+/** Who runs aic in a test: a label, the uid, the argv prefix that switches to it, and whether this machine can. */
+export interface TestUser {
+  label: string;
+  uid: number;
+  wrap: string[];
+  skip: boolean;
+}
+
+/** This process's user. */
+export const THIS_USER: TestUser = {
+  label: has.root ? "as root" : "as this user",
+  uid: process.getuid?.() ?? 0,
+  wrap: [],
+  skip: false,
+};
+
+/** uid 65534, switched to with setpriv: needs root and setpriv. */
+export const NOBODY_USER: TestUser = {
+  label: "as uid 65534",
+  uid: NOBODY,
+  wrap: ["setpriv", `--reuid=${NOBODY}`, `--regid=${NOBODY}`, "--clear-groups", "--"],
+  skip: !has.root || !has.setpriv,
+};
+
 // ---------------------------------------------------------------------------------------------
 // Waiting
 

@@ -31,31 +31,20 @@ import {
   toolResults,
   unique,
   waitFor,
+  NOBODY_USER,
+  THIS_USER,
+  type TestUser,
+  jailUsable,
 } from "./helpers.ts";
 
 const fixtures = perTestFixtures();
 
-/** Whether this kernel lets aic build its jail: Landlock, util-linux unshare, and user namespaces that work. */
-const jailUsable =
-  has.landlock &&
-  has.unshare &&
-  Bun.spawnSync(["unshare", "--user", "--map-current-user", "--mount", "--pid", "--fork", "true"]).exitCode === 0;
-const NOBODY = 65534;
 const PYTHON = "/usr/bin/python3";
 const hasPython = existsSync(PYTHON);
 const hasSshAgent = Bun.spawnSync(["sh", "-c", "command -v ssh-agent && command -v ssh-add"]).exitCode === 0;
-
 /** Who runs aic: this process's user, and (as root, with setpriv) uid 65534. */
-const USERS = [
-  { label: has.root ? "as root" : "as this user", uid: process.getuid?.() ?? 0, wrap: [] as string[], skip: false },
-  {
-    label: "as uid 65534",
-    uid: NOBODY,
-    wrap: ["setpriv", `--reuid=${NOBODY}`, `--regid=${NOBODY}`, "--clear-groups", "--"],
-    skip: !has.root || !has.setpriv,
-  },
-];
-type User = (typeof USERS)[number];
+const USERS = [THIS_USER, NOBODY_USER];
+type User = TestUser;
 
 /** A project, a home and a state directory owned by `user`, under /var/tmp (outside the writable /tmp). */
 function place(user: User) {

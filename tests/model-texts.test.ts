@@ -100,7 +100,10 @@ const rendered: Record<keyof typeof T, string> = {
     modified: Array.from({ length: 10 }, (_, i) => `src/m${i}.ts`),
     deleted: ["old.txt"],
   }),
-  disarmedMessage: T.disarmedMessage(["/work/proj/new/.git/config: core.fsmonitor (as it was: …)"]),
+  disarmedMessage: T.disarmedMessage({
+    taken: ["/work/proj/new/.git/config: core.fsmonitor (as it was: …)"],
+    notes: [],
+  }),
   droppedOutputNote: T.droppedOutputNote(4096),
   jobLine: T.jobLine(job as never, 41).replace(/running for \d+ s/, "running for N s"),
   refusedJobsNote: T.refusedJobsNote([{ command: "sleep 100" }, { command: "tail -f log" }]),

@@ -36,6 +36,10 @@ import {
   toolResults,
   unique,
   waitFor,
+  NOBODY_USER,
+  THIS_USER,
+  type TestUser,
+  jailUsable,
 } from "./helpers.ts";
 
 const fixtures = perTestFixtures();
@@ -43,24 +47,9 @@ const done = { content: "TASKCOMPLETE" };
 const GIT = Bun.which("git") ?? "/usr/bin/git";
 const hasCc = Bun.which("cc") !== null;
 
-/** Whether this kernel lets aic build its jail: Landlock, util-linux unshare, and user namespaces that work. */
-const jailUsable =
-  has.landlock &&
-  has.unshare &&
-  Bun.spawnSync(["unshare", "--user", "--map-current-user", "--mount", "--pid", "--fork", "true"]).exitCode === 0;
-
-const NOBODY = 65534;
-/** Who runs aic and the person's tools: this process's user, and (as root, with setpriv) uid 65534. */
-const USERS = [
-  { label: has.root ? "as root" : "as this user", uid: process.getuid?.() ?? 0, wrap: [] as string[], skip: false },
-  {
-    label: "as uid 65534",
-    uid: NOBODY,
-    wrap: ["setpriv", `--reuid=${NOBODY}`, `--regid=${NOBODY}`, "--clear-groups", "--"],
-    skip: !has.root || !has.setpriv,
-  },
-];
-type User = (typeof USERS)[number];
+/** Who runs aic: this process's user, and (as root, with setpriv) uid 65534. */
+const USERS = [THIS_USER, NOBODY_USER];
+type User = TestUser;
 
 /** Things a test starts outside aic (a tmux server, a mount namespace): stopped after each test. */
 const cleanups: (() => void)[] = [];
