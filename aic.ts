@@ -3895,6 +3895,8 @@ function openLinuxLibc() {
     mount: { args: [FFIType.ptr, FFIType.ptr, FFIType.ptr, FFIType.u64, FFIType.ptr], returns: FFIType.i32 },
     socket: { args: [FFIType.i32, FFIType.i32, FFIType.i32], returns: FFIType.i32 },
     ioctl: { args: [FFIType.i32, FFIType.u64, FFIType.ptr], returns: FFIType.i32 },
+    // The exec supervisor's wait for a call to judge (see "Sandbox: judging each program a command executes").
+    poll: { args: [FFIType.ptr, FFIType.u64, FFIType.i32], returns: FFIType.i32 },
     __errno_location: { args: [], returns: FFIType.ptr },
     signal: { args: [FFIType.i32, FFIType.u64], returns: FFIType.u64 },
   });
@@ -5655,6 +5657,8 @@ interface Sandbox {
   readonly ruleCount: number;
   /** Programs deny rules forbid that commands cannot execute (or read) at all: the kernel refuses them. */
   readonly deniedPrograms: readonly string[];
+  /** Deny rules judged at each execve of a command (a subcommand or arguments): see "Sandbox: judging each program…". */
+  readonly heldAtExec: readonly string[];
   /** How commands are confined: the jail (Landlock inside namespaces), Landlock alone, or not at all. */
   readonly jail: SandboxFacts["jail"];
   /** Why commands get no more than `jail` (undefined in the jail). */
@@ -5869,6 +5873,8 @@ interface SandboxPlan {
   /** Some programs may not be executed: a rule's read grant then grants execution too, the rest has none. */
   confineExec: boolean;
   rules: SandboxRule[];
+  /** Deny rules the kernel cannot hold by refusing a file (a subcommand, arguments): judged at each execve instead. */
+  judgeExec?: string[];
 }
 
 /** The sandbox as the start event reports it. */
@@ -5902,6 +5908,7 @@ function sandboxOff(reason: string, keeper?: readonly string[]): Sandbox {
     secrets: [],
     ruleCount: 0,
     deniedPrograms: [],
+    heldAtExec: [],
     jail: "off",
     weaker: reason,
     network: "on",
@@ -6232,7 +6239,7 @@ function writeRights(abi: number): bigint {
  * Runs in the `__sandbox-exec` child: confines this process to `writable`
  * and replaces it with `argv`. Only returns on failure (exit code 126).
  */
-function sandboxExec(plan: SandboxPlan, argv: string[]): number {
+function sandboxExec(plan: SandboxPlan, argv: string[]): number | Promise<number> {
   const fail = (what: string) => {
     writeOut(2, `aic sandbox: ${what}\n`);
     return 126;
@@ -6288,6 +6295,8 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number {
     buffers.forEach((b, i) => (table[i] = BigInt(ptr(b))));
     return { buffers, table };
   };
+  // Deny rules on subcommands need a judge at each execve: this process stays, as the launcher's parent.
+  if (plan.judgeExec?.length && !execJudgeMissing()) return superviseLauncher(plan.judgeExec, argv);
   const args = cStrings(argv);
   const env = cStrings(Object.entries(process.env).map(([k, v]) => `${k}=${v ?? ""}`));
   c.execve(Buffer.from(argv[0] + "\0"), ptr(args.table), ptr(env.table));
@@ -6308,6 +6317,340 @@ function selfCommand(): string {
 }
 
 /** What aic keeps of its own that no command may read: the checkpoint store, the prompt history, other runs' outputs. */
+
+// ════════════════════════════════════════════════════════════════════════════
+// Sandbox: judging each program a command executes
+// Owns: holding a deny rule on a subcommand or arguments (`deny git push *`)
+// at exec time, whatever route led there (a script, `find -exec`, an editor's
+// `:!`, a pager, git's own fsmonitor). The launcher puts itself and every
+// command under a seccomp filter that hands each execve to a supervisor, its
+// parent (an ancestor of every command, so ptrace rules let it read their
+// memory), which reads the program and its argv, judges them with the same
+// rules as the parser, and lets the call go on or fails it with EPERM.
+// The kernel's own warning holds: letting a call go on after looking at its
+// memory is not airtight, since another thread of the caller may rewrite the
+// arguments in between (README: "Command rules"); the parser still judges the
+// line first, and programs denied outright are refused by Landlock.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** Set in the launcher's environment when it must put itself under the filter: "init" when the supervisor is the jail's PID 1. */
+const EXEC_JUDGE_ENV = "AIC_EXEC_JUDGE";
+/** Where the launcher parks the listener until the supervisor has taken it (pidfd_getfd). */
+const EXEC_LISTENER_FD = 1000;
+const SYS_SECCOMP = 317;
+const SYS_DUP3 = 292;
+const SYS_PIDFD_OPEN = 434;
+const SYS_PIDFD_GETFD = 438;
+const SECCOMP_SET_MODE_FILTER = 1;
+const SECCOMP_FILTER_FLAG_TSYNC = 1;
+const SECCOMP_FILTER_FLAG_NEW_LISTENER = 8;
+const SECCOMP_FILTER_FLAG_TSYNC_ESRCH = 16;
+/** struct seccomp_notif is 80 bytes, struct seccomp_notif_resp 24: the ioctls encode those sizes. */
+const SECCOMP_IOCTL_NOTIF_RECV = 0xc0502100;
+const SECCOMP_IOCTL_NOTIF_SEND = 0xc0182101;
+const SECCOMP_IOCTL_NOTIF_ID_VALID = 0x40082102;
+const SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1;
+const EPERM = 1;
+/** execve and execveat, natively and in the x32 and i386 ABIs (the other two are refused outright). */
+const SYSCALL_EXECVE = 59;
+const SYSCALL_EXECVEAT = 322;
+/** The longest program path and the most argv bytes read from a caller; more is refused, not half-judged. */
+const EXEC_PATH_MAX = 4096;
+const EXEC_ARGV_MAX_BYTES = 1 << 20;
+
+/** Why exec-time judging cannot run here, or undefined. */
+function execJudgeMissing(): string | undefined {
+  if (process.platform !== "linux") return `not Linux (${process.platform})`;
+  if (process.arch !== "x64") return `the exec filter is built for x86-64, not ${process.arch}`;
+  return undefined;
+}
+
+/**
+ * The filter: execve and execveat go to the supervisor; the same calls in the
+ * x32 and i386 ABIs, and any new filter with a listener of its own (which
+ * would take the calls before this one), fail with EPERM; all else runs.
+ */
+function execFilterProgram(): Uint8Array {
+  const LD = 0x20,
+    JEQ = 0x15,
+    JSET = 0x45,
+    RET = 0x06;
+  const ALLOW = 0x7fff0000,
+    NOTIFY = 0x7fc00000,
+    REFUSE = 0x00050000 | EPERM;
+  // [code, jump if true, jump if false, k]; jumps count instructions after the next one.
+  const program: [number, number, number, number][] = [
+    [LD, 0, 0, 4], // 0: arch
+    [JEQ, 0, 9, 0xc000003e], // 1: x86-64, else 11
+    [LD, 0, 0, 0], // 2: nr
+    [JEQ, 12, 0, SYSCALL_EXECVE], // 3: → 16 notify
+    [JEQ, 11, 0, SYSCALL_EXECVEAT], // 4: → 16
+    [JEQ, 9, 0, 0x40000000 + 520], // 5: x32 execve → 15 refuse
+    [JEQ, 8, 0, 0x40000000 + 545], // 6: x32 execveat → 15
+    [JEQ, 0, 6, SYS_SECCOMP], // 7: seccomp(), else → 14 allow
+    [LD, 0, 0, 24], // 8: its flags (args[1], low half)
+    [JSET, 5, 0, SECCOMP_FILTER_FLAG_NEW_LISTENER], // 9: → 15 refuse
+    [RET, 0, 0, ALLOW], // 10
+    [LD, 0, 0, 0], // 11: nr, in another ABI (i386 through int 0x80)
+    [JEQ, 2, 0, 11], // 12: i386 execve → 15
+    [JEQ, 1, 0, 358], // 13: i386 execveat → 15
+    [RET, 0, 0, ALLOW], // 14
+    [RET, 0, 0, REFUSE], // 15
+    [RET, 0, 0, NOTIFY], // 16
+  ];
+  const bytes = new Uint8Array(program.length * 8);
+  const view = new DataView(bytes.buffer);
+  program.forEach(([code, jt, jf, k], i) => {
+    view.setUint16(i * 8, code, true);
+    view.setUint8(i * 8 + 2, jt);
+    view.setUint8(i * 8 + 3, jf);
+    view.setUint32(i * 8 + 4, k >>> 0, true);
+  });
+  return bytes;
+}
+
+/**
+ * In the launcher, before anything else: the filter on every thread of it
+ * (and so on every command it starts), its listener parked at
+ * EXEC_LISTENER_FD for the supervisor, then one execve of a path that does
+ * not exist, which blocks until the supervisor has taken the listener and
+ * answered: only then is the launcher's own copy closed. Returns why not.
+ */
+function putLauncherUnderExecJudge(): string | undefined {
+  const c = libc()?.symbols;
+  if (!c) return "cannot open libc.so.6 through bun:ffi";
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  if (process.env[EXEC_JUDGE_ENV] === "init" && c.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) !== 0)
+    return `prctl(PR_SET_CHILD_SUBREAPER) was refused: ${lastErrno()}`;
+  const filter = execFilterProgram();
+  // struct sock_fprog { u16 len; /* 6 bytes of padding */ struct sock_filter *filter; }
+  const fprog = new BigUint64Array([BigInt(filter.length / 8), BigInt(ptr(filter))]);
+  const flags = SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_TSYNC | SECCOMP_FILTER_FLAG_TSYNC_ESRCH;
+  const listener = Number(c.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, flags, ptr(fprog), 0, 0));
+  if (listener < 0) return `the exec filter was refused (seccomp: ${lastErrno()})`;
+  if (Number(c.syscall(SYS_DUP3, listener, EXEC_LISTENER_FD, O_CLOEXEC, 0, 0)) !== EXEC_LISTENER_FD)
+    return `cannot park the exec filter's listener: ${lastErrno()}`;
+  c.close(listener);
+  const none = new BigUint64Array(1);
+  c.execve(Buffer.from("/proc/aic-exec-judge-handshake\0"), ptr(none), ptr(none));
+  const answered = lastErrno();
+  c.close(EXEC_LISTENER_FD);
+  // ENOSYS: the call found no listener, so nobody judges; ENOENT is the kernel's own answer once it went on.
+  return answered === "ENOENT" ? undefined : `the exec supervisor did not answer (${answered})`;
+}
+
+/** A C string at `address` in the memory of `mem` (a /proc/PID/mem descriptor), up to `max` bytes; undefined past that. */
+function readMemoryString(mem: number, address: number, max: number): string | undefined {
+  const chunks: Buffer[] = [];
+  let total = 0;
+  while (total < max) {
+    // Up to the end of the page: the next one may not be mapped.
+    const size = Math.min(4096 - ((address + total) % 4096), max - total);
+    const chunk = Buffer.alloc(size);
+    const got = fs.readSync(mem, chunk, 0, size, address + total);
+    if (got <= 0) return undefined;
+    const end = chunk.subarray(0, got).indexOf(0);
+    if (end >= 0) return Buffer.concat([...chunks, chunk.subarray(0, end)]).toString("utf8");
+    chunks.push(chunk.subarray(0, got));
+    total += got;
+  }
+  return undefined;
+}
+
+/** The NULL-terminated array of C strings at `address`: argv as the caller passed it; undefined when too big or unreadable. */
+function readStringArray(mem: number, address: number): string[] | undefined {
+  const strings: string[] = [];
+  let bytes = 0;
+  const slot = Buffer.alloc(8);
+  for (let i = 0; address !== 0; i++) {
+    if (fs.readSync(mem, slot, 0, 8, address + i * 8) !== 8) return undefined;
+    const at = Number(slot.readBigUInt64LE(0));
+    if (at === 0) return strings;
+    const s = readMemoryString(mem, at, Math.min(EXEC_PATH_MAX * 32, EXEC_ARGV_MAX_BYTES - bytes));
+    if (s === undefined) return undefined;
+    bytes += s.length + 1;
+    strings.push(s);
+  }
+  return strings;
+}
+
+/** One execve as the supervisor sees it: who calls, the program's path as given, and its argv. */
+interface ExecCall {
+  pid: number;
+  /** The path as the kernel will open it: absolute, through the caller's root, cwd or directory descriptor. */
+  file: string;
+  name: string;
+  argv: string[];
+  cwd: string;
+}
+
+/** What the supervisor judges with: the rules, the programs they name and those programs' files (by inode). */
+interface ExecJudge {
+  rules: CommandRule[];
+  programs: Set<string>;
+  inodes: Map<string, string>;
+}
+
+function execJudgeOf(ruleLines: readonly string[]): ExecJudge {
+  const rules = parseRuleLines(ruleLines.join("\n")).rules;
+  const programs = new Set(rules.map((r) => baseName(r.words[0] ?? "")).filter(Boolean));
+  const inodes = new Map<string, string>();
+  for (const name of programs)
+    for (const file of programFiles(name)) {
+      const st = fs.statSync(file, { throwIfNoEntry: false });
+      if (st) inodes.set(`${st.dev}:${st.ino}`, name);
+    }
+  return { rules, programs, inodes };
+}
+
+const quotedWord = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
+
+/**
+ * The command line an exec amounts to for the rules, or undefined when it is
+ * none of the judged programs: matched by name, by the file's inode (a link
+ * under another name), as `git-push` for `git push`, or through the dynamic
+ * loader (`ld.so /usr/bin/git push`).
+ */
+function judgedLine(judge: ExecJudge, call: ExecCall, depth = 0): string | undefined {
+  const rest = call.argv.slice(1);
+  if (/^ld(-linux[\w-]*)?\.so(\.\d+)?$/.test(call.name) && depth === 0) {
+    let i = 0;
+    while (i < rest.length && rest[i]!.startsWith("--"))
+      i += ["--list", "--verify", "--inhibit-cache"].includes(rest[i]!) ? 1 : 2;
+    const program = rest[i];
+    if (!program) return undefined;
+    const file = path.resolve(call.cwd, program);
+    return judgedLine(judge, { ...call, file, name: baseName(program), argv: rest.slice(i) }, 1);
+  }
+  let program = judge.programs.has(call.name) ? call.name : undefined;
+  if (!program) {
+    const st = fs.statSync(call.file, { throwIfNoEntry: false });
+    program = st ? judge.inodes.get(`${st.dev}:${st.ino}`) : undefined;
+  }
+  const dashed = [...judge.programs].find((p) => call.name.startsWith(`${p}-`) && call.name.length > p.length + 1);
+  if (!program && !dashed) return undefined;
+  const words =
+    dashed && program !== call.name ? [dashed, call.name.slice(dashed.length + 1), ...rest] : [program!, ...rest];
+  return words.map(quotedWord).join(" ");
+}
+
+/** Reads one notification's call, or undefined when its memory cannot be read whole (it is refused then). */
+function readExecCall(pid: number, nr: number, args: BigUint64Array): ExecCall | undefined {
+  const at = (i: number) => Number(args[i]!);
+  let mem: number;
+  try {
+    mem = fs.openSync(`/proc/${pid}/mem`, "r");
+  } catch {
+    return undefined;
+  }
+  try {
+    const execveat = nr === SYSCALL_EXECVEAT;
+    const given = readMemoryString(mem, at(execveat ? 1 : 0), EXEC_PATH_MAX);
+    const argv = readStringArray(mem, at(execveat ? 2 : 1));
+    if (given === undefined || argv === undefined) return undefined;
+    const cwd = fs.readlinkSync(`/proc/${pid}/cwd`);
+    const dirfd = execveat ? Number(BigInt.asIntN(32, args[0]!)) : -100; // AT_FDCWD
+    const base = dirfd === -100 ? cwd : `/proc/${pid}/fd/${dirfd}`;
+    const file = given === "" ? base : path.resolve(base, given);
+    const name = baseName(given === "" ? fs.readlinkSync(base) : given);
+    return { pid, file, name, argv, cwd };
+  } catch {
+    return undefined;
+  } finally {
+    fs.closeSync(mem);
+  }
+}
+
+/** The one line a refused program's caller sees on its standard error (its terminal, for a command). */
+function tellRefusedCaller(pid: number, line: string): void {
+  try {
+    const fd = fs.openSync(`/proc/${pid}/fd/2`, O.O_WRONLY | O.O_APPEND | O.O_NONBLOCK | O.O_NOCTTY);
+    try {
+      const st = fs.fstatSync(fd);
+      if (st.isCharacterDevice() || st.isFIFO()) fs.writeSync(fd, `${line}\n`);
+    } finally {
+      fs.closeSync(fd);
+    }
+  } catch {
+    /* a caller without a standard error to write to still gets EPERM */
+  }
+}
+
+/** Judges one call: undefined lets it go on; a string is the refusal the caller is told. */
+function judgeExec(judge: ExecJudge, call: ExecCall | undefined): string | undefined {
+  if (!call) return "aic: refused at exec: the program and its arguments could not be read whole";
+  const line = judgedLine(judge, call);
+  if (line === undefined) return undefined;
+  const verdict = judgeCommand(judge.rules, line, { cwd: call.cwd, root: call.cwd });
+  if (verdict.verdict === "deny")
+    return `aic: refused at exec: ${oneLine(line, 200)} — the rule "${verdict.rule?.written}"${verdict.rule?.reason ? ` (${verdict.rule.reason})` : ""}`;
+  if (verdict.unsure)
+    return `aic: refused at exec: ${oneLine(line, 200)} — it cannot be judged while a deny rule names ${line.split(" ")[0]} (${verdict.unsure})`;
+  return undefined;
+}
+
+/**
+ * `__sandbox-exec` / the jail's init, once confined, when a deny rule names a
+ * subcommand or arguments: starts the launcher as its child and judges every
+ * execve of it and of its commands until none is left. Returns the
+ * launcher's exit code.
+ */
+async function superviseLauncher(ruleLines: readonly string[], argv: string[]): Promise<number> {
+  const c = libc()!.symbols;
+  c.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  if (process.pid === 1) for (const sig of INIT_IGNORED_SIGNALS) c.signal(sig, SIG_IGN);
+  const judge = execJudgeOf(ruleLines);
+  const env = { ...process.env, [EXEC_JUDGE_ENV]: process.pid === 1 ? "init" : "1" };
+  // Descriptor 3 (aic's own binary, by which the launcher is started) goes on to it; Bun's types know three entries.
+  const stdio = ["inherit", "inherit", "inherit", 3] as unknown as ["inherit", "inherit", "inherit"];
+  const launcher = Bun.spawn(argv, { stdio, env });
+  fs.closeSync(3);
+  const pidfd = Number(c.syscall(SYS_PIDFD_OPEN, launcher.pid, 0, 0, 0, 0));
+  let listener = -1;
+  while (pidfd >= 0 && listener < 0 && launcher.exitCode === null && launcher.signalCode === null) {
+    listener = Number(c.syscall(SYS_PIDFD_GETFD, pidfd, EXEC_LISTENER_FD, 0, 0, 0));
+    if (listener < 0) await Bun.sleep(2);
+  }
+  if (listener >= 0) await judgeExecsUntilDone(judge, listener, launcher);
+  return await launcher.exited;
+}
+
+/** The supervisor's loop: blocking, since it has nothing else to do; it looks up between calls to see the launcher gone. */
+async function judgeExecsUntilDone(judge: ExecJudge, listener: number, launcher: Bun.Subprocess): Promise<void> {
+  const c = libc()!.symbols;
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  // struct pollfd { int fd; short events; short revents; }
+  const pollfd = new Int32Array([listener, 1 /* POLLIN */]);
+  const notif = new BigUint64Array(10); // struct seccomp_notif: id, pid|flags, nr|arch, ip, args[6]
+  const response = new BigUint64Array(3); // struct seccomp_notif_resp: id, val, error|flags
+  const id = new BigUint64Array(1);
+  for (;;) {
+    pollfd[1] = 1;
+    const ready = c.poll(ptr(pollfd), 1, 250);
+    const revents = pollfd[1]! >>> 16;
+    if (ready > 0 && revents & 1) {
+      notif.fill(0n);
+      if (c.ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, ptr(notif)) !== 0) continue; // the caller died meanwhile
+      const pid = Number(notif[1]! & 0xffffffffn);
+      const nr = Number(BigInt.asIntN(32, notif[2]! & 0xffffffffn));
+      const call = readExecCall(pid, nr, notif.subarray(4, 10));
+      id[0] = notif[0]!;
+      // The pid may have been reused while its memory was read: only a call still waiting is answered from it.
+      if (c.ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, ptr(id)) !== 0) continue;
+      const refusal = judgeExec(judge, call);
+      if (refusal) tellRefusedCaller(pid, refusal);
+      response[0] = notif[0]!;
+      response[1] = 0n;
+      response[2] = refusal ? BigInt(-EPERM >>> 0) : BigInt(SECCOMP_USER_NOTIF_FLAG_CONTINUE) << 32n;
+      c.ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, ptr(response));
+    } else if (revents & 0x18 /* POLLHUP | POLLERR */) return;
+    else if (ready === 0) {
+      // Idle: let Bun see the launcher's exit (the kernel keeps the filter while its zombie is unreaped).
+      await Bun.sleep(0);
+      if (launcher.exitCode !== null || launcher.signalCode !== null) return;
+    }
+  }
+}
 
 // ════════════════════════════════════════════════════════════════════════════
 // Sandbox: a run's sandbox
@@ -6349,7 +6692,14 @@ interface JailChoice {
   allowSshAgent: boolean;
 }
 
-function setUpSandbox(config: Config, deniedPrograms: readonly string[] = []): Sandbox {
+/** A deny rule as the sandbox needs it: its words, and its text for the exec judge. */
+type DenyRule = Pick<CommandRule, "written" | "words">;
+
+function setUpSandbox(
+  config: Config,
+  deniedPrograms: readonly string[] = [],
+  denyRules: readonly DenyRule[] = [],
+): Sandbox {
   // A run asked to keep commands off the network must not quietly run them on it.
   const noNetwork = (why: string) => new UsageError(`--network off needs the jail, which cannot be used here: ${why}`);
   // aic's own binary by descriptor (fd 3 of the launcher), as for the confined launcher below.
@@ -6364,7 +6714,7 @@ function setUpSandbox(config: Config, deniedPrograms: readonly string[] = []): S
     return sandboxOff(abi, keeper);
   }
   const home = homeDirectory();
-  const paths = sandboxPaths(config, home, deniedPrograms);
+  const paths = sandboxPaths(config, home, deniedPrograms, denyRules);
   noteCommandWritable(paths.writable);
   // The launcher must be something a confined command cannot swap out: aic's own binary by descriptor (fd 3 of
   // the child, opened from /proc/self/exe when it starts), the very inode running now.
@@ -6396,7 +6746,12 @@ interface SandboxPaths {
   plan: SandboxPlan;
 }
 
-function sandboxPaths(config: Config, home: string | undefined, deniedPrograms: readonly string[]): SandboxPaths {
+function sandboxPaths(
+  config: Config,
+  home: string | undefined,
+  deniedPrograms: readonly string[],
+  denyRules: readonly DenyRule[],
+): SandboxPaths {
   const caches = home ? prepareCaches(home) : [];
   // Real paths, so the launcher can open each without following a link (a command may plant one later).
   const real = (dir: string) => (fs.lstatSync(dir).isSymbolicLink() ? fs.realpathSync(dir) : dir);
@@ -6421,6 +6776,9 @@ function sandboxPaths(config: Config, home: string | undefined, deniedPrograms: 
   const state = aicStatePaths(home).filter((p) => !inWritable(p));
   const enforced = deniedPrograms.filter((name) => programFiles(name).some((f) => binaries.includes(f)));
   const plan = planSandbox(writable, [...secrets, ...state], binaries);
+  // What the kernel cannot refuse by file (a subcommand, arguments, a program where commands write) is judged at exec.
+  const judged = denyRules.filter((r) => r.words.length !== 1 || !enforced.includes(r.words[0]!));
+  if (judged.length && !execJudgeMissing()) plan.judgeExec = judged.map((r) => r.written);
   return { caches: caches.map(real), writable, secrets, exposed, enforced, plan };
 }
 
@@ -6431,7 +6789,8 @@ function liveSandbox(
 ): Sandbox {
   const { abi, home, self, jail } = o;
   const { caches, writable, secrets, exposed, enforced, plan } = o.paths;
-  const status = sandboxStatus({ abi, home, writable, caches, secrets, exposed, enforced, jail, config });
+  const heldAtExec = plan.judgeExec ?? [];
+  const status = sandboxStatus({ abi, home, writable, caches, secrets, exposed, enforced, heldAtExec, jail, config });
   let commands: SandboxLauncher | undefined;
   let guard: GitGuard | undefined;
   const facts = {
@@ -6441,6 +6800,7 @@ function liveSandbox(
     secrets: plan.confineReads ? secrets : [],
     ruleCount: plan.rules.length,
     deniedPrograms: enforced,
+    heldAtExec,
   };
   return {
     ...facts,
@@ -6506,8 +6866,9 @@ function startLauncher(o: {
       ? { ...o.plan, rules: [...o.plan.rules, { ...outputs, access: "r" as const }] }
       : o.plan;
   const plain = [...o.self, SANDBOX_EXEC, JSON.stringify(plan), "--", ...o.self, SANDBOX_LAUNCHER];
+  const supervised = Boolean(plan.judgeExec?.length) && !execJudgeMissing();
   if (o.jail.refused) {
-    const launcher = new SandboxLauncher(plain, false);
+    const launcher = new SandboxLauncher(plain, false, undefined, supervised);
     void launcher.start();
     return launcher;
   }
@@ -6531,7 +6892,7 @@ function startLauncher(o: {
   const fallback = o.jail.net
     ? undefined
     : { argv: plain, onRefused: (why: string) => o.onRefused(`namespaces were refused when the jail started: ${why}`) };
-  const jailed = new SandboxLauncher([...argv, plans, "--", ...o.self, SANDBOX_LAUNCHER], true, fallback);
+  const jailed = new SandboxLauncher([...argv, plans, "--", ...o.self, SANDBOX_LAUNCHER], true, fallback, supervised);
   void jailed.start();
   return jailed;
 }
@@ -6545,6 +6906,7 @@ function sandboxStatus(o: {
   secrets: string[];
   exposed: string[];
   enforced: string[];
+  heldAtExec: readonly string[];
   jail: JailChoice;
   config: Config;
 }): () => string {
@@ -6563,7 +6925,8 @@ function sandboxStatus(o: {
     (o.exposed.length
       ? `; ${shown(o.exposed)} stay readable and writable, since aic started in a directory that holds them`
       : "") +
-    (o.enforced.length ? `; denied programs cannot be executed: ${o.enforced.join(", ")}` : "");
+    (o.enforced.length ? `; denied programs cannot be executed: ${o.enforced.join(", ")}` : "") +
+    (o.heldAtExec.length ? `; held at exec: ${few(o.heldAtExec.map((r) => r.replace(/^deny\s+/, "")))}` : "");
   return () => {
     const jail = o.jail.refused
       ? `Landlock alone, no jail: ${o.jail.refused}; commands can reach Unix sockets and the terminal, see other processes, write .git/config and hooks, and leave processes running after aic exits`
@@ -7102,7 +7465,7 @@ function buildJail(plan: JailPlan): void {
  * execve of ARGV, the launcher). Exit 124: the namespaces give no power (fall
  * back); any other failure: 125, and commands are not run.
  */
-function jailInit(plans: { jail: JailPlan; sandbox: SandboxPlan }, argv: string[]): number {
+function jailInit(plans: { jail: JailPlan; sandbox: SandboxPlan }, argv: string[]): number | Promise<number> {
   if (process.pid !== 1) return (writeOut(2, "aic jail: not the first process of a new PID namespace\n"), 125);
   try {
     mountOrThrow(null, "/", null, MS_REC | MS_PRIVATE);
@@ -8361,7 +8724,18 @@ const SIG_IGN = 1;
  * what aic asks for until aic closes the pipe.
  */
 async function runSandboxLauncher(): Promise<number> {
-  libc()?.symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  const judged = process.env[EXEC_JUDGE_ENV];
+  delete process.env[EXEC_JUDGE_ENV];
+  // Non-dumpable, no command without root reaches it. Under the exec judge it stays dumpable, since the supervisor
+  // must read the argv of the children it forks, which share its memory until they exec; a command that takes it
+  // over gains what a root command could already (see above), and the listener is gone from it before any runs.
+  if (!judged) libc()?.symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  else {
+    const why = putLauncherUnderExecJudge();
+    if (why) return (writeOut(2, `aic sandbox: ${why}\n`), 126);
+  }
+  /** Every orphan of every command becomes this process's child: as the jail's init, or as its subreaper under the judge. */
+  const adopts = process.pid === 1 || judged === "init";
   // Descriptor 3 is aic's own binary, by which the launcher was started: commands never inherit it.
   try {
     fs.closeSync(3);
@@ -8384,7 +8758,7 @@ async function runSandboxLauncher(): Promise<number> {
   if (process.pid === 1) for (const sig of INIT_IGNORED_SIGNALS) libc()?.symbols.signal(sig, SIG_IGN);
   // As the jail's init, every orphan of every command becomes the launcher's child: reaped here, and its exit code
   // told to aic (a background job's leader is such an orphan once its command's shell has exited).
-  if (process.pid === 1)
+  if (adopts)
     setInterval(() => {
       for (const [pid, code] of reapAdoptedZombies()) {
         const payload = new Uint8Array(8);
@@ -8433,9 +8807,9 @@ async function runSandboxLauncher(): Promise<number> {
   aicGone = true;
   // aic has gone. With --keep-jobs the launcher stays while a kept process holds one of its terminals (a server that
   // logs there fails once it closes) and, as the jail's init, until its last process ends: the namespaces end with it.
-  const busy = () => held.size > 0 || (process.pid === 1 && childrenOf(1).some((pid) => !processInfo(pid)?.zombie));
+  const busy = () => held.size > 0 || (adopts && childrenOf(process.pid).some((pid) => !processInfo(pid)?.zombie));
   while (keep && busy()) {
-    if (process.pid === 1) reapAdoptedZombies();
+    if (adopts) reapAdoptedZombies();
     await Bun.sleep(JOB_POLL_MS);
   }
   return 0; // the commands' terminals close with this process
@@ -8531,6 +8905,8 @@ class SandboxLauncher {
      * launcher under Landlock alone, started from the next command on, and who is told.
      */
     private readonly fallback?: { argv: string[]; onRefused(why: string): void },
+    /** Under the exec judge: the launcher is the child of its supervisor, one level further down. */
+    private readonly supervised = false,
   ) {
     process.on("exit", () => {
       if (this.keeping) return;
@@ -8612,6 +8988,7 @@ class SandboxLauncher {
       const ready = (why?: string) => {
         clearTimeout(timer);
         if (!why && this.jailed) live.hostPid = childrenOf(proc.pid)[0] ?? proc.pid;
+        if (!why && this.supervised) live.hostPid = childrenOf(live.hostPid)[0] ?? live.hostPid;
         if (!why) live.watchdog = setInterval(() => this.watch(live), LAUNCHER_WATCH_MS);
         live.watchdog?.unref?.();
         resolve(why);
@@ -8627,7 +9004,8 @@ class SandboxLauncher {
    * new one.
    */
   private watch(live: LauncherProcess): void {
-    if (!processInfo(live.hostPid)?.stopped) return;
+    // Under Landlock alone a command may stop the exec supervisor too (`proc`), which every exec then waits for.
+    if (!processInfo(live.hostPid)?.stopped && !processInfo(live.proc.pid)?.stopped) return;
     signalProcess(live.hostPid, "SIGKILL");
     live.proc.kill("SIGKILL");
   }
@@ -13597,8 +13975,8 @@ const GIT_COMMANDS = new Set(
     .trim()
     .split(/\s+/),
 );
-/** Commands that push under another name: a rule about `git push` covers them. */
-const GIT_PUSHES = new Set(["send-pack", "http-push"]);
+/** Commands that push under another name (receive-pack is a push's far half, which a local push starts): a rule about `git push` covers them. */
+const GIT_PUSHES = new Set(["send-pack", "http-push", "receive-pack"]);
 /** Where git looks for `git-WORD` programs besides PATH. */
 const GIT_EXEC_PATHS = ["/usr/lib/git-core", "/usr/libexec/git-core", "/usr/local/libexec/git-core"];
 
@@ -14785,10 +15163,18 @@ class CommandRules {
     return [...new Set(programs.map((r) => r.words[0]!))];
   }
 
-  /** Whether some deny rule in force is not enforced by the kernel (it names a subcommand, arguments or writes). */
-  hasDenyBeyond(enforced: readonly string[]): boolean {
+  /** Deny rules on what runs (not on writes): the sandbox holds them by file or at exec. */
+  denyRules(): CommandRule[] {
+    return this.rules.filter((r) => r.action === "deny" && !r.write);
+  }
+
+  /** Whether some deny rule in force is held by nothing but the parser: not by file, not at exec (writes, say). */
+  hasDenyBeyond(enforced: readonly string[], heldAtExec: readonly string[] = []): boolean {
     return this.rules.some(
-      (r) => r.action === "deny" && (r.write !== undefined || r.words.length !== 1 || !enforced.includes(r.words[0]!)),
+      (r) =>
+        r.action === "deny" &&
+        !heldAtExec.includes(r.written) &&
+        (r.write !== undefined || r.words.length !== 1 || !enforced.includes(r.words[0]!)),
     );
   }
 
@@ -15195,7 +15581,7 @@ async function passApprovalGate(
   }
   // Without a person, what the judgement cannot see through never runs while a deny rule it could hide holds
   // (one the kernel cannot enforce by refusing to execute a program).
-  const unseen = ruled.unsure !== undefined && o.rules.hasDenyBeyond(o.sandbox.deniedPrograms);
+  const unseen = ruled.unsure !== undefined && o.rules.hasDenyBeyond(o.sandbox.deniedPrograms, o.sandbox.heldAtExec);
   if (ruled.verdict === "allow" || (ruled.readOnly && !o.config.askEveryCommand) || (ctx.autoApprove && !unseen)) {
     const decision =
       ruled.verdict === "allow" ? "allowed" : ruled.readOnly && !o.config.askEveryCommand ? "read_only" : "auto";
@@ -16454,7 +16840,7 @@ function readProjectInstructions(cwd: string): PromptFacts["projectInstructions"
 /** The sandbox and the system prompt that describes it. */
 function prepareParts(config: Config): PreparedRun {
   const rules = CommandRules.load(config);
-  const sandbox = setUpSandbox(config, rules.deniedPrograms());
+  const sandbox = setUpSandbox(config, rules.deniedPrograms(), rules.denyRules());
   const projectInstructions = readProjectInstructions(process.cwd());
   const systemPrompt = buildSystemPrompt({
     fast: config.fast,
