@@ -325,7 +325,7 @@ type FlagSpec =
       };
     }[ChoiceFields];
 
-const FLAGS: readonly FlagSpec[] = [
+const FLAG_TABLE = [
   {
     name: "--api-base",
     kind: "url",
@@ -517,7 +517,27 @@ const FLAGS: readonly FlagSpec[] = [
     max: 1_000_000_000_000,
     help: "Token budget for all model calls, input plus output (exit 5 when the next call would pass it).",
   },
-];
+] as const satisfies readonly FlagSpec[];
+const FLAGS: readonly FlagSpec[] = FLAG_TABLE;
+
+/**
+ * Every field of Config is set by a flag, or is one of the few derived from them after (the limits, the session
+ * path, whether a budget was given, the server's window) or gathered on the way (warnings, notices, the request):
+ * a new field that nothing sets fails the build here, naming itself, instead of slipping through configFromFlags's cast.
+ */
+type FieldsNoFlagSets = Exclude<
+  keyof Config,
+  | (typeof FLAG_TABLE)[number]["key"]
+  | "warnings"
+  | "notices"
+  | "request"
+  | "limits"
+  | "sessionPath"
+  | "budgetGiven"
+  | "window"
+>;
+const everyFieldHasAFlag: Record<FieldsNoFlagSets, never> = {};
+void everyFieldHasAFlag;
 
 // ════════════════════════════════════════════════════════════════════════════
 // CLI: reading the command line
