@@ -16,8 +16,8 @@
  *   context window → Context compression → Own files on hostile ground →
  *   Session repairs → Session file writing → Session store: ids, state and
  *   locks → Session store → Session store: kept out of commits → Sandbox: what
- *   commands may touch → Sandbox: Landlock and capabilities → Sandbox: a run's
- *   sandbox → The jail → The jail: building it → Repository guard → Repository
+ *   commands may touch → Sandbox: Landlock and capabilities → Sandbox: judging
+ *   each program a command executes → Sandbox: a run's sandbox → The jail → The jail: building it → Repository guard → Repository
  *   guard: the audit → PTY and process groups → Sandbox launcher → Output
  *   capture → Waiting-for-input detection → Command runner → Background jobs:
  *   finding them → Background jobs: the job table → Checkpoints: snapshot
