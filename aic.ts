@@ -52,7 +52,8 @@ import * as tty from "node:tty";
 
 // ════════════════════════════════════════════════════════════════════════════
 // Constants and defaults
-// Owns: names, limits and exit codes that several sections rely on.
+// Owns: names, limits and exit codes that several sections rely on, and the
+// check that a switch over a union leaves no member out.
 // ════════════════════════════════════════════════════════════════════════════
 
 const VERSION = "0.1.0";
@@ -170,6 +171,15 @@ const COMMAND_ENV: Record<string, string> = {
   GH_PROMPT_DISABLED: "1",
   GCM_INTERACTIVE: "never",
 };
+
+/**
+ * The default of a switch that handles every member of a union: a member
+ * added later leaves `value` some type other than never, and the build fails
+ * here until that switch says what the new member does.
+ */
+function unreachable(value: never): never {
+  throw new Error(`unreachable: ${JSON.stringify(value)}`);
+}
 
 // ════════════════════════════════════════════════════════════════════════════
 // CLI: the configuration and its flags
@@ -1428,7 +1438,7 @@ function deniedByRuleMessage(v: RuleVerdict, file: string): string {
 
 /** The tool answer for a command the rules cannot see through while deny rules hold and nobody approves by hand. */
 function unseenCommandMessage(unsure: string, rules: { path: string; rules: readonly CommandRule[] }): string {
-  const denies = rules.rules.filter((r) => r.action === "deny").map((r) => `"${r.written}"`);
+  const denies = rules.rules.filter(refuses).map((r) => `"${r.written}"`);
   return `Command refused: ${unsure}, so aic cannot tell whether it runs something the deny rules of ${rules.path} forbid (${denies.join(", ")}), and with auto-approve such a command is never run. Nothing ran. Name every program literally (no variables as command names, no code handed to an interpreter in a string), or do without it.`;
 }
 
@@ -1629,8 +1639,10 @@ function jobStateText(job: Job): string {
       return `left running when aic exited (--keep-jobs), after ${took}`;
     case "refused":
       return `stopped at once: too many jobs`;
-    default:
+    case "ended":
       return `ended after ${took}, ${code}`;
+    default:
+      return unreachable(job.state);
   }
 }
 
@@ -1844,7 +1856,7 @@ type AgentEvent =
        * person, `skipped`); or `waiting_for_input` / `waiting_on_time` with `exit_code` null: it still runs,
        * handed to the model, `output` its screen.
        */
-      status: CommandStatus | NotRun | "waiting_on_time";
+      status: ResultStatus;
       duration_ms: number;
       /** What the person saw (rendered and capped), without the words aic adds for the model. */
       output: string;
@@ -1910,8 +1922,52 @@ type AgentEvent =
 
 type AgentEventType = AgentEvent["type"];
 
+/**
+ * The events describeEvent has no words for: streamed text, figures for the
+ * footer, the model's own turn. Each front end shows them its own way, so
+ * each names every one of them before it words the rest: one added here
+ * fails the build in every front end until it says what to do with it.
+ */
+type OwnWayEventType =
+  | "assistant"
+  | "assistant_delta"
+  | "command_output"
+  | "command_waiting"
+  | "context"
+  | "reasoning"
+  | "reasoning_delta"
+  | "step"
+  | "summary_delta"
+  | "thinking_complete"
+  | "usage";
+/** The events every front end words alike, through describeEvent. */
+type WordedEvent = Exclude<AgentEvent, { type: OwnWayEventType }>;
+
 /** Why a command the model proposed never ran. */
 type NotRun = "denied" | "refused" | "rejected" | "skipped";
+/** How a command_result says its command went. */
+type ResultStatus = CommandStatus | NotRun | "waiting_on_time";
+
+/**
+ * What each status of a command_result means wherever one is shown or
+ * counted: whether the command ran at all (a run none of whose commands can
+ * start cannot succeed: see StartWatch), and what a command still running,
+ * handed to the model (`exit_code` null), is doing.
+ */
+const RESULT_STATUSES: Record<ResultStatus, { ran: boolean; stillRuns: string | null }> = {
+  exited: { ran: true, stillRuns: null },
+  timed_out: { ran: true, stillRuns: null },
+  waiting_for_input: { ran: true, stillRuns: "waits for input" },
+  waiting_on_time: { ran: true, stillRuns: "runs until interrupted" },
+  runaway: { ran: true, stillRuns: null },
+  stopped: { ran: true, stillRuns: null },
+  interrupted: { ran: true, stillRuns: null },
+  not_started: { ran: false, stillRuns: null },
+  denied: { ran: false, stillRuns: null },
+  refused: { ran: false, stillRuns: null },
+  rejected: { ran: false, stillRuns: null },
+  skipped: { ran: false, stillRuns: null },
+};
 type RunStatus =
   | "completed"
   | "step_limit"
@@ -2029,7 +2085,17 @@ class AnswerStream {
       case "discarded":
         this.reset();
         return [{ kind: "discarded" }];
+      case "command_output":
+      case "command_waiting":
+      case "context":
+      case "reasoning":
+      case "step":
+      case "summary_delta":
+      case "usage":
+        return [];
       default:
+        // The events every front end words are no part of the answer.
+        e satisfies WordedEvent;
         return [];
     }
   }
@@ -2064,13 +2130,8 @@ function usageText(u: Usage): string {
 
 /** How a command ended (or that it waits, handed to the model), and what it changed: the Console's lines. */
 function commandResultLines(e: Extract<AgentEvent, { type: "command_result" }>): { tone: Tone; text: string }[] {
-  if ((e.status === "waiting_for_input" || e.status === "waiting_on_time") && e.exit_code === null)
-    return [
-      {
-        tone: "info",
-        text: `[${e.status === "waiting_for_input" ? "waits for input" : "runs until interrupted"}: handed to the model]`,
-      },
-    ];
+  const still = RESULT_STATUSES[e.status].stillRuns;
+  if (still && e.exit_code === null) return [{ tone: "info", text: `[${still}: handed to the model]` }];
   const status = e.status.replace(/_/g, " ");
   const note =
     e.status === "exited"
@@ -2087,9 +2148,46 @@ function commandResultLines(e: Extract<AgentEvent, { type: "command_result" }>):
   ];
 }
 
-/** The compiler's check that a switch over a union handles every member: a new one fails the build here. */
-function unhandled(value: never): never {
-  throw new Error(`unhandled case: ${JSON.stringify(value)}`);
+/** The Console's line for an approval: none where the command simply runs, or where the person's own answer is all. */
+function approvalLines(e: Extract<AgentEvent, { type: "approval" }>): { tone: Tone; text: string }[] {
+  switch (e.decision) {
+    case "rejected":
+      return [{ tone: "bad", text: "(command rejected)" }];
+    case "suggestion":
+      return [{ tone: "bad", text: `(command rejected with a suggestion: ${e.suggestion})` }];
+    case "denied":
+      return [
+        {
+          tone: "bad",
+          text: e.rule ? `(refused by the rule: ${e.rule})` : "(refused: aic cannot see what it would run)",
+        },
+      ];
+    case "allowed":
+      return [{ tone: "dim", text: `(runs without asking: ${e.rule})` }];
+    case "read_only":
+      return [{ tone: "dim", text: "(read-only: runs without asking)" }];
+    case "approved":
+    case "auto":
+    case "no_input":
+      return [];
+    default:
+      return unreachable(e.decision);
+  }
+}
+
+/** How the run ended, and what it left running (--keep-jobs). */
+function endLines(e: Extract<AgentEvent, { type: "end" }>): { tone: Tone; text: string }[] {
+  const verified = e.verified ? " · verified by --done-when" : "";
+  const refused = e.refused ? ` · ${e.refused} command(s) refused for want of a person` : "";
+  const kept = (e.kept ?? []).map((j) => `[kept running: pid ${j.pid}, ${j.command}; log ${j.log}]`);
+  const others = e.kept_others ? [`[kept running: ${e.kept_others} other process(es) the commands started]`] : [];
+  return [
+    {
+      tone: e.exit_code === 0 ? "ok" : "warning",
+      text: `[${e.status}] ${e.steps} step(s) · ${usageText(e.usage)}${verified}${refused}`,
+    },
+    ...[...kept, ...others].map((text) => ({ tone: "dim" as Tone, text })),
+  ];
 }
 
 /**
@@ -2098,7 +2196,7 @@ function unhandled(value: never): never {
  * TUI print exactly these lines, so the two never drift apart. Every text
  * from outside aic has its control characters made visible here.
  */
-function describeEvent(e: AgentEvent): EventLine[] {
+function describeEvent(e: WordedEvent): EventLine[] {
   const agent = (tone: Tone, text: string): EventLine[] => [{ pane: "agent", tone, text: visibleControls(text) }];
   const console = (tone: Tone, text: string): EventLine[] => [{ pane: "console", tone, text: visibleControls(text) }];
   switch (e.type) {
@@ -2133,18 +2231,9 @@ function describeEvent(e: AgentEvent): EventLine[] {
     case "input":
       return console("command", `⌨ ${e.into} ← ${inputShown(e.input)}`);
     case "approval":
-      if (e.decision === "rejected") return console("bad", "(command rejected)");
-      if (e.decision === "suggestion") return console("bad", `(command rejected with a suggestion: ${e.suggestion})`);
-      if (e.decision === "denied")
-        return console(
-          "bad",
-          e.rule ? `(refused by the rule: ${e.rule})` : "(refused: aic cannot see what it would run)",
-        );
-      if (e.decision === "allowed") return console("dim", `(runs without asking: ${e.rule})`);
-      if (e.decision === "read_only") return console("dim", "(read-only: runs without asking)");
-      return [];
+      return approvalLines(e).flatMap((l) => console(l.tone, l.text));
     case "command_result":
-      return commandResultLines(e).map((l) => ({ pane: "console", tone: l.tone, text: visibleControls(l.text) }));
+      return commandResultLines(e).flatMap((l) => console(l.tone, l.text));
     case "compression":
       return agent(
         "summary",
@@ -2168,34 +2257,10 @@ function describeEvent(e: AgentEvent): EventLine[] {
         ),
       ];
     }
-    case "end": {
-      const verified = e.verified ? " · verified by --done-when" : "";
-      const refused = e.refused ? ` · ${e.refused} command(s) refused for want of a person` : "";
-      const kept = (e.kept ?? []).map((j) => `[kept running: pid ${j.pid}, ${j.command}; log ${j.log}]`);
-      const others = e.kept_others ? [`[kept running: ${e.kept_others} other process(es) the commands started]`] : [];
-      return [
-        ...agent(
-          e.exit_code === 0 ? "ok" : "warning",
-          `[${e.status}] ${e.steps} step(s) · ${usageText(e.usage)}${verified}${refused}`,
-        ),
-        ...[...kept, ...others].flatMap((line) => agent("dim", line)),
-      ];
-    }
-    // Streamed text, figures for the footer and the model's own turn: each front end shows these its own way.
-    case "assistant":
-    case "assistant_delta":
-    case "command_output":
-    case "command_waiting":
-    case "context":
-    case "reasoning":
-    case "reasoning_delta":
-    case "step":
-    case "summary_delta":
-    case "thinking_complete":
-    case "usage":
-      return [];
+    case "end":
+      return endLines(e).flatMap((l) => agent(l.tone, l.text));
     default:
-      return unhandled(e);
+      return unreachable(e);
   }
 }
 
@@ -2369,6 +2434,13 @@ class PlainSink implements EventSink {
       case "summary_delta":
         writeOut(2, paint(this.err, ANSI_TONES.dim, visibleControls(e.text)));
         return;
+      // Figures for the TUI's footer, the reasoning already streamed (or hidden), a command waiting for keys.
+      case "command_waiting":
+      case "context":
+      case "reasoning":
+      case "step":
+      case "usage":
+        return;
     }
     for (const line of describeEvent(e)) this.line(line);
   }
@@ -2386,16 +2458,42 @@ function jsonLine(record: unknown): string {
 
 /** JSON Lines for machines: one object per line, each with `type` and `ts`; deltas are folded into whole turns. */
 class JsonSink implements EventSink {
-  private static readonly SKIP = new Set<AgentEventType>([
-    "assistant_delta",
-    "reasoning_delta",
-    "thinking_complete",
-    "command_output",
-    "summary_delta",
-    "context",
-  ]);
+  /**
+   * Whether an event is a record of its own: a delta is not (the whole turn
+   * follows), nor a command's output (its command_result holds it), nor the
+   * context figures (each usage record has them).
+   */
+  private static readonly RECORDS: Record<AgentEventType, boolean> = {
+    start: true,
+    info: true,
+    warning: true,
+    step: true,
+    assistant_delta: false,
+    reasoning_delta: false,
+    thinking_complete: false,
+    assistant: true,
+    reasoning: true,
+    retry: true,
+    model_wait: true,
+    discarded: true,
+    context: false,
+    command: true,
+    input: true,
+    approval: true,
+    command_output: false,
+    command_waiting: true,
+    command_result: true,
+    compression: true,
+    summary_delta: false,
+    usage: true,
+    job_started: true,
+    job_ended: true,
+    verify: true,
+    error: true,
+    end: true,
+  };
   emit(e: AgentEvent): void {
-    if (JsonSink.SKIP.has(e.type)) return;
+    if (!JsonSink.RECORDS[e.type]) return;
     const record = Object.assign({ type: e.type, ts: new Date().toISOString() }, e);
     writeOut(1, jsonLine(record));
   }
@@ -6602,7 +6700,7 @@ function judgeExec(judge: ExecJudge, call: ExecCall | undefined): string | undef
   const line = judgedLine(judge, call);
   if (line === undefined) return undefined;
   const verdict = judgeCommand(judge.rules, line, { cwd: call.cwd, root: call.cwd });
-  if (verdict.verdict === "deny")
+  if (RULE_KINDS[verdict.verdict].gate === "refuse")
     return `aic: refused at exec: ${oneLine(line, 200)} — the rule "${verdict.rule?.written}"${verdict.rule?.reason ? ` (${verdict.rule.reason})` : ""}`;
   if (verdict.unsure)
     return `aic: refused at exec: ${oneLine(line, 200)} — it cannot be judged while a deny rule names ${line.split(" ")[0]} (${verdict.unsure})`;
@@ -14436,6 +14534,61 @@ function sedEffects(script: string): CommandPart[] {
 
 type RuleAction = "allow" | "ask" | "deny";
 
+/** What one kind of rule does, wherever rules are read. */
+interface RuleKind {
+  /** Which kind decides when rules of several kinds fit one part (or the parts of one line): the higher. */
+  rank: number;
+  /**
+   * The verdict a rule of this kind gives a part it surely fits, and one a
+   * word known only as it runs may make it fit (null: it is passed over).
+   */
+  fits: { yes: RuleAction; maybe: RuleAction | null };
+  /**
+   * Its pattern errs toward matching: any further words, as if it ended in
+   * `*`, and a command word by its base name (`/usr/bin/git push` is `git
+   * push`). Otherwise it matches only what it says (`./git status` is not git).
+   */
+  wide: boolean;
+  /**
+   * At the approval gate: `run` without asking (decision `allowed` in JSON),
+   * `refuse` even under auto-approve (`denied`, also the command_result's
+   * status), or `ask`: being read-only, auto-approve or the person decide, the
+   * dialog offers "Always allow", and with nobody to answer it is refused for
+   * want of a person. A refusing rule's reason is told to the model, and
+   * while one holds, what aic cannot see through never runs unapproved.
+   */
+  gate: "run" | "refuse" | "ask";
+  /** How the system prompt names the commands such rules match: "these are refused: `git push *`". */
+  prompt: string;
+}
+
+/**
+ * Every kind of rule, in the order the system prompt lists them: the one
+ * place that says what allow, ask and deny do, so a new kind is one more
+ * entry here, with every question answered.
+ */
+const RULE_KINDS: Record<RuleAction, RuleKind> = {
+  allow: { rank: 0, fits: { yes: "allow", maybe: null }, wide: false, gate: "run", prompt: "run without asking" },
+  deny: { rank: 2, fits: { yes: "deny", maybe: "ask" }, wide: true, gate: "refuse", prompt: "are refused" },
+  ask: {
+    rank: 1,
+    fits: { yes: "ask", maybe: "ask" },
+    wide: true,
+    gate: "ask",
+    prompt: "always wait for a person's approval",
+  },
+};
+
+/** Whether a rules file line's first word names a kind of rule. */
+function isRuleAction(word: string | undefined): word is RuleAction {
+  return word !== undefined && Object.hasOwn(RULE_KINDS, word);
+}
+
+/** A rule that refuses what it matches: what it names never runs, whoever approves. */
+function refuses(rule: CommandRule): boolean {
+  return RULE_KINDS[rule.action].gate === "refuse";
+}
+
 /** One line of the rules file. */
 interface CommandRule {
   action: RuleAction;
@@ -14503,8 +14656,10 @@ function parseRuleLines(text: string, firstLine = 1): { rules: CommandRule[]; pr
     const body = (hash < 0 ? line : line.slice(0, hash)).trim();
     const reason = hash < 0 ? undefined : line.slice(hash).replace(/^\s*#\s*/, "") || undefined;
     const [action, ...words] = body.split(/\s+/);
-    if (action !== "allow" && action !== "ask" && action !== "deny")
-      return problem("a rule starts with allow, ask or deny");
+    if (!isRuleAction(action)) {
+      const kinds = Object.keys(RULE_KINDS).sort();
+      return problem(`a rule starts with ${kinds.slice(0, -1).join(", ")} or ${kinds.at(-1)}`);
+    }
     if (words.length === 0) return problem(`${action} needs a pattern (shell words, or * for any command)`);
     if (words.some((w) => /['"\\`$]/.test(w)))
       return problem("a pattern is plain words as the command's words read after quoting (no quotes, \\, $ or `)");
@@ -14516,17 +14671,17 @@ function parseRuleLines(text: string, firstLine = 1): { rules: CommandRule[]; pr
     const anyRest = words.at(-1) === "*";
     if (anyRest) words.pop();
     if (words.includes("*")) return problem("* may only be a pattern's last word");
-    rules.push({ ...base, words, anyRest: anyRest || action !== "allow" });
+    rules.push({ ...base, words, anyRest: anyRest || RULE_KINDS[action].wide });
   });
   return { rules, problems };
 }
 
 /**
  * Whether `rule` matches `part`: "yes"; "maybe" when a word only known as it
- * runs could make it match; "no". deny and ask patterns also match a command
- * word by its base name (`/usr/bin/git push` is `git push`); allow patterns
- * need it exactly (`./git status` is not git). Write rules match only the
- * files a line writes, by path from the start directory.
+ * runs could make it match; "no". A wide pattern (deny, ask) also matches a
+ * command word by its base name (`/usr/bin/git push` is `git push`); allow
+ * patterns need it exactly (`./git status` is not git). Write rules match
+ * only the files a line writes, by path from the start directory.
  */
 function ruleFits(rule: CommandRule, part: CommandPart, ctx: VerdictContext = {}): "yes" | "maybe" | "no" {
   if (isWritePart(part) || rule.write) {
@@ -14543,7 +14698,8 @@ function ruleFits(rule: CommandRule, part: CommandPart, ctx: VerdictContext = {}
       return !w.known && part.slice(k).every((x) => !x.known) ? "maybe" : "no";
     }
     if (!w.known) return "maybe";
-    const same = w.value === pattern[k] || (k === 0 && rule.action !== "allow" && baseName(w.value) === pattern[0]);
+    const same =
+      w.value === pattern[k] || (k === 0 && RULE_KINDS[rule.action].wide && baseName(w.value) === pattern[0]);
     if (!same) return "no";
   }
   return part.length === pattern.length ? "yes" : "no";
@@ -14561,23 +14717,28 @@ function writtenPaths(target: string, ctx: VerdictContext): string[] {
   return relative && !relative.startsWith("..") && !path.isAbsolute(relative) ? [relative, absolute] : [absolute];
 }
 
-/** The verdict for one part: a matching deny; a deny it may match (asked); an ask rule; an allow rule; else asked. */
+/**
+ * The verdict for one part: the first rule of the highest-ranked kind that
+ * fits decides, one whose fit gives the stronger verdict first (a matching
+ * deny; a deny it may match, asked; an ask rule; an allow rule); else asked.
+ */
 function partVerdict(
   rules: readonly CommandRule[],
   part: CommandPart,
   ctx: VerdictContext = {},
 ): { verdict: RuleAction; rule?: CommandRule } {
   if (part.length === 0 || !part[0]!.known) return { verdict: "ask" };
-  const of = (action: RuleAction) => rules.filter((r) => r.action === action);
-  const fits = (r: CommandRule) => ruleFits(r, part, ctx);
-  const deny = of("deny");
-  const found =
-    deny.find((r) => fits(r) === "yes") ??
-    deny.find((r) => fits(r) === "maybe") ??
-    of("ask").find((r) => fits(r) !== "no");
-  if (found) return { verdict: found.action === "deny" && fits(found) === "yes" ? "deny" : "ask", rule: found };
-  const allowed = of("allow").find((r) => fits(r) === "yes");
-  return allowed ? { verdict: "allow", rule: allowed } : { verdict: "ask" };
+  let best: { verdict: RuleAction; rule: CommandRule; rank: number; strength: number } | undefined;
+  for (const rule of rules) {
+    const fit = ruleFits(rule, part, ctx);
+    const verdict = fit === "no" ? null : RULE_KINDS[rule.action].fits[fit];
+    if (verdict === null) continue;
+    const rank = RULE_KINDS[rule.action].rank;
+    const strength = RULE_KINDS[verdict].rank;
+    if (!best || rank > best.rank || (rank === best.rank && strength > best.strength))
+      best = { verdict, rule, rank, strength };
+  }
+  return best ? { verdict: best.verdict, rule: best.rule } : { verdict: "ask" };
 }
 
 const partText = (part: CommandPart) =>
@@ -14588,7 +14749,11 @@ const partText = (part: CommandPart) =>
 /** Writes into a repository's config or hooks change what git runs later: never seen through. */
 const GIT_CODE_PATH = /(^|\/)\.git\/(config|hooks(\/|$)|info\/attributes|modules\/)/;
 
-/** The verdict for a whole line: deny if any part is denied, else ask if any part is asked, else allow. */
+/**
+ * The verdict for a whole line: its strictest part's (deny if any part is
+ * denied, else ask if any part is asked, else allow), one a rule decided
+ * first. A refused line needs no more reading.
+ */
 function judgeCommand(rules: readonly CommandRule[], command: string, ctx: VerdictContext = {}): RuleVerdict {
   let parts: CommandPart[];
   try {
@@ -14600,11 +14765,11 @@ function judgeCommand(rules: readonly CommandRule[], command: string, ctx: Verdi
   const judged = parts.map((part) => ({ part, ...partVerdict(rules, part, ctx) }));
   const decide = (v: (typeof judged)[number] | undefined): RuleVerdict =>
     v ? { verdict: v.verdict, rule: v.rule, part: partText(v.part), parts } : { verdict: "allow", parts };
-  const denied = judged.find((v) => v.verdict === "deny");
-  if (denied) return decide(denied);
+  const top = Math.max(...judged.map((v) => RULE_KINDS[v.verdict].rank));
+  const strictest = judged.filter((v) => RULE_KINDS[v.verdict].rank === top);
+  const verdict = decide(strictest.find((v) => v.rule) ?? strictest[0]);
+  if (RULE_KINDS[verdict.verdict].gate === "refuse") return verdict;
   const unsure = unsureAbout(judged);
-  const asked = judged.filter((v) => v.verdict === "ask");
-  const verdict = asked.length ? decide(asked.find((v) => v.rule) ?? asked[0]) : decide(judged[0]);
   return { ...verdict, unsure, readOnly: parts.length > 0 && parts.every(isReadOnlyPart) && !gitElsewhere(parts) };
 }
 
@@ -14627,7 +14792,7 @@ function unsureAbout(judged: { part: CommandPart; verdict: RuleAction; rule?: Co
       return part[1]!.known
         ? `it writes ${part[1]!.value}, which changes what git runs later`
         : `it writes a file named only as it runs (${part[1]!.text})`;
-    if (verdict === "ask" && rule?.action === "deny")
+    if (rule && refuses(rule) && verdict !== rule.action)
       return `\`${oneLine(partText(part), 80)}\` could turn out to be what the rule "${rule.written}" forbids once its words are known`;
   }
   return undefined;
@@ -14871,11 +15036,11 @@ function alwaysAllowLines(
   verdict: RuleVerdict,
   ctx: VerdictContext = {},
 ): string[] | undefined {
-  if (verdict.verdict !== "ask" || !verdict.parts || verdict.unsure) return undefined;
+  if (RULE_KINDS[verdict.verdict].gate !== "ask" || !verdict.parts || verdict.unsure) return undefined;
   const lines = new Set<string>();
   for (const part of verdict.parts) {
     const v = partVerdict(rules, part, ctx);
-    if (v.verdict === "allow") continue;
+    if (RULE_KINDS[v.verdict].gate === "run") continue;
     // A part asked by a rule (or one a deny may match) stays asked whatever allow line is added; a write is asked
     // each time (the person allows writes by path in the file themselves).
     if (v.rule || isWritePart(part)) return undefined;
@@ -15172,27 +15337,27 @@ class CommandRules {
 
   /** The lines an "always allow" answer would add for `command`, if such lines can be written. */
   alwaysAllowFor(command: string, verdict: RuleVerdict, cwd: string = this.root): string[] | undefined {
-    if (verdict.verdict !== "ask" || verdict.unreadable) return undefined;
+    if (RULE_KINDS[verdict.verdict].gate !== "ask" || verdict.unreadable) return undefined;
     const ctx = { cwd, root: this.root };
     return alwaysAllowLines(this.rules, verdict.parts ? verdict : judgeCommand(this.rules, command, ctx), ctx);
   }
 
   /** Programs a deny rule forbids whatever their arguments (`deny rm *`): these the jail can refuse to execute. */
   deniedPrograms(): string[] {
-    const programs = this.rules.filter((r) => r.action === "deny" && !r.write && r.words.length === 1);
+    const programs = this.rules.filter((r) => refuses(r) && !r.write && r.words.length === 1);
     return [...new Set(programs.map((r) => r.words[0]!))];
   }
 
   /** Deny rules on what runs (not on writes): the sandbox holds them by file or at exec. */
   denyRules(): CommandRule[] {
-    return this.rules.filter((r) => r.action === "deny" && !r.write);
+    return this.rules.filter((r) => refuses(r) && !r.write);
   }
 
   /** Whether some deny rule in force is held by nothing but the parser: not by file, not at exec (writes, say). */
   hasDenyBeyond(enforced: readonly string[], heldAtExec: readonly string[] = []): boolean {
     return this.rules.some(
       (r) =>
-        r.action === "deny" &&
+        refuses(r) &&
         !heldAtExec.includes(r.written) &&
         (r.write !== undefined || r.words.length !== 1 || !enforced.includes(r.words[0]!)),
     );
@@ -15201,7 +15366,9 @@ class CommandRules {
   /** Only what a person said (never a command) may widen the rules: which commands run without asking. */
   allowedPatterns(): string[] {
     return this.present
-      ? this.rules.filter((r) => r.action === "allow").map((r) => r.written.replace(/^allow\s+/, ""))
+      ? this.rules
+          .filter((r) => RULE_KINDS[r.action].gate === "run")
+          .map((r) => r.written.slice(r.action.length).trimStart())
       : [];
   }
 
@@ -15286,19 +15453,16 @@ class CommandRules {
       const rules = this.rules.filter((r) => r.action === action);
       const shown = rules.slice(0, PROMPT_RULES_LISTED).map((r) => {
         const pattern = `\`${[...r.words, ...(r.anyRest ? ["*"] : [])].join(" ")}\``;
-        return action === "deny" && r.reason ? `${pattern} (${r.reason})` : pattern;
+        return refuses(r) && r.reason ? `${pattern} (${r.reason})` : pattern;
       });
       if (rules.length > shown.length) shown.push(`and ${rules.length - shown.length} more`);
       return shown.join(", ");
     };
-    const parts = [
-      ["run without asking", list("allow")],
-      ["are refused", list("deny")],
-      ["always wait for a person's approval", list("ask")],
-    ]
+    const parts = (Object.keys(RULE_KINDS) as RuleAction[])
+      .map((action) => [RULE_KINDS[action].prompt, list(action)])
       .filter(([, l]) => l)
       .map(([what, l]) => `these ${what}: ${l}`);
-    const denies = this.rules.some((r) => r.action === "deny")
+    const denies = this.rules.some(refuses)
       ? " Name every program literally: while deny rules hold, a command aic cannot see through (a program named by a variable, code handed to an interpreter in a string, a script that cannot be read) is refused when nobody approves it by hand."
       : "";
     return `\n\nCommand rules (${this.path}) apply to every simple command of a command line, also inside sh -c, $( ), pipelines, find -exec and the scripts it runs, and to every file it writes (redirections, tee): ${parts.join("; ")}. Any other command, and any other write, needs a person's approval unless auto-approve is on.${denies} Never try to get around a refused command.`;
@@ -15595,16 +15759,16 @@ async function passApprovalGate(
     status,
   });
   const ruled = input?.verdict ?? o.rules.judge(command, ctx.cwd());
-  if (ruled.verdict === "deny") {
+  const ruling = RULE_KINDS[ruled.verdict].gate;
+  if (ruling === "refuse") {
     emit({ type: "approval", id, decision: "denied", rule: ruled.rule?.text });
     return refuse(deniedByRuleMessage(ruled, o.rules.path), "denied");
   }
   // Without a person, what the judgement cannot see through never runs while a deny rule it could hide holds
   // (one the kernel cannot enforce by refusing to execute a program).
   const unseen = ruled.unsure !== undefined && o.rules.hasDenyBeyond(o.sandbox.deniedPrograms, o.sandbox.heldAtExec);
-  if (ruled.verdict === "allow" || (ruled.readOnly && !o.config.askEveryCommand) || (ctx.autoApprove && !unseen)) {
-    const decision =
-      ruled.verdict === "allow" ? "allowed" : ruled.readOnly && !o.config.askEveryCommand ? "read_only" : "auto";
+  if (ruling === "run" || (ruled.readOnly && !o.config.askEveryCommand) || (ctx.autoApprove && !unseen)) {
+    const decision = ruling === "run" ? "allowed" : ruled.readOnly && !o.config.askEveryCommand ? "read_only" : "auto";
     emit({ type: "approval", id, decision, rule: decision === "allowed" ? ruled.rule?.text : undefined });
     return { run: true, byHand: false };
   }
@@ -15919,7 +16083,7 @@ function judgeInput(rules: CommandRules, reader: InputReader, input: string, cwd
     .split(/[\r\n]/)
     .filter((l) => l.trim());
   if (reader.kind === "shell") {
-    const denied = lines.map((line) => rules.judge(line, cwd)).find((v) => v.verdict === "deny");
+    const denied = lines.map((line) => rules.judge(line, cwd)).find((v) => RULE_KINDS[v.verdict].gate === "refuse");
     if (denied) return denied;
   }
   if (reader.several) return { verdict: "ask", unsure: "more than one program reads the terminal" };
@@ -16211,17 +16375,6 @@ class StallWatch {
   }
 }
 
-/** How a command's result says it ran (or still runs): any status but a refusal to start or a decision not to run. */
-const COMMAND_RAN = new Set<string>([
-  "exited",
-  "timed_out",
-  "waiting_for_input",
-  "waiting_on_time",
-  "runaway",
-  "stopped",
-  "interrupted",
-] satisfies (CommandStatus | "waiting_on_time")[]);
-
 function keptFields(kept: ReturnType<JobTable["kept"]>): { kept: typeof kept.jobs; kept_others: number } {
   return { kept: kept.jobs, kept_others: kept.others };
 }
@@ -16238,7 +16391,7 @@ class StartWatch {
   seen(e: AgentEvent): void {
     if (e.type !== "command_result") return;
     if (e.status === "not_started") this.notStarted = e.output.split("\n")[0] || "the command could not start";
-    else if (COMMAND_RAN.has(e.status)) {
+    else if (RESULT_STATUSES[e.status].ran) {
       this.ran = true;
       this.notStarted = undefined;
     }
@@ -16247,9 +16400,17 @@ class StartWatch {
   /** The cause, when `status` must become `failed`. */
   blocks(status: RunStatus): string | undefined {
     if (!this.notStarted) return undefined;
-    if (status === "completed") return this.notStarted;
-    const gaveUp: RunStatus[] = ["stalled", "step_limit", "answered", "unverified", "token_budget", "time_budget"];
-    return !this.ran && gaveUp.includes(status) ? this.notStarted : undefined;
+    const unstarted = RUN_ENDINGS[status].unstarted;
+    switch (unstarted) {
+      case "fails":
+        return this.notStarted;
+      case "fails_if_none_ran":
+        return this.ran ? undefined : this.notStarted;
+      case "stands":
+        return undefined;
+      default:
+        return unreachable(unstarted);
+    }
   }
 }
 
@@ -16573,7 +16734,7 @@ class Agent {
       this.emit({ type: "error", message: `no command could be run, so the task cannot be done: ${notStarted}` });
       status = "failed";
     }
-    let exitCode = status === "stopped" ? this.stopExitCode : EXIT_FOR_STATUS[status];
+    let exitCode = status === "stopped" ? this.stopExitCode : RUN_ENDINGS[status].exit;
     if (exitCode === EXIT.ok && this.refused > 0 && this.o.config.failOnRefusal) exitCode = EXIT.needsApproval;
     const last = [...this.messages].reverse().find((m) => m.role === "assistant");
     this.emit({
@@ -16892,19 +17053,25 @@ interface RunOutcome {
   exitCode: number;
 }
 
-const EXIT_FOR_STATUS: Record<RunStatus, number> = {
-  completed: EXIT.ok,
-  terminal: EXIT.ok,
-  step_limit: EXIT.stepLimit,
-  needs_approval: EXIT.needsApproval,
-  failed: EXIT.failure,
-  stopped: EXIT.sigint,
-  interrupted: EXIT.sigint,
-  token_budget: EXIT.tokenBudget,
-  time_budget: EXIT.budget,
-  unverified: EXIT.unverified,
-  stalled: EXIT.stalled,
-  answered: EXIT.ok,
+/**
+ * What each way a run ends means: its exit code (`stopped` takes the
+ * signal's), and what a last command that could not start does to it
+ * (StartWatch): `fails` (a completion no command backs), `fails_if_none_ran`
+ * (the model gave up, and no command ever ran), or `stands`.
+ */
+const RUN_ENDINGS: Record<RunStatus, { exit: number; unstarted: "fails" | "fails_if_none_ran" | "stands" }> = {
+  completed: { exit: EXIT.ok, unstarted: "fails" },
+  terminal: { exit: EXIT.ok, unstarted: "stands" },
+  step_limit: { exit: EXIT.stepLimit, unstarted: "fails_if_none_ran" },
+  needs_approval: { exit: EXIT.needsApproval, unstarted: "stands" },
+  failed: { exit: EXIT.failure, unstarted: "stands" },
+  stopped: { exit: EXIT.sigint, unstarted: "stands" },
+  interrupted: { exit: EXIT.sigint, unstarted: "stands" },
+  token_budget: { exit: EXIT.tokenBudget, unstarted: "fails_if_none_ran" },
+  time_budget: { exit: EXIT.budget, unstarted: "fails_if_none_ran" },
+  unverified: { exit: EXIT.unverified, unstarted: "fails_if_none_ran" },
+  stalled: { exit: EXIT.stalled, unstarted: "fails_if_none_ran" },
+  answered: { exit: EXIT.ok, unstarted: "fails_if_none_ran" },
 };
 
 /** What a front end gives a run: where its events go, how approvals are answered, and who can type into a command. */
@@ -17656,7 +17823,15 @@ function updateFigures(f: TuiFigures, e: AgentEvent, now = Date.now()): boolean 
     case "job_ended":
       f.jobs = Math.max(0, f.jobs - 1);
       return true;
+    case "command_output":
+    case "command_waiting":
+    case "reasoning":
+    case "summary_delta":
+    case "thinking_complete":
+      return false;
     default:
+      // Of the events every front end words, the ones above are all that move a figure.
+      e satisfies WordedEvent;
       return false;
   }
 }
@@ -19031,12 +19206,18 @@ class AgentView {
         for (const piece of this.screen.write(e.data)) this.consoleStream.write(piece);
         return;
       case "command_result":
-        if (e.exit_code !== null || (e.status !== "waiting_for_input" && e.status !== "waiting_on_time"))
-          this.screen.reset();
+        if (e.exit_code !== null || !RESULT_STATUSES[e.status].stillRuns) this.screen.reset();
         this.consoleStream.end();
         break;
       case "summary_delta":
         return this.consolePane.append(visibleControls(e.text), COLORS.summary);
+      // Figures for the footer (updateFigures), the reasoning already streamed (or hidden), a wait Tui.emit acts on.
+      case "command_waiting":
+      case "context":
+      case "reasoning":
+      case "step":
+      case "usage":
+        return;
     }
     // The attempts of one failing request share one line, updated in place: the newest attempt is what matters.
     if (e.type === "retry" || e.type === "model_wait")
@@ -19503,7 +19684,22 @@ function transcriptLines(e: AgentEvent): { tone: Tone; text: string }[] {
       return [
         { tone: e.exit_code === 0 ? "dim" : e.exit_code === null ? "info" : "bad", text: `  ${commandStatusLine(e)}` },
       ];
+    // The answer and the reasoning stream into the pane by themselves; the rest are figures, or the Console's.
+    case "assistant":
+    case "assistant_delta":
+    case "command_output":
+    case "command_waiting":
+    case "context":
+    case "reasoning":
+    case "reasoning_delta":
+    case "step":
+    case "summary_delta":
+    case "thinking_complete":
+    case "usage":
+      return [];
     default:
+      // The rest is worded by describeEvent, which the pane shows as well.
+      e satisfies WordedEvent;
       return [];
   }
 }
@@ -19528,12 +19724,12 @@ function transcriptCommand(command: string): string[] {
 
 /** "✓ exit 0 · 1.2 s · 2 changed: a.txt, b.txt": how a command ended, in one line. */
 function commandStatusLine(e: Extract<AgentEvent, { type: "command_result" }>): string {
-  const waiting = e.exit_code === null && (e.status === "waiting_for_input" || e.status === "waiting_on_time");
+  const still = e.exit_code === null ? RESULT_STATUSES[e.status].stillRuns : null;
   const how =
     e.status === "exited"
       ? `${e.exit_code === 0 ? "✓" : "✗"} exit ${e.exit_code}`
-      : waiting
-        ? `⌨ ${e.status === "waiting_for_input" ? "waits for input" : "runs until interrupted"}`
+      : still
+        ? `⌨ ${still}`
         : `✗ ${e.status.replace(/_/g, " ")}${e.exit_code === null ? "" : ` (exit ${e.exit_code})`}`;
   const parts = [how];
   if (e.duration_ms > 0) parts.push(`${(e.duration_ms / 1000).toFixed(1)} s`);
@@ -20237,6 +20433,15 @@ class Tui implements EventSink {
         // A stopped run no longer waits for an answer: the dialog must not swallow the next key.
         this.dialog.withdraw();
         break;
+      case "assistant":
+      case "command_output":
+      case "reasoning":
+      case "summary_delta":
+      case "thinking_complete":
+        break;
+      default:
+        // Whatever else is worded is only shown.
+        e satisfies WordedEvent;
     }
     this.view.show(e);
     if (e.type === "end") this.refreshStatus();
