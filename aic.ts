@@ -9571,9 +9571,10 @@ class RenderedOutput {
     const half = Math.floor(this.maxBytes / 2);
     const headText = this.head.join("\n");
     const head = headBytes(headText, half);
-    // One line longer than the cap is the head and, with nothing after it, the tail too: its end is what matters.
+    // Lines the head cut (one line longer than the cap, say) end in the tail, before whatever followed them.
     const rest = this.tail.slice(this.tailStart).join("\n");
-    const tailSource = rest || (Buffer.byteLength(headText) > Buffer.byteLength(head) ? headText : "");
+    const tailSource =
+      Buffer.byteLength(headText) > Buffer.byteLength(head) ? [headText, rest].filter(Boolean).join("\n") : rest;
     const tail = tailBytes(tailSource, this.maxBytes - Buffer.byteLength(head));
     const omitted = this.bytes - Buffer.byteLength(head) - Buffer.byteLength(tail);
     const where = this.fileError ? { error: this.fileError } : { savedTo: this.filePath ?? "" };
