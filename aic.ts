@@ -4013,6 +4013,9 @@ function openLinuxLibc() {
     mount: { args: [FFIType.ptr, FFIType.ptr, FFIType.ptr, FFIType.u64, FFIType.ptr], returns: FFIType.i32 },
     socket: { args: [FFIType.i32, FFIType.i32, FFIType.i32], returns: FFIType.i32 },
     ioctl: { args: [FFIType.i32, FFIType.u64, FFIType.ptr], returns: FFIType.i32 },
+    // The checkpoints' watch on the start directory (see ChangeWatch).
+    inotify_init1: { args: [FFIType.i32], returns: FFIType.i32 },
+    inotify_add_watch: { args: [FFIType.i32, FFIType.ptr, FFIType.u32], returns: FFIType.i32 },
     // The exec supervisor's wait for a call to judge (see "Sandbox: judging each program a command executes").
     poll: { args: [FFIType.ptr, FFIType.u64, FFIType.i32], returns: FFIType.i32 },
     __errno_location: { args: [], returns: FFIType.ptr },
@@ -7981,16 +7984,24 @@ const MAX_GIT_INDEX_BYTES = 256 * 1024 * 1024;
  * checked: the file is a command's to write.
  */
 function gitlinksInIndex(b: Buffer): string[] | undefined {
-  if (b.length < 12 || b.toString("latin1", 0, 4) !== "DIRC") return undefined;
+  const links: string[] = [];
+  const read = indexEntries(b, (name, mode) => {
+    if ((mode & 0o170000) === 0o160000) links.push(name.toString("utf8"));
+  });
+  return read ? links : undefined;
+}
+
+/** Calls `visit` with each entry's path and mode, in the index's order; false when the file is not an index git wrote. */
+function indexEntries(b: Buffer, visit: (name: Buffer, mode: number) => void): boolean {
+  if (b.length < 12 || b.toString("latin1", 0, 4) !== "DIRC") return false;
   const version = b.readUInt32BE(4);
   const count = b.readUInt32BE(8);
-  if (version < 2 || version > 4) return undefined;
-  const links: string[] = [];
+  if (version < 2 || version > 4) return false;
   let at = 12;
   let previous: Buffer = Buffer.alloc(0);
   for (let i = 0; i < count; i++) {
     const start = at;
-    if (at + 62 > b.length) return undefined;
+    if (at + 62 > b.length) return false;
     const mode = b.readUInt32BE(at + 24);
     const flags = b.readUInt16BE(at + 60);
     at += 62;
@@ -7999,27 +8010,27 @@ function gitlinksInIndex(b: Buffer): string[] | undefined {
     if (version === 4) {
       // The path is the previous one less `strip` bytes, then this entry's own bytes (git's offset varint).
       let c = b[at++];
-      if (c === undefined) return undefined;
+      if (c === undefined) return false;
       let strip = c & 127;
       while (c & 128) {
         c = b[at++];
-        if (c === undefined || strip > previous.length) return undefined;
+        if (c === undefined || strip > previous.length) return false;
         strip = ((strip + 1) << 7) | (c & 127);
       }
       const end = b.indexOf(0, at);
-      if (end < 0 || strip > previous.length) return undefined;
+      if (end < 0 || strip > previous.length) return false;
       name = Buffer.concat([previous.subarray(0, previous.length - strip), b.subarray(at, end)]);
       at = end + 1;
     } else {
       const end = b.indexOf(0, at);
-      if (end < 0) return undefined;
+      if (end < 0) return false;
       name = b.subarray(at, end);
       at = start + ((end - start + 8) & ~7);
     }
     previous = name;
-    if ((mode & 0o170000) === 0o160000) links.push(name.toString("utf8"));
+    visit(name, mode);
   }
-  return links;
+  return true;
 }
 
 /** What one git dir held at the last look. */
@@ -11683,6 +11694,137 @@ class ShadowGit {
 // tree changed), pruning, and reading a checkpoint back.
 // ════════════════════════════════════════════════════════════════════════════
 
+/** inotify(7): what counts as a change to a watched directory or a file in it. */
+const IN_CHANGES = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200 | 0x400 | 0x800; // MODIFY ATTRIB CLOSE_WRITE MOVED_* CREATE DELETE*, MOVE_SELF
+const IN_ONLYDIR = 0x01000000;
+const IN_DONT_FOLLOW = 0x02000000;
+const IN_IGNORED = 0x8000;
+const IN_Q_OVERFLOW = 0x4000;
+const IN_NONBLOCK = 0o4000;
+/** More directories than this and the tree is not watched: every snapshot asks git, as before. */
+const MAX_WATCHED_DIRECTORIES = 20_000;
+
+/**
+ * Whether anything under the start directory was written since a snapshot
+ * began, from the kernel's own record (inotify on every directory that holds
+ * a file the checkpoints keep): a step whose command changed nothing then
+ * costs no git process at all. Read synchronously, so every change made
+ * before the question is in the answer. It errs one way only: an event it
+ * cannot place, an overflow, a directory it has just begun to watch all
+ * count as changes. What it cannot see (a file written through a hard link
+ * from outside the tree, or through a shared memory mapping) is picked up by
+ * the next snapshot that asks git.
+ */
+class ChangeWatch {
+  private fd = -1;
+  private readonly watched = new Map<number, string>();
+  private readonly byPath = new Map<string, number>();
+  private changed = true;
+  private readonly buffer = Buffer.alloc(64 * 1024);
+
+  constructor(
+    /** The start directory's path; watched paths are relative to it. */
+    private readonly root: string,
+    /** Names in the start directory that are aic's own (the session and its temporaries): their changes do not count. */
+    private readonly own: RegExp[],
+  ) {}
+
+  /** True when nothing was written since `restart()`, under every directory `cover()` was given. */
+  quiet(): boolean {
+    if (this.fd < 0) return false;
+    this.drain();
+    return !this.changed;
+  }
+
+  /** From now on, changes count again: called just before git reads the tree (`failed`: what it read is not kept). */
+  restart(failed = false): void {
+    if (this.fd >= 0) this.drain();
+    this.changed = failed;
+  }
+
+  /** Watches `dirs` (relative to the start directory, "" for itself) too; a directory newly watched counts as a change. */
+  cover(dirs: Iterable<string>): void {
+    if (this.fd === -2) return;
+    const c = libc()?.symbols;
+    if (!c) return void (this.fd = -2);
+    if (this.fd < 0) this.fd = c.inotify_init1(IN_NONBLOCK | O_CLOEXEC);
+    if (this.fd < 0) return void (this.fd = -2);
+    for (const rel of dirs) {
+      if (this.byPath.has(rel)) continue;
+      if (this.byPath.size >= MAX_WATCHED_DIRECTORIES) return this.giveUp();
+      const wd = c.inotify_add_watch(
+        this.fd,
+        Buffer.from(`${path.join(this.root, rel)}\0`),
+        IN_CHANGES | IN_ONLYDIR | IN_DONT_FOLLOW,
+      );
+      this.changed = true;
+      if (wd < 0) {
+        // Gone since the snapshot (a change, counted), or the kernel's watch limit (watching stops).
+        if (fs.existsSync(path.join(this.root, rel))) return this.giveUp();
+        continue;
+      }
+      this.watched.set(wd, rel);
+      this.byPath.set(rel, wd);
+    }
+  }
+
+  close(): void {
+    if (this.fd >= 0) fs.closeSync(this.fd);
+    this.fd = -2;
+    this.watched.clear();
+    this.byPath.clear();
+  }
+
+  private giveUp(): void {
+    this.close();
+    this.changed = true;
+  }
+
+  private drain(): void {
+    for (;;) {
+      let got: number;
+      try {
+        got = fs.readSync(this.fd, this.buffer, 0, this.buffer.length, null);
+      } catch {
+        return; // EAGAIN: nothing more queued
+      }
+      if (got <= 0) return;
+      for (let at = 0; at + 16 <= got;) {
+        const wd = this.buffer.readInt32LE(at);
+        const mask = this.buffer.readUInt32LE(at + 4);
+        const length = this.buffer.readUInt32LE(at + 12);
+        const name = this.buffer.toString("utf8", at + 16, at + 16 + length).replace(/\0+$/, "");
+        at += 16 + length;
+        if (mask & IN_Q_OVERFLOW) this.changed = true;
+        const rel = this.watched.get(wd);
+        if (mask & IN_IGNORED) {
+          if (rel !== undefined) (this.watched.delete(wd), this.byPath.delete(rel));
+          continue;
+        }
+        if (rel === "" && name && this.own.some((re) => re.test(name))) continue;
+        this.changed = true;
+      }
+    }
+  }
+}
+
+/** The directories holding the index's entries (under `prefix`, relative to the start directory), the start directory itself first. */
+function indexDirectories(index: Buffer, prefix: string): Set<string> | undefined {
+  const dirs = new Set<string>([""]);
+  const ok = indexEntries(index, (name) => {
+    const slash = name.lastIndexOf(0x2f);
+    if (slash < 0) return;
+    let dir = name.toString("utf8", 0, slash);
+    if (prefix) dir = dir.startsWith(prefix) ? dir.slice(prefix.length) : dir === prefix.slice(0, -1) ? "" : dir;
+    while (dir && !dirs.has(dir)) {
+      dirs.add(dir);
+      const up = dir.lastIndexOf("/");
+      dir = up < 0 ? "" : dir.slice(0, up);
+    }
+  });
+  return ok ? dirs : undefined;
+}
+
 /**
  * A git repository of aic's own that snapshots `workTree` (the project's
  * top when aic starts inside a repository, so every .gitignore applies as git
@@ -11715,7 +11857,13 @@ class ShadowRepository {
     this.prefix = workTree === directory ? "" : `${path.relative(workTree, directory).split(path.sep).join("/")}/`;
     this.env = shadowGitEnvironment(this.gitDir, workTree);
     this.runner = new ShadowGit(workTree, home, this.env);
+    this.watch = new ChangeWatch(directory, ownFiles.map(writePattern));
   }
+
+  /** What was written under the start directory since the last snapshot began: nothing, and git need not be asked. */
+  private readonly watch: ChangeWatch;
+  /** The index's identity when the watch last covered its directories. */
+  private indexCovered: string | undefined;
 
   private readonly runner: ShadowGit;
 
@@ -11878,6 +12026,20 @@ class ShadowRepository {
     // files, where loose objects are cheaper than a new pack each time.
     const bulkCheckIn = bulk ? ["-c", "core.bigFileThreshold=1"] : [];
     if (!this.last) await this.resumeLastState();
+    if (this.last && this.watch.quiet()) {
+      await this.confirmInPlace(undefined);
+      return this.last;
+    }
+    this.watch.restart();
+    try {
+      return await this.snapshotWithGit(message, limitMs, bulkCheckIn);
+    } catch (error) {
+      this.watch.restart(true);
+      throw error;
+    }
+  }
+
+  private async snapshotWithGit(message: string, limitMs: number, bulkCheckIn: string[]): Promise<Snapshot> {
     const add = await this.git([...bulkCheckIn, "add", "-A", "--ignore-errors", "--verbose", ...this.pathspec], {
       limitMs,
     });
@@ -11889,6 +12051,7 @@ class ShadowRepository {
     const dirsAsBefore = this.dirsUnchanged();
     if (this.last && this.indexAtLast !== undefined && this.indexIdentity() === this.indexAtLast && dirsAsBefore) {
       await this.confirmInPlace(undefined);
+      this.coverWatch();
       return this.last;
     }
     const tree = (await this.gitOk(["write-tree"])).trim();
@@ -11906,7 +12069,25 @@ class ShadowRepository {
     this.indexAtLast = this.indexIdentity();
     await this.confirmInPlace(same ? undefined : made);
     this.keepLastState(made);
+    this.coverWatch();
     return made;
+  }
+
+  /** The watch covers every directory of the index and each directory the manifest looked at (empty ones). */
+  private coverWatch(): void {
+    const now = this.indexIdentity();
+    if (now !== undefined && now !== this.indexCovered) {
+      let dirs: Set<string> | undefined;
+      try {
+        dirs = indexDirectories(readOwnFile(path.join(this.gitDir, "index"), MAX_OWN_FILE_BYTES), this.prefix);
+      } catch {
+        dirs = undefined;
+      }
+      if (!dirs) return this.watch.restart(true);
+      this.watch.cover(dirs);
+      this.indexCovered = now;
+    }
+    if (this.dirStamps) this.watch.cover(this.dirStamps.keys());
   }
 
   /**
@@ -12067,16 +12248,19 @@ class ShadowRepository {
         dirs.add(dir);
       }
     };
-    for (const entry of (await this.gitOk(["ls-files", "-z", "-s", ...this.pathspec])).split("\0")) {
-      const tab = entry.indexOf("\t");
-      const kind = entry.slice(0, 6);
-      const inside = tab > 0 ? this.relative(entry.slice(tab + 1)) : undefined;
+    // The index as `add -A` left it, read here rather than listed by `git ls-files -s` (a process a step).
+    const entries: [name: string, mode: number][] = [];
+    const index = readOwnFile(path.join(this.gitDir, "index"), MAX_OWN_FILE_BYTES);
+    if (!indexEntries(index, (name, mode) => entries.push([name.toString("utf8"), mode])))
+      throw new Error("the checkpoint index cannot be read");
+    for (const [name, kind] of entries) {
+      const inside = this.relative(name);
       if (inside !== undefined) parentsOf(inside);
-      const rel = kind === "100644" || kind === "100755" ? inside : undefined;
+      const rel = kind === 0o100644 || kind === 0o100755 ? inside : undefined;
       if (rel === undefined) continue;
       const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
       const mode = st?.isFile() ? st.mode & 0o7777 : undefined;
-      if (mode !== undefined && mode !== checkoutMode(kind === "100755"))
+      if (mode !== undefined && mode !== checkoutMode(kind === 0o100755))
         lines.push(`mode ${mode.toString(8)} ${JSON.stringify(rel)}`);
     }
     // With no directory changed since the last snapshot, its empty directories are this one's too.
@@ -12130,9 +12314,12 @@ class ShadowRepository {
     const tree = /^tree ([0-9a-f]+)$/m.exec(body)?.[1] ?? "";
     const at = body.indexOf(`\n${MANIFEST_HEADING}\n`);
     const manifest = at < 0 ? "" : body.slice(at + MANIFEST_HEADING.length + 2).replace(/\n$/, "");
-    const snapshot = { commit, tree, manifest };
+    return this.remember({ commit, tree, manifest });
+  }
+
+  private remember(snapshot: Snapshot): Snapshot {
     if (this.snapshots.size >= SNAPSHOT_CACHE_ENTRIES) this.snapshots.delete(this.snapshots.keys().next().value!);
-    this.snapshots.set(commit, snapshot);
+    this.snapshots.set(snapshot.commit, snapshot);
     return snapshot;
   }
 
@@ -12153,6 +12340,7 @@ class ShadowRepository {
       input: `update ${ref}\0${commit}\0\0update ${LAST_CHECKPOINT_REF}\0${commit}\0\0`,
     });
     this.last = { commit, tree, manifest };
+    this.remember(this.last);
     return this.last;
   }
 
@@ -12509,13 +12697,28 @@ class Checkpoints {
     const made = await this.take(`after: ${oneLine(step.command, 200)}`);
     if (!made) return undefined;
     step.after = made.commit;
-    if (made.commit !== step.commit) await this.keepUnderCap();
+    let changed: ChangedFiles | undefined;
     try {
-      return await this.changesOf(step);
+      changed = await this.changesOf(step);
     } catch (error) {
       this.warn(`could not list what the command changed: ${(error as Error).message}`);
-      return undefined;
     }
+    if (made.commit !== step.commit && this.storeMayHaveGrown(changed)) await this.keepUnderCap();
+    return changed;
+  }
+
+  /** What commands wrote since the store's size was last asked (a git process): asked again past a megabyte, or every 32 changes. */
+  private grownBytes = 0;
+  private grownSteps = 0;
+
+  private storeMayHaveGrown(changed: ChangedFiles | undefined): boolean {
+    for (const rel of changed ? [...changed.created, ...changed.modified] : [])
+      this.grownBytes += fs.lstatSync(path.join(this.shadow.directory, rel), { throwIfNoEntry: false })?.size ?? 0;
+    this.grownSteps++;
+    if (changed && this.grownBytes < 1 << 20 && this.grownSteps < 32) return false;
+    this.grownBytes = 0;
+    this.grownSteps = 0;
+    return true;
   }
 
   /**
