@@ -6062,8 +6062,11 @@ function sandboxRefusals(
 ): { path: string; why: SandboxRefusal; detail: string }[] {
   if (!s.enabled || !REFUSAL_WORDS.test(output)) return [];
   const found = new Map<string, { path: string; why: SandboxRefusal; detail: string }>();
+  // The exec judge says why in its own line; the shell's "Operation not permitted" after it is that refusal.
+  const judgedAtExec = output.includes("aic: refused at exec:");
   for (const line of output.split("\n", 5000)) {
     if (found.size >= 3 || !REFUSAL_WORDS.test(line)) continue;
+    if (judgedAtExec && /operation not permitted/i.test(line)) continue;
     // "/bin/bash: line 1: /etc/x: Permission denied": the shell names itself first; the refused path follows.
     const said = line.replace(/^(\/\S*\/)?(ba|da|z|k|mk)?sh: (line \d+: )?/, "");
     for (const m of said.matchAll(ERROR_LINE_PATH)) {
@@ -6212,6 +6215,8 @@ function programFiles(name: string): string[] {
         "/usr/bin",
         "/sbin",
         "/bin",
+        // git keeps a second copy of itself (and its helpers) in its exec path: `/usr/lib/git-core/git`.
+        ...GIT_EXEC_PATHS,
       ];
   const found = new Set<string>();
   for (const dir of dirs) {
@@ -6310,7 +6315,7 @@ const SECUREBITS_NO_WAY_BACK = 0xef;
  * CAP_SETPCAP (a non-root aic outside a jail) there is nothing to drop.
  * Returns why it failed, or undefined.
  */
-function dropCapabilities(): string | undefined {
+function dropCapabilities(keep = 0): string | undefined {
   const c = libc()?.symbols;
   if (!c) return "cannot open libc.so.6 through bun:ffi";
   const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
@@ -6322,9 +6327,11 @@ function dropCapabilities(): string | undefined {
     if (c.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) !== 0) return `prctl(PR_CAPBSET_DROP, ${cap}) was refused`;
   if (c.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) !== 0)
     return "clearing the ambient capabilities was refused";
-  // capset(&{_LINUX_CAPABILITY_VERSION_3, pid 0}, data[2]{effective, permitted, inheritable}: all zero)
+  // capset(&{_LINUX_CAPABILITY_VERSION_3, pid 0}, data[2]{effective, permitted, inheritable}): all zero but `keep`
+  // (a mask of capabilities 0–31), which stays effective and permitted here and, the bounding set being empty
+  // and the securebits locked, reaches nothing this process executes.
   const header = new Uint32Array([0x20080522, 0]);
-  const data = new Uint32Array(6);
+  const data = new Uint32Array([keep, keep, 0, 0, 0, 0]);
   if (Number(c.syscall(SYS_CAPSET, ptr(header), ptr(data), 0, 0, 0)) !== 0) return "capset was refused";
   return undefined;
 }
@@ -6404,7 +6411,10 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number | Promise<number
   // No capability survives into the launcher or a command: a root command cannot ptrace, take another process's
   // descriptors (pidfd_getfd), type into a terminal (TIOCSTI) or mount. Needs CAP_SETPCAP for its first steps, so
   // it comes before anything else is given up; for a non-root aic there is nothing to drop.
-  const dropped = dropCapabilities();
+  // The exec supervisor keeps CAP_SYS_PTRACE where it has it (the jail's init; root): it reads the argv of the
+  // launcher's children, which share the launcher's non-dumpable memory until they exec.
+  const supervising = Boolean(plan.judgeExec?.length) && !execJudgeMissing();
+  const dropped = dropCapabilities(supervising ? 1 << CAP_SYS_PTRACE : 0);
   if (dropped) return fail(dropped);
   if (c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) !== 0) return fail("prctl(PR_SET_NO_NEW_PRIVS) was refused");
   if (Number(c.syscall(SYS_LANDLOCK_RESTRICT_SELF, rulesetFd, 0, 0, 0, 0)) !== 0)
@@ -6463,6 +6473,7 @@ const SYS_DUP3 = 292;
 const SYS_PIDFD_OPEN = 434;
 const SYS_PIDFD_GETFD = 438;
 const SECCOMP_SET_MODE_FILTER = 1;
+const CAP_SYS_PTRACE = 19;
 const SECCOMP_FILTER_FLAG_TSYNC = 1;
 const SECCOMP_FILTER_FLAG_NEW_LISTENER = 8;
 const SECCOMP_FILTER_FLAG_TSYNC_ESRCH = 16;
@@ -6475,9 +6486,9 @@ const EPERM = 1;
 /** execve and execveat, natively and in the x32 and i386 ABIs (the other two are refused outright). */
 const SYSCALL_EXECVE = 59;
 const SYSCALL_EXECVEAT = 322;
-/** The longest program path and the most argv bytes read from a caller; more is refused, not half-judged. */
+/** The longest program path, and the most argv bytes read from a caller whose program the rules name; more is refused, not half-judged. */
 const EXEC_PATH_MAX = 4096;
-const EXEC_ARGV_MAX_BYTES = 1 << 20;
+const EXEC_ARGV_MAX_BYTES = 32 << 20;
 
 /** Why exec-time judging cannot run here, or undefined. */
 function execJudgeMissing(): string | undefined {
@@ -6537,11 +6548,11 @@ function execFilterProgram(): Uint8Array {
  * not exist, which blocks until the supervisor has taken the listener and
  * answered: only then is the launcher's own copy closed. Returns why not.
  */
-function putLauncherUnderExecJudge(): string | undefined {
+function putLauncherUnderExecJudge(subreaper: boolean): string | undefined {
   const c = libc()?.symbols;
   if (!c) return "cannot open libc.so.6 through bun:ffi";
   const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
-  if (process.env[EXEC_JUDGE_ENV] === "init" && c.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) !== 0)
+  if (subreaper && c.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) !== 0)
     return `prctl(PR_SET_CHILD_SUBREAPER) was refused: ${lastErrno()}`;
   const filter = execFilterProgram();
   // struct sock_fprog { u16 len; /* 6 bytes of padding */ struct sock_filter *filter; }
@@ -6595,97 +6606,247 @@ function readStringArray(mem: number, address: number): string[] | undefined {
   return strings;
 }
 
-/** One execve as the supervisor sees it: who calls, the program's path as given, and its argv. */
+/** One execve as the supervisor sees it: the calling thread, the path it gave and where a relative one starts. */
 interface ExecCall {
-  pid: number;
-  /** The path as the kernel will open it: absolute, through the caller's root, cwd or directory descriptor. */
-  file: string;
-  name: string;
-  argv: string[];
+  /** The calling thread's id (its /proc entry has the caller's memory, descriptors and cwd). */
+  tid: number;
+  /** The path as given (for execveat, relative to `base`; "" with AT_EMPTY_PATH: `base` itself). */
+  given: string;
+  /** Where a relative path starts, as the kernel will see it: the cwd's path, or /proc/TID/fd/N. */
+  base: string;
+  /** The caller's working directory (an interpreter's path starts there, and the rules judge from there). */
   cwd: string;
+  /** The caller's argv: read only when the program is one the rules name. */
+  argv(): string[] | undefined;
 }
 
-/** What the supervisor judges with: the rules, the programs they name and those programs' files (by inode). */
+/** What the supervisor judges with: the rules, the programs they name, and how to know those programs under any name. */
 interface ExecJudge {
   rules: CommandRule[];
   programs: Set<string>;
+  /** dev:ino of each file of a named program: links under another name are that program. */
   inodes: Map<string, string>;
+  /** dev:ino of the dynamic loaders: `ld.so PROGRAM` runs PROGRAM without another execve. */
+  loaders: Set<string>;
+  /** Size → hash of the first megabyte → program: a plain copy of a named program's file is that program. */
+  copies: Map<number, Map<string, string>>;
 }
+
+const LOADER_FILES = [
+  "/lib64/ld-linux-x86-64.so.2",
+  "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+  "/usr/lib64/ld-linux-x86-64.so.2",
+  "/lib/ld-musl-x86_64.so.1",
+];
+const COPY_HASH_BYTES = 1 << 20;
 
 function execJudgeOf(ruleLines: readonly string[]): ExecJudge {
   const rules = parseRuleLines(ruleLines.join("\n")).rules;
   const programs = new Set(rules.map((r) => baseName(r.words[0] ?? "")).filter(Boolean));
-  const inodes = new Map<string, string>();
+  const judge: ExecJudge = { rules, programs, inodes: new Map(), loaders: new Set(), copies: new Map() };
   for (const name of programs)
     for (const file of programFiles(name)) {
       const st = fs.statSync(file, { throwIfNoEntry: false });
-      if (st) inodes.set(`${st.dev}:${st.ino}`, name);
+      if (!st?.isFile()) continue;
+      judge.inodes.set(`${st.dev}:${st.ino}`, name);
+      const hash = headHash(file, false);
+      if (hash) judge.copies.set(st.size, (judge.copies.get(st.size) ?? new Map()).set(hash, name));
     }
-  return { rules, programs, inodes };
+  for (const file of LOADER_FILES) {
+    const st = fs.statSync(file, { throwIfNoEntry: false });
+    if (st?.isFile()) judge.loaders.add(`${st.dev}:${st.ino}`);
+  }
+  return judge;
+}
+
+/** A hash of the first megabyte of a regular file (`magic`: a /proc descriptor link, which must be followed). */
+function headHash(file: string, magic: boolean): string | undefined {
+  try {
+    const fd = fs.openSync(file, O.O_RDONLY | O.O_NONBLOCK | (magic ? 0 : O.O_NOFOLLOW));
+    try {
+      if (!fs.fstatSync(fd).isFile()) return undefined;
+      const buf = Buffer.alloc(COPY_HASH_BYTES);
+      const got = fs.readSync(fd, buf, 0, buf.length, 0);
+      return createHash("sha256").update(buf.subarray(0, got)).digest("hex");
+    } finally {
+      fs.closeSync(fd);
+    }
+  } catch {
+    return undefined;
+  }
+}
+
+/** The `#!` line of a regular file: the interpreter's path and its one optional argument. */
+function shebangOf(file: string, magic: boolean): { interpreter: string; arg?: string } | undefined {
+  try {
+    const fd = fs.openSync(file, O.O_RDONLY | O.O_NONBLOCK | (magic ? 0 : O.O_NOFOLLOW));
+    try {
+      if (!fs.fstatSync(fd).isFile()) return undefined;
+      const buf = Buffer.alloc(256);
+      const line = buf.toString("latin1", 0, fs.readSync(fd, buf, 0, buf.length, 0)).split("\n")[0]!;
+      if (!line.startsWith("#!")) return undefined;
+      const m = /^#!\s*(\S+)(?:\s+(.*?))?\s*$/.exec(line);
+      return m ? { interpreter: m[1]!, arg: m[2] || undefined } : undefined;
+    } finally {
+      fs.closeSync(fd);
+    }
+  } catch {
+    return undefined;
+  }
+}
+
+/** A /proc entry the kernel follows as an object, not as text (a descriptor, a cwd, a root, an executable). */
+const PROC_MAGIC_LINK = /^\/proc\/\d+(\/task\/\d+)?\/(fd\/\d+|cwd|root|exe|map_files\/[^/]+)$/;
+
+/**
+ * The path the caller's execve will open, resolved the way the kernel does
+ * for it (each link followed where it leads, `..` after the link, /proc/self
+ * as the caller, a /proc descriptor as its object), as a path that means the
+ * same file here; undefined when the kernel will not find it either; "weird"
+ * for what this resolver does not follow (refused).
+ */
+function resolveForCaller(tid: number, given: string, base: string): string | undefined | "weird" {
+  const pending = (given.startsWith("/") ? given : `${base}/${given}`).split("/");
+  let at = "";
+  for (let links = 0; pending.length;) {
+    let part = pending.shift()!;
+    if (part === "" || part === ".") continue;
+    if (part === "..") {
+      if (PROC_MAGIC_LINK.test(at)) return "weird";
+      at = at.slice(0, Math.max(0, at.lastIndexOf("/")));
+      continue;
+    }
+    if (at === "/proc" && part === "self") part = String(tid);
+    else if (at === "/proc" && part === "thread-self") part = `${tid}/task/${tid}`;
+    const next = `${at}/${part}`;
+    let st: fs.Stats | undefined;
+    try {
+      st = fs.lstatSync(next, { throwIfNoEntry: false });
+    } catch {
+      return undefined; // ENOTDIR, EACCES, ELOOP: the kernel's walk ends there too
+    }
+    if (!st) return undefined;
+    if (!st.isSymbolicLink()) {
+      at = next;
+      continue;
+    }
+    if (PROC_MAGIC_LINK.test(next)) {
+      if (!pending.some((p) => p && p !== ".")) return next;
+      const target = fs.readlinkSync(next);
+      if (!target.startsWith("/") || target.endsWith(" (deleted)")) return "weird";
+      at = target === "/" ? "" : target;
+      continue;
+    }
+    if (++links > 40) return undefined; // ELOOP
+    const target = fs.readlinkSync(next);
+    pending.unshift(...target.split("/"));
+    if (target.startsWith("/")) at = "";
+  }
+  return at || "/";
+}
+
+/** A resolved file as the rules know it: a named program (`via`: how it was known), the dynamic loader, or neither. */
+function programOf(
+  judge: ExecJudge,
+  file: string,
+  name: string,
+): { program: string; by: "name" | "file" } | "loader" | undefined {
+  const magic = PROC_MAGIC_LINK.test(file);
+  const st = fs.statSync(file, { throwIfNoEntry: false });
+  if (!st?.isFile()) return undefined;
+  const key = `${st.dev}:${st.ino}`;
+  const linked = judge.inodes.get(key);
+  if (linked) return { program: linked, by: "file" };
+  if (judge.loaders.has(key)) return "loader";
+  const sameSize = judge.copies.get(st.size);
+  const copied = sameSize ? sameSize.get(headHash(file, magic) ?? "") : undefined;
+  if (copied) return { program: copied, by: "file" };
+  if (judge.programs.has(name)) return { program: name, by: "name" };
+  const dashed = [...judge.programs].find((p) => name.startsWith(`${p}-`) && name.length > p.length + 1);
+  return dashed ? { program: dashed, by: "name" } : undefined;
+}
+
+/** git's global `-c`/`--config-env` settings that matter at exec: aliases and includes (git runs those in-process). */
+function withoutHarmlessGitSettings(args: string[]): string[] {
+  const out: string[] = [];
+  let i = 0;
+  for (; i < args.length && args[i]!.startsWith("-"); i++) {
+    const a = args[i]!;
+    const pair = a === "-c" || a === "--config-env" ? [a, args[++i] ?? ""] : [a];
+    const setting = (pair[1] ?? a.replace(/^(-c|--config-env=)/, "")).toLowerCase();
+    const isSetting = a === "-c" || a === "--config-env" || a.startsWith("--config-env=") || /^-c./.test(a);
+    if (a.startsWith("--exec-path")) continue; // it only moves where git-WORD programs are found, each judged as it runs
+    if (isSetting && !/^(alias\.|include\.|includeif\.)/.test(setting)) continue; // a program it makes git run is judged as it runs
+    out.push(...pair);
+  }
+  return [...out, ...args.slice(i)];
+}
+
+/**
+ * The command line an exec amounts to for the rules, or undefined when it is
+ * none of the programs they name: known by name, by file (a link or plain
+ * copy under another name), as `git-push` for `git push` (the way git reads
+ * its argv[0]), through the dynamic loader, or as the interpreter of a `#!`
+ * script, which the kernel starts without another execve.
+ */
+function judgedLine(judge: ExecJudge, call: ExecCall, depth = 0): string | undefined | "weird" {
+  if (depth > 4) return "weird";
+  const file = resolveForCaller(call.tid, call.given, call.base);
+  if (file === undefined || file === "weird") return file;
+  const name = baseName(call.given === "" ? file : call.given);
+  const known = programOf(judge, file, name);
+  if (known === undefined) {
+    const script = shebangOf(file, PROC_MAGIC_LINK.test(file));
+    if (!script) return undefined;
+    const argv = () => {
+      const given = call.argv();
+      return given && [script.interpreter, ...(script.arg ? [script.arg] : []), call.given, ...given.slice(1)];
+    };
+    return judgedLine(judge, { ...call, given: script.interpreter, base: call.cwd, argv }, depth + 1);
+  }
+  const argv = call.argv();
+  if (!argv) return "weird";
+  if (known === "loader") {
+    let i = 1;
+    let argv0: string | undefined;
+    while (i < argv.length && argv[i]!.startsWith("--")) {
+      if (argv[i] === "--argv0") argv0 = argv[i + 1];
+      i += ["--list", "--verify", "--inhibit-cache", "--inhibit-rpath"].includes(argv[i]!) ? 1 : 2;
+    }
+    const program = argv[i];
+    if (!program) return undefined;
+    const rest = [argv0 ?? program, ...argv.slice(i + 1)];
+    return judgedLine(judge, { ...call, given: program, base: call.cwd, argv: () => rest }, depth + 1);
+  }
+  const { program } = known;
+  // git takes its command from argv[0]'s name (`git-push`), the file's name from the path (a `git-WORD` program).
+  const dashedName = known.by === "file" ? baseName(argv[0] ?? "") : name;
+  const sub = dashedName.startsWith(`${program}-`) ? [dashedName.slice(program.length + 1)] : [];
+  const rest = program === "git" ? withoutHarmlessGitSettings(argv.slice(1)) : argv.slice(1);
+  return [program, ...sub, ...rest].map(quotedWord).join(" ");
 }
 
 const quotedWord = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
 
-/**
- * The command line an exec amounts to for the rules, or undefined when it is
- * none of the judged programs: matched by name, by the file's inode (a link
- * under another name), as `git-push` for `git push`, or through the dynamic
- * loader (`ld.so /usr/bin/git push`).
- */
-function judgedLine(judge: ExecJudge, call: ExecCall, depth = 0): string | undefined {
-  const rest = call.argv.slice(1);
-  if (/^ld(-linux[\w-]*)?\.so(\.\d+)?$/.test(call.name) && depth === 0) {
-    let i = 0;
-    while (i < rest.length && rest[i]!.startsWith("--"))
-      i += ["--list", "--verify", "--inhibit-cache"].includes(rest[i]!) ? 1 : 2;
-    const program = rest[i];
-    if (!program) return undefined;
-    const file = path.resolve(call.cwd, program);
-    return judgedLine(judge, { ...call, file, name: baseName(program), argv: rest.slice(i) }, 1);
-  }
-  let program = judge.programs.has(call.name) ? call.name : undefined;
-  if (!program) {
-    const st = fs.statSync(call.file, { throwIfNoEntry: false });
-    program = st ? judge.inodes.get(`${st.dev}:${st.ino}`) : undefined;
-  }
-  const dashed = [...judge.programs].find((p) => call.name.startsWith(`${p}-`) && call.name.length > p.length + 1);
-  if (!program && !dashed) return undefined;
-  const words =
-    dashed && program !== call.name ? [dashed, call.name.slice(dashed.length + 1), ...rest] : [program!, ...rest];
-  return words.map(quotedWord).join(" ");
-}
-
-/** Reads one notification's call, or undefined when its memory cannot be read whole (it is refused then). */
-function readExecCall(pid: number, nr: number, args: BigUint64Array): ExecCall | undefined {
+/** Reads one notification's call: the path now, the argv on demand; undefined when the caller's memory cannot be read. */
+function readExecCall(tid: number, nr: number, args: BigUint64Array, mem: number): ExecCall | undefined {
   const at = (i: number) => Number(args[i]!);
-  let mem: number;
-  try {
-    mem = fs.openSync(`/proc/${pid}/mem`, "r");
-  } catch {
-    return undefined;
-  }
-  try {
-    const execveat = nr === SYSCALL_EXECVEAT;
-    const given = readMemoryString(mem, at(execveat ? 1 : 0), EXEC_PATH_MAX);
-    const argv = readStringArray(mem, at(execveat ? 2 : 1));
-    if (given === undefined || argv === undefined) return undefined;
-    const cwd = fs.readlinkSync(`/proc/${pid}/cwd`);
-    const dirfd = execveat ? Number(BigInt.asIntN(32, args[0]!)) : -100; // AT_FDCWD
-    const base = dirfd === -100 ? cwd : `/proc/${pid}/fd/${dirfd}`;
-    const file = given === "" ? base : path.resolve(base, given);
-    const name = baseName(given === "" ? fs.readlinkSync(base) : given);
-    return { pid, file, name, argv, cwd };
-  } catch {
-    return undefined;
-  } finally {
-    fs.closeSync(mem);
-  }
+  const execveat = nr === SYSCALL_EXECVEAT;
+  const given = readMemoryString(mem, at(execveat ? 1 : 0), EXEC_PATH_MAX);
+  if (given === undefined) return undefined;
+  const dirfd = execveat ? Number(BigInt.asIntN(32, args[0]!)) : -100; // AT_FDCWD
+  const descriptor = `/proc/${tid}/fd/${dirfd}`;
+  const cwd = fs.readlinkSync(`/proc/${tid}/cwd`);
+  const base = dirfd === -100 ? cwd : given === "" ? descriptor : fs.readlinkSync(descriptor);
+  let argv: string[] | undefined | null = null;
+  const readArgv = () => (argv === null ? (argv = readStringArray(mem, at(execveat ? 2 : 1))) : argv);
+  return { tid, given, base, cwd, argv: readArgv };
 }
 
 /** The one line a refused program's caller sees on its standard error (its terminal, for a command). */
-function tellRefusedCaller(pid: number, line: string): void {
+function tellRefusedCaller(tid: number, line: string): void {
   try {
-    const fd = fs.openSync(`/proc/${pid}/fd/2`, O.O_WRONLY | O.O_APPEND | O.O_NONBLOCK | O.O_NOCTTY);
+    const fd = fs.openSync(`/proc/${tid}/fd/2`, O.O_WRONLY | O.O_APPEND | O.O_NONBLOCK | O.O_NOCTTY);
     try {
       const st = fs.fstatSync(fd);
       if (st.isCharacterDevice() || st.isFIFO()) fs.writeSync(fd, `${line}\n`);
@@ -6699,9 +6860,17 @@ function tellRefusedCaller(pid: number, line: string): void {
 
 /** Judges one call: undefined lets it go on; a string is the refusal the caller is told. */
 function judgeExec(judge: ExecJudge, call: ExecCall | undefined): string | undefined {
-  if (!call) return "aic: refused at exec: the program and its arguments could not be read whole";
-  const line = judgedLine(judge, call);
+  if (!call)
+    return "aic: refused at exec: the program it starts cannot be read (a process that made itself non-dumpable?)";
+  let line: string | undefined | "weird";
+  try {
+    line = judgedLine(judge, call);
+  } catch (error) {
+    return `aic: refused at exec: ${call.given}: the judge could not follow it (${(error as Error).message})`;
+  }
   if (line === undefined) return undefined;
+  if (line === "weird")
+    return `aic: refused at exec: ${oneLine(call.given, 200)}: a path or argv the judge cannot follow whole, while a deny rule names a program by its arguments`;
   const verdict = judgeCommand(judge.rules, line, { cwd: call.cwd, root: call.cwd });
   if (RULE_KINDS[verdict.verdict].gate === "refuse")
     return `aic: refused at exec: ${oneLine(line, 200)} — the rule "${verdict.rule?.written}"${verdict.rule?.reason ? ` (${verdict.rule.reason})` : ""}`;
@@ -6721,7 +6890,10 @@ async function superviseLauncher(ruleLines: readonly string[], argv: string[]): 
   c.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
   if (process.pid === 1) for (const sig of INIT_IGNORED_SIGNALS) c.signal(sig, SIG_IGN);
   const judge = execJudgeOf(ruleLines);
-  const env = { ...process.env, [EXEC_JUDGE_ENV]: process.pid === 1 ? "init" : "1" };
+  // Can the supervisor read a non-dumpable launcher's children (CAP_SYS_PTRACE kept, see sandboxExec)?
+  const capEff = /^CapEff:\s*([0-9a-f]+)$/m.exec(fs.readFileSync("/proc/self/status", "utf8"))?.[1] ?? "0";
+  const reads = (BigInt(`0x${capEff}`) & (1n << BigInt(CAP_SYS_PTRACE))) !== 0n ? "+ptrace" : "";
+  const env = { ...process.env, [EXEC_JUDGE_ENV]: (process.pid === 1 ? "init" : "child") + reads };
   // Descriptor 3 (aic's own binary, by which the launcher is started) goes on to it; Bun's types know three entries.
   const stdio = ["inherit", "inherit", "inherit", 3] as unknown as ["inherit", "inherit", "inherit"];
   const launcher = Bun.spawn(argv, { stdio, env });
@@ -6752,14 +6924,29 @@ async function judgeExecsUntilDone(judge: ExecJudge, listener: number, launcher:
     if (ready > 0 && revents & 1) {
       notif.fill(0n);
       if (c.ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, ptr(notif)) !== 0) continue; // the caller died meanwhile
-      const pid = Number(notif[1]! & 0xffffffffn);
+      const tid = Number(notif[1]! & 0xffffffffn);
       const nr = Number(BigInt.asIntN(32, notif[2]! & 0xffffffffn));
-      const call = readExecCall(pid, nr, notif.subarray(4, 10));
+      let mem = -1;
+      try {
+        mem = fs.openSync(`/proc/${tid}/mem`, "r");
+      } catch {
+        /* not readable (a non-dumpable caller): refused below */
+      }
       id[0] = notif[0]!;
-      // The pid may have been reused while its memory was read: only a call still waiting is answered from it.
-      if (c.ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, ptr(id)) !== 0) continue;
-      const refusal = judgeExec(judge, call);
-      if (refusal) tellRefusedCaller(pid, refusal);
+      // The thread id may have been reused before its memory was opened: only a call still waiting is judged.
+      if (c.ioctl(listener, SECCOMP_IOCTL_NOTIF_ID_VALID, ptr(id)) !== 0) {
+        if (mem >= 0) fs.closeSync(mem);
+        continue;
+      }
+      let refusal: string | undefined;
+      try {
+        refusal = judgeExec(judge, mem < 0 ? undefined : readExecCall(tid, nr, notif.subarray(4, 10), mem));
+      } catch {
+        refusal = judgeExec(judge, undefined);
+      } finally {
+        if (mem >= 0) fs.closeSync(mem);
+      }
+      if (refusal) tellRefusedCaller(tid, refusal);
       response[0] = notif[0]!;
       response[1] = 0n;
       response[2] = refusal ? BigInt(-EPERM >>> 0) : BigInt(SECCOMP_USER_NOTIF_FLAG_CONTINUE) << 32n;
@@ -8855,16 +9042,17 @@ const SIG_IGN = 1;
 async function runSandboxLauncher(): Promise<number> {
   const judged = process.env[EXEC_JUDGE_ENV];
   delete process.env[EXEC_JUDGE_ENV];
-  // Non-dumpable, no command without root reaches it. Under the exec judge it stays dumpable, since the supervisor
-  // must read the argv of the children it forks, which share its memory until they exec; a command that takes it
-  // over gains what a root command could already (see above), and the listener is gone from it before any runs.
-  if (!judged) libc()?.symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-  else {
-    const why = putLauncherUnderExecJudge();
+  // Non-dumpable, no command without root reaches it. Under the exec judge without CAP_SYS_PTRACE (a person's
+  // aic under Landlock alone) it stays dumpable, since the supervisor must read the argv of the children it forks,
+  // which share its memory until they exec: a command that takes it over gains what a root command could
+  // already (see above), and the listener is gone from it before any command runs.
+  if (!judged || judged.endsWith("+ptrace")) libc()?.symbols.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  if (judged) {
+    const why = putLauncherUnderExecJudge(judged.startsWith("init"));
     if (why) return (writeOut(2, `aic sandbox: ${why}\n`), 126);
   }
   /** Every orphan of every command becomes this process's child: as the jail's init, or as its subreaper under the judge. */
-  const adopts = process.pid === 1 || judged === "init";
+  const adopts = process.pid === 1 || Boolean(judged?.startsWith("init"));
   // Descriptor 3 is aic's own binary, by which the launcher was started: commands never inherit it.
   try {
     fs.closeSync(3);

@@ -10,6 +10,7 @@
 import { bigSession } from "./big-session.ts";
 import { checkpoints } from "./checkpoints.ts";
 import { coldStart } from "./cold-start.ts";
+import { execJudge } from "./exec-judge.ts";
 import { field20mb, fieldBigDir, fieldCheckpoints, fieldFirstStep, fieldMemory, fieldSpeed } from "./field.ts";
 import { fieldTui } from "./field-tui.ts";
 import { inputWait } from "./input-wait.ts";
@@ -32,6 +33,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   tui,
   inputWait,
   rules,
+  execJudge,
   // Speed in real repositories and long runs (field.ts, field-tui.ts): ratios from alternating runs.
   fieldCheckpoints,
   fieldFirstStep,
