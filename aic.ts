@@ -7998,8 +7998,12 @@ function lstatIfReachable(p: string): fs.Stats | undefined {
 
 /** A file's size, change time and inode: it changed when these did. */
 function fileSignature(p: string): string | undefined {
-  const st = fs.lstatSync(p, { throwIfNoEntry: false });
-  return st && `${st.size}:${st.ctimeMs}:${st.ino}`;
+  try {
+    const st = fs.lstatSync(p, { throwIfNoEntry: false });
+    return st && `${st.size}:${st.ctimeMs}:${st.ino}`;
+  } catch {
+    return undefined; // ENOTDIR (a `.git` file, in a worktree), EACCES: nothing to sign
+  }
 }
 
 /** Whether a directory holding these entries is one git would take for a git dir (HEAD, objects/, refs/). */
@@ -12681,6 +12685,8 @@ interface CheckpointStep {
   command: string;
   /** The checkpoint just after it ran: what it changed is the difference (absent for a command still running, or a kill -9). */
   after?: string;
+  /** When the command began (ms since the epoch): a file unchanged since then was not made by it, and undo leaves it. */
+  started?: number;
 }
 
 /** What one command did to the files of the start directory (paths relative to it; an empty directory ends in /). */
@@ -12873,7 +12879,7 @@ class Checkpoints {
   async beforeCommand(call: string, command: string): Promise<void> {
     const made = await this.take(`before: ${oneLine(command, 200)}`);
     if (!made) return;
-    this.done.push({ commit: made.commit, call, command });
+    this.done.push({ commit: made.commit, call, command, started: Date.now() });
     this.redo = []; // a new command forks the history: what was undone stays undone
     if (this.done.length > CHECKPOINTS_KEPT) this.done.splice(0, this.done.length - CHECKPOINTS_KEPT);
   }
@@ -13041,7 +13047,8 @@ class Checkpoints {
   /** Files back to before the last `n` commands; returns what changed and the steps undone (newest last). */
   async undo(n: number): Promise<{ report: RestoreReport; steps: CheckpointStep[]; before: string; left: string }> {
     const target = this.done[this.done.length - n]!;
-    const { report, before, left } = await this.restore(target.commit, this.done.at(-1)?.after);
+    const started = typeof target.started === "number" && target.started > 0 ? target.started : undefined;
+    const { report, before, left } = await this.restore(target.commit, this.done.at(-1)?.after, started);
     return { report, steps: this.done.splice(this.done.length - n, n), before, left };
   }
 
@@ -13066,6 +13073,8 @@ class Checkpoints {
     target: string,
     /** The snapshot aic last left the files in: a file that differs from it now is the person's, and is kept aside. */
     left: string | undefined,
+    /** When the first command undone began: a file unchanged since then that the target does not hold stays. */
+    started?: number,
   ): Promise<{ report: RestoreReport; before: string; left: string }> {
     if (!(await this.start())) throw new Error(`checkpoints are off: ${this.off}`);
     const s = this.shadow;
@@ -13074,7 +13083,7 @@ class Checkpoints {
       const now = await s.snapshot("before an undo");
       const goal = await s.snapshotOf(target);
       const theirs = left ? await s.changedPaths(left, now.commit) : new Set<string>();
-      const report = await new TreeRestore(s, now, goal, theirs).run();
+      const report = await new TreeRestore(s, now, goal, theirs, started).run();
       s.ensureInPlace();
       const after = await s.snapshot(`restored ${target}`);
       if (after.tree !== goal.tree && !report.skipped.length)
@@ -13126,6 +13135,8 @@ class TreeRestore {
     private readonly goal: Snapshot,
     /** Paths the person changed since aic last left the files: kept aside before anything overwrites or removes them. */
     private readonly theirs: ReadonlySet<string> = new Set(),
+    /** When the first command undone began: a file unchanged since then was ignored by the target, not made since. */
+    private readonly bornBefore?: number,
   ) {}
 
   async run(): Promise<RestoreReport> {
@@ -13221,6 +13232,12 @@ class TreeRestore {
     const at = this.entry(c.rel, false);
     const st = at ? fs.lstatSync(at, { throwIfNoEntry: false }) : undefined;
     if (!at || !st || !(st.isFile() || st.isSymbolicLink())) return;
+    // Untouched since before the first command undone (no write, rename or chmod since: its change time), yet
+    // not in its checkpoint: ignored then (a command emptied .gitignore), never made by what is undone. It stays.
+    if (this.bornBefore !== undefined && st.ctimeMs < this.bornBefore) {
+      this.report.skipped.push(`${c.rel} (it was there before, ignored by the checkpoint: left in place)`);
+      return;
+    }
     if (this.theirs.has(c.rel)) {
       if (!this.keepAside(c.rel, at)) return;
     } else fs.unlinkSync(at);
@@ -13376,6 +13393,7 @@ function restoreLines(report: RestoreReport, directory: string): string[] {
     ...list("re-created", report.recreated),
     ...list("removed", report.removed),
     ...list("kept aside, as no snapshot held them", report.keptAside ?? []),
+    ...list("not put back", report.skipped),
   ];
   return [...(lines.length ? lines : ["no file differed"]), undoLimits(directory)];
 }

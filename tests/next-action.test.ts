@@ -1,0 +1,83 @@
+/**
+ * What a command leaves for the person's next action (README: "Checkpoints and undo", "The jail"):
+ * findings of the red team that planted state for it, each through the compiled binary. `aic undo`
+ * never deletes a file that was there before the command and merely hidden from the checkpoint
+ * by a .gitignore the command emptied; aic starts in a git worktree (a `.git` file).
+ */
+import { describe, expect, test } from "bun:test";
+import { execFileSync } from "node:child_process";
+import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { bash, has, headless, jsonLines, perTestFixtures, runAic, scratch } from "./helpers.ts";
+
+const fixtures = perTestFixtures();
+const done = { content: "TASKCOMPLETE" };
+const git = (cwd: string, ...args: string[]) =>
+  execFileSync("git", ["-c", "user.email=t@t", "-c", "user.name=t", ...args], { cwd, stdio: "pipe" }).toString();
+
+function project(): { dir: string; env: Record<string, string> } {
+  const root = fixtures.disposable(scratch("aic-next-"));
+  const dir = join(root, "proj");
+  mkdirSync(dir);
+  return { dir, env: { XDG_STATE_HOME: join(root, "state") } };
+}
+
+describe("undo keeps what a checkpoint never held", () => {
+  test.skipIf(!has.git)(
+    "a command empties .gitignore: undo puts it back and leaves the ignored files that were there before",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q");
+      writeFileSync(join(dir, ".gitignore"), "data/\n.env\n");
+      mkdirSync(join(dir, "data"));
+      writeFileSync(join(dir, "data", "important.db"), "the person's data\n");
+      writeFileSync(join(dir, ".env"), "TOKEN=mine\n");
+      writeFileSync(join(dir, "main.c"), "int main;\n");
+      const srv = fixtures.serve([bash(": > .gitignore; echo tweak >> main.c; echo new > made.txt", "c"), done]);
+      const session = join(dir, "s.json");
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--json", "--session", session, "go"], {
+        cwd: dir,
+        env,
+      });
+      expect(run.code).toBe(0);
+      const result = jsonLines(run.stdout).find((e) => e.type === "command_result" && e.id === "c");
+      expect(result?.changed_files?.created).toContain("made.txt");
+
+      const undo = await runAic(["undo", "--session", session], { cwd: dir, env });
+      expect(undo.code).toBe(0);
+      expect(readFileSync(join(dir, "data", "important.db"), "utf8")).toBe("the person's data\n");
+      expect(readFileSync(join(dir, ".env"), "utf8")).toBe("TOKEN=mine\n");
+      expect(readFileSync(join(dir, ".gitignore"), "utf8")).toBe("data/\n.env\n");
+      expect(readFileSync(join(dir, "main.c"), "utf8")).toBe("int main;\n");
+      expect(existsSync(join(dir, "made.txt"))).toBe(false);
+      expect(undo.stdout).toContain(
+        "data/important.db (it was there before, ignored by the checkpoint: left in place)",
+      );
+    },
+  );
+});
+
+describe("aic in a git worktree", () => {
+  test.skipIf(!has.git)(
+    "the start directory's .git is a file: the run works and its command's changes are seen",
+    async () => {
+      const root = fixtures.disposable(scratch("aic-worktree-"));
+      const main = join(root, "main");
+      mkdirSync(main);
+      git(main, "init", "-q");
+      git(main, "commit", "-q", "--allow-empty", "-m", "first");
+      git(main, "worktree", "add", "-q", join(root, "wt"));
+      const wt = join(root, "wt");
+      expect(readFileSync(join(wt, ".git"), "utf8")).toStartWith("gitdir: ");
+      const srv = fixtures.serve([bash("echo hi > f.txt", "w"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--json", "--no-session", "go"], {
+        cwd: wt,
+        env: { XDG_STATE_HOME: join(root, "state") },
+      });
+      expect(run.stderr).not.toContain("internal error");
+      expect(run.code).toBe(0);
+      const result = jsonLines(run.stdout).find((e) => e.type === "command_result" && e.id === "w");
+      expect(result?.changed_files?.created).toEqual(["f.txt"]);
+    },
+  );
+});
