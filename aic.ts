@@ -4310,6 +4310,49 @@ class HeldDirectory {
     }
   }
 
+  /**
+   * `replace` in halves, for a writer that must not wait for the disk: the
+   * temporary file, written now and left open for `flushInBackground`; then
+   * `putInPlace` renames it over `name`, or `dropStaged` removes it.
+   */
+  stage(name: string, data: string | Uint8Array | Iterable<Uint8Array>): StagedFile {
+    const temporary = `.${name}.${randomName()}.tmp`;
+    const fd = this.createExclusive(temporary);
+    try {
+      writeAll(fd, data);
+    } catch (error) {
+      fs.closeSync(fd);
+      this.dropStaged({ temporary, fd });
+      throw error;
+    }
+    return { temporary, fd };
+  }
+
+  putInPlace(staged: StagedFile, name: string): void {
+    fs.renameSync(this.at(staged.temporary), this.at(name));
+  }
+
+  dropStaged(staged: StagedFile): void {
+    if (this.closed) return;
+    try {
+      fs.unlinkSync(this.at(staged.temporary));
+    } catch {
+      /* already gone */
+    }
+  }
+
+  /** Flushes the directory (a rename in it) on the thread pool; the descriptor stays open until that is done. */
+  async flushInBackground(): Promise<void> {
+    this.flushing++;
+    try {
+      await flushInBackground(this.fd);
+    } finally {
+      if (--this.flushing === 0 && this.closeAfterFlush) this.close();
+    }
+  }
+  private flushing = 0;
+  private closeAfterFlush = false;
+
   /** Gives `from` the new name `to` unless `to` exists (link, then unlink: no overwrite). */
   renameNoReplace(from: string, to: string): void {
     fs.linkSync(this.at(from), this.at(to));
@@ -4381,6 +4424,8 @@ class HeldDirectory {
 
   close(): void {
     if (this.closed) return;
+    // A flush on the thread pool still needs the descriptor: it is closed when that is done.
+    if (this.flushing > 0) return void (this.closeAfterFlush = true);
     this.closed = true;
     try {
       fs.closeSync(this.fd);
@@ -4388,6 +4433,50 @@ class HeldDirectory {
       /* already closed */
     }
   }
+}
+
+/** One checkpoint's document (its messages and steps stand in slots) and what tells whether the file holds it. */
+interface SessionDocument {
+  doc: Record<string, unknown>;
+  steps: readonly CheckpointStep[];
+  /** The messages, as SessionStore's `durable` compares them. */
+  signature: unknown[];
+  /** The messages are those of the last write made durable: a rename without fsync can do. */
+  durableAlready: boolean;
+  firstSinceLoad: boolean;
+  /** All it holds but its label, time and step count. */
+  content: unknown[];
+}
+
+/** A session write of SessionStore.saveSoon on its way to the disk. */
+interface WriteOnItsWay {
+  staged: StagedFile;
+  /** SHA-256 of its bytes, recorded once it is in place. */
+  hash: string;
+  /** Its messages, as SessionStore's `durable` holds them once it is on disk. */
+  signature: unknown[];
+  /** Its fsync has started (the descriptor is closed when it is done). */
+  flushing: boolean;
+  /** A newer write took its place: its temporary file is removed, it is never renamed. */
+  dropped: boolean;
+  /** It is flushed (file, then directory); false when the write before it, flushed, holds the same messages. */
+  durable: boolean;
+  /** Resolved once it is renamed into place, dropped, or failed; `done` resolves it. */
+  placed: Promise<void>;
+  done: () => void;
+  /** Its number among the writes put in place, once it is. */
+  landing?: number;
+}
+
+/** A temporary file HeldDirectory.stage wrote, still open, not yet renamed into place. */
+interface StagedFile {
+  temporary: string;
+  fd: number;
+}
+
+/** fsync on the thread pool: the event loop goes on while the disk takes the data. */
+function flushInBackground(fd: number): Promise<void> {
+  return new Promise((resolve, reject) => fs.fsync(fd, (error) => (error ? reject(error) : resolve())));
 }
 
 /** Pieces are handed to the kernel in batches of about this many bytes (and at most IOV_MAX pieces), never copied. */
@@ -5153,11 +5242,6 @@ interface WrittenRecord {
   hash: string;
 }
 
-function writeWrittenRecord(file: string, record: WrittenRecord): void {
-  const at = sessionStateFile(file, "written");
-  if (at) writeOwnFile(at, `${record.identity}\n${record.hash}`);
-}
-
 /** The record of aic's last write of `file`, or undefined when there is none (or it cannot be read). */
 function readWrittenRecord(file: string): WrittenRecord | undefined {
   const at = sessionStateFile(file, "written");
@@ -5180,7 +5264,8 @@ function sessionStateFile(file: string, kind: "lock" | "written"): string | unde
 // Session store
 // Owns: one claimed session file: claiming it (the first free instance, locked
 // in aic's state directory), loading and repairing it, saving it atomically at
-// each named moment, and noticing what others did to it.
+// each named moment (a step's own without waiting for the disk: flushed on the
+// thread pool, one at a time, in order), and noticing what others did to it.
 // ════════════════════════════════════════════════════════════════════════════
 
 /**
@@ -5472,9 +5557,169 @@ class SessionStore {
   }
   private brokenAtStart = false;
 
-  /** Writes one checkpoint atomically; a failure is reported once and the run goes on. */
-  save(reason: string, state: SessionState): boolean {
+  /**
+   * Writes one checkpoint atomically (temporary file, fsync, rename, fsync of
+   * the directory), waiting for the disk; a failure is reported once and the
+   * run goes on. Writes still on their way from `saveSoon` are older: they are
+   * dropped, never put in place after this one.
+   */
+  save(reason: string, state: SessionState, ifChanged = false): boolean {
     if (this.frozen || this.reloadRefused) return false;
+    const doc = this.document(reason, state);
+    if (ifChanged && this.holds(doc.content)) return true;
+    return this.writeNow(doc, state);
+  }
+
+  private writeNow(doc: SessionDocument, state: SessionState): boolean {
+    for (const w of [...this.onTheirWay]) this.drop(w);
+    try {
+      this.noticePlantedLink();
+      this.noticeTampering();
+      const digest = createHash("sha256");
+      this.dir.replace(
+        this.name,
+        hashedAsWritten(this.writer.pieces(doc.doc, state.messages, doc.steps), digest),
+        !doc.durableAlready,
+      );
+      this.landed(digest.digest("hex"));
+      if (!doc.durableAlready) this.durable = doc.signature;
+      this.lastContent = doc.content;
+      return true;
+    } catch (error) {
+      this.reportFailure(error);
+      return false;
+    } finally {
+      this.afterWrite(doc.firstSinceLoad);
+    }
+  }
+
+  /**
+   * The same checkpoint without waiting for the disk: the temporary file is
+   * written now (the bytes are the kernel's, whatever the conversation does
+   * next), flushed on the thread pool, renamed into place as soon as it is on
+   * disk, and the directory flushed after it. Writes leave in order, one on
+   * the disk at a time; one still waiting for its turn when a newer one comes
+   * is dropped (the newer holds all it held). `settled()` resolves when every
+   * write so far is on disk.
+   */
+  saveSoon(reason: string, state: SessionState): boolean {
+    if (this.frozen || this.reloadRefused) return false;
+    const doc = this.document(reason, state);
+    // Messages already on disk: a rename without fsync, at once, as save() does (a power cut could cost the label).
+    if (doc.durableAlready && this.onTheirWay.length === 0 && !this.inFlight) return this.writeNow(doc, state);
+    // Messages on their way to the disk in the write being flushed, and nothing else waiting: this one (the
+    // checkpoint before a command, right after its turn) is renamed after that one without a flush of its own.
+    const inFlight = this.inFlight;
+    const light =
+      inFlight !== undefined &&
+      !inFlight.dropped &&
+      this.onTheirWay.every((w) => w === inFlight) &&
+      doc.signature.every((v, i) => v === inFlight.signature[i]);
+    let staged: StagedFile;
+    const digest = createHash("sha256");
+    try {
+      staged = this.dir.stage(
+        this.name,
+        hashedAsWritten(this.writer.pieces(doc.doc, state.messages, doc.steps), digest),
+      );
+    } catch (error) {
+      this.reportFailure(error);
+      return false;
+    } finally {
+      this.afterWrite(doc.firstSinceLoad);
+    }
+    for (const w of this.onTheirWay.filter((x) => !x.flushing)) this.drop(w);
+    let placed!: () => void;
+    const write: WriteOnItsWay = {
+      staged,
+      hash: digest.digest("hex"),
+      signature: doc.signature,
+      flushing: false,
+      dropped: false,
+      durable: !light,
+      placed: new Promise<void>((resolve) => (placed = resolve)),
+      done: () => placed(),
+    };
+    this.onTheirWay.push(write);
+    this.lastContent = doc.content;
+    this.queue = this.queue.then(() => this.putOnDisk(write));
+    return true;
+  }
+
+  /** Resolves when every checkpoint written so far is on disk, its rename too (or failed, which was said). */
+  settled(): Promise<void> {
+    return this.queue;
+  }
+
+  /**
+   * Resolves when every checkpoint written so far is in place (renamed: a
+   * kill -9 from then on finds it), before its directory's flush is done.
+   */
+  async inPlace(): Promise<void> {
+    while (this.onTheirWay.length) await Promise.all(this.onTheirWay.map((w) => w.placed));
+  }
+
+  /** One write of saveSoon: flushed, renamed into place, the directory flushed; never throws. */
+  private async putOnDisk(w: WriteOnItsWay): Promise<void> {
+    this.inFlight = w;
+    try {
+      await this.flushAndPlace(w);
+      if (w.landing === undefined || !w.durable) return;
+      // A newer write already waiting (with its own flush) flushes the directory for both renames.
+      if (this.onTheirWay.some((x) => x.durable)) return;
+      await this.dir.flushInBackground();
+      // Unless a newer write landed while the directory was flushed: `durable` is that one's then.
+      if (w.landing === this.landings) this.durable = w.signature;
+    } catch (error) {
+      // The queue must never reject: every write after this one would be lost with it.
+      this.reportFailure(error);
+    } finally {
+      w.done();
+      if (this.inFlight === w) this.inFlight = undefined;
+    }
+  }
+  /** The write of saveSoon being flushed, from its file's flush to its directory's. */
+  private inFlight: WriteOnItsWay | undefined;
+
+  private async flushAndPlace(w: WriteOnItsWay): Promise<void> {
+    if (w.dropped) return;
+    w.flushing = true;
+    let flushed: unknown;
+    try {
+      if (w.durable) await flushInBackground(w.staged.fd);
+    } catch (error) {
+      flushed = error;
+    }
+    fs.closeSync(w.staged.fd);
+    // A newer write that waited for the disk (save) took its place meanwhile: this one is gone already.
+    if (w.dropped) return;
+    // A /reload that could not read the file meanwhile: it is not written until one can.
+    if (this.frozen || this.reloadRefused) return this.drop(w);
+    this.onTheirWay = this.onTheirWay.filter((x) => x !== w);
+    try {
+      if (flushed) throw flushed;
+      this.noticePlantedLink();
+      this.noticeTampering();
+      this.dir.putInPlace(w.staged, this.name);
+    } catch (error) {
+      this.dir.dropStaged(w.staged);
+      return this.reportFailure(error);
+    }
+    w.landing = this.landed(w.hash);
+    w.done();
+  }
+
+  /** A write of saveSoon that will not be put in place: its temporary file goes (its descriptor once its flush is done). */
+  private drop(w: WriteOnItsWay): void {
+    w.dropped = true;
+    w.done();
+    this.onTheirWay = this.onTheirWay.filter((x) => x !== w);
+    if (!w.flushing) fs.closeSync(w.staged.fd);
+    this.dir.dropStaged(w.staged);
+  }
+
+  /** The document of one checkpoint, and what tells whether the file already holds it. */
+  private document(reason: string, state: SessionState): SessionDocument {
     const doc: Record<string, unknown> = {
       aic_session_version: SESSION_VERSION,
       session_id: this.sessionId,
@@ -5496,57 +5741,91 @@ class SessionStore {
     if (state.checkpoints)
       doc.checkpoints = steps.length ? { ...state.checkpoints, done: STEPS_SLOT } : state.checkpoints;
     for (const [key, value] of Object.entries(this.extra)) if (!(key in doc)) doc[key] = value;
-    try {
-      // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
-      // (before_llm_call right after tool_result, say), losing this write to a power cut loses
-      // only its label: the rename stays atomic, the fsync is skipped.
-      const signature = [
-        state.messages,
-        state.messages.length,
-        state.messages[state.messages.length - 1],
-        state.messages[0]?.content,
-      ];
-      const durableAlready = this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
-      this.noticePlantedLink();
-      this.noticeTampering();
-      const digest = createHash("sha256");
-      this.dir.replace(
-        this.name,
-        hashedAsWritten(this.writer.pieces(doc, state.messages, steps), digest),
-        !durableAlready,
-      );
-      if (!durableAlready) this.durable = signature;
-      this.written = this.identityOnDisk();
-      this.recordWritten(digest.digest("hex"));
-      return true;
-    } catch (error) {
-      if (!this.failureReported) {
-        this.failureReported = true;
-        this.sink.emit({
-          type: "warning",
-          text: `cannot write the session file ${this.path} (${(error as Error).message}); the run goes on, the previous file is unchanged`,
-        });
-      }
-      return false;
-    } finally {
-      // A long restored history has just been written out: its short-lived strings are collected now,
-      // before the run allocates more (the tokenizer, a compression), so that they do not add to the peak.
-      if (firstSinceLoad && this.loadedBytes >= COLLECT_EVERY_BYTES) Bun.gc(true);
-    }
+    // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
+    // (before_command right after assistant_message, say), losing this write to a power cut loses
+    // only its label: the rename stays atomic, the fsync is skipped.
+    const last = state.messages[state.messages.length - 1];
+    const signature = [state.messages, state.messages.length, last, state.messages[0]?.content];
+    const durableAlready = this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
+    // What the file would hold besides its label, the time and the step count (see save's ifChanged).
+    const record = state.checkpoints;
+    const content = [
+      ...signature,
+      last?.content,
+      last?.tool_calls,
+      JSON.stringify([
+        state.usage,
+        state.jobs,
+        doc.cwd,
+        this.sessionId,
+        this.outputDir,
+        record && [record.directory, record.done.length, record.done.at(-1), record.redo.length],
+      ]),
+    ];
+    return { doc, steps, signature, durableAlready, firstSinceLoad, content };
   }
 
+  /** What the last checkpoint written holds besides its label (document()'s `content`). */
+  private lastContent: unknown[] | undefined;
+
+  /** Whether the last checkpoint written holds `content`: then one more would change only its label and step count. */
+  private holds(content: unknown[]): boolean {
+    return this.lastContent !== undefined && content.every((v, i) => v === this.lastContent![i]);
+  }
+
+  /** A write is in place: what the file now is, for noticing anyone else's change. Returns its number. */
+  private landed(contentHash: string): number {
+    this.written = this.identityOnDisk();
+    this.recordWritten(contentHash);
+    return ++this.landings;
+  }
+  /** How many writes were put in place. */
+  private landings = 0;
+
+  private reportFailure(error: unknown): void {
+    if (this.failureReported) return;
+    this.failureReported = true;
+    this.sink.emit({
+      type: "warning",
+      text: `cannot write the session file ${this.path} (${(error as Error).message}); the run goes on, the previous file is unchanged`,
+    });
+  }
+
+  private afterWrite(firstSinceLoad: boolean): void {
+    // A long restored history has just been written out: its short-lived strings are collected now,
+    // before the run allocates more (the tokenizer, a compression), so that they do not add to the peak.
+    if (firstSinceLoad && this.loadedBytes >= COLLECT_EVERY_BYTES) Bun.gc(true);
+  }
+
+  /** Writes of saveSoon not yet in place, oldest first: at most one is being flushed. */
+  private onTheirWay: WriteOnItsWay[] = [];
+  private queue: Promise<void> = Promise.resolve();
   private linkReported = false;
   /** What aic last wrote (device, inode, size, time): anything else there now was put there by someone else. */
   private written: string | undefined;
 
-  /** Where aic keeps what it last wrote, so the next aic can tell whether the file changed since. */
+  /**
+   * Where aic keeps what it last wrote, so the next aic can tell whether the file changed since. Opened once
+   * and rewritten in place at every checkpoint (a write at 0, then the length cut): the name, the open and the
+   * truncation were a sixth of a checkpoint's own time. A crash between the two leaves a longer record's tail on
+   * a third line, which the reader ignores.
+   */
   private recordWritten(contentHash: string): void {
+    if (!this.written) return;
     try {
-      if (this.written) writeWrittenRecord(this.path, { identity: this.written, hash: contentHash });
+      if (this.recordFd === undefined) {
+        const at = sessionStateFile(this.path, "written");
+        if (!at) return;
+        this.recordFd = openRegular(at, O.O_WRONLY | O.O_CREAT);
+      }
+      const text = Buffer.from(`${this.written}\n${contentHash}\n`);
+      fs.writeSync(this.recordFd, text, 0, text.length, 0);
+      fs.ftruncateSync(this.recordFd, text.length);
     } catch {
       /* a read-only state directory: the next start simply cannot tell */
     }
   }
+  private recordFd: number | undefined;
 
   /** Said at load: the file is not what aic last wrote (a person's edit, or a command's while no aic ran). */
   private changedSinceWritten(): string | undefined {
@@ -5633,6 +5912,10 @@ class SessionStore {
   }
 
   release(): void {
+    // Every caller has written its last checkpoint with save(), which dropped these already.
+    for (const w of [...this.onTheirWay]) this.drop(w);
+    if (this.recordFd !== undefined) fs.closeSync(this.recordFd);
+    this.recordFd = undefined;
     if (this.claimedFd !== undefined) fs.closeSync(this.claimedFd);
     this.claimedFd = undefined;
     for (const fd of [...this.extraLocks.splice(0), ...(this.stateLockFd !== undefined ? [this.stateLockFd] : [])])
@@ -17033,16 +17316,26 @@ class Agent {
     this.checkpoint("cleared");
   }
 
-  checkpoint(reason: string): void {
+  /**
+   * Saves the session at a named moment (README: "Session files"). A step's
+   * own checkpoints (`soon`) do not wait for the disk: their fsyncs run while
+   * the model is asked or the files' snapshot is taken, and a command waits
+   * for them before it runs (toolCallContext's beforeRun). `if_changed`: not
+   * written when the file already holds all of it but the label and the step
+   * count (otherwise written at once, as the others are).
+   */
+  checkpoint(reason: string, soon?: "soon" | "if_changed"): void {
     const jobs = this.o.jobs.records();
-    this.o.session?.save(reason, {
+    const state: SessionState = {
       messages: this.messages,
       stepCount: this.stepCount,
       usage: this.usage,
       cwd: this.cwd,
       jobs: jobs.length ? jobs : undefined,
       checkpoints: this.o.checkpoints?.record(),
-    });
+    };
+    if (soon === "soon") this.o.session?.saveSoon(reason, state);
+    else this.o.session?.save(reason, state, soon === "if_changed");
   }
 
   private emit(e: AgentEvent): void {
@@ -17167,13 +17460,18 @@ class Agent {
 
   /** Streams one model turn; a context overflow compresses harder and tries again. */
   private async callModel(signal: AbortSignal): Promise<AssistantTurn> {
+    // The last result in place (renamed; its directory may still be flushing) before the model is asked:
+    // a kill -9 during the call finds it in the file.
+    await this.o.session?.inPlace();
     let fraction = this.compression.target;
     for (let overflow = 0; ; overflow++) {
       const { messages } = validateOutgoing(this.messages);
       try {
         return await this.model.turn(messages, signal, (estimate) => {
           if (this.o.config.debug) writeDebugDump(this.o.workDir, messages, estimate, this.budget);
-          this.checkpoint("before_llm_call");
+          // Right after a command's result nothing but the label would change: not written. A steering message
+          // or a nudge since is.
+          this.checkpoint("before_llm_call", "if_changed");
         });
       } catch (error) {
         if (!(error instanceof ModelError) || error.kind !== "context" || overflow >= MAX_CONTEXT_RETRIES) throw error;
@@ -17207,7 +17505,7 @@ class Agent {
       content: turn.content,
       tool_calls: turn.toolCalls.map((c) => ({ id: c.id, name: c.function.name, arguments: c.function.arguments })),
     });
-    this.checkpoint("assistant_message");
+    this.checkpoint("assistant_message", "soon");
     if (!turn.toolCalls.length) {
       // A suggestion typed during the last step is heard before the task counts as done.
       if (turn.content.includes(MARKER)) return this.suggestions.length ? undefined : this.judgeClaim(signal);
@@ -17255,9 +17553,13 @@ class Agent {
       emit: (event) => this.emit(event),
       rulesChanged: () => this.rulesChanged(),
       beforeRun: async (id, command) => {
-        if (!this.o.checkpoints) return;
-        await this.o.checkpoints.beforeCommand(id, command);
-        this.checkpoint("before_command"); // so that undo works even after a kill -9 during the command
+        if (this.o.checkpoints) {
+          await this.o.checkpoints.beforeCommand(id, command);
+          this.checkpoint("before_command", "soon"); // so that undo works even after a kill -9 during the command
+        }
+        // The turn that asked for the command (and its checkpoint) on disk before it runs: a kill -9 or a power
+        // cut during the command finds the call in the file, answered [SESSION RECOVERED], never run again.
+        await this.o.session?.settled();
       },
       afterRun: async (id) => this.o.checkpoints?.afterCommand(id),
       refusedForWantOfPerson: () => this.refused++,
@@ -17302,7 +17604,7 @@ class Agent {
       this.deadline !== undefined && maxTime !== undefined ? timeLeftLine(this.deadline - Date.now(), maxTime) : "";
     const text = [content, jobs, clock].filter(Boolean).join("\n");
     this.messages.push(stamped({ role: "tool", tool_call_id: id, content: text }));
-    this.checkpoint("tool_result");
+    this.checkpoint("tool_result", "soon");
   }
 
   /**

@@ -19,6 +19,7 @@ import { memory } from "./memory.ts";
 import { perStep } from "./per-step.ts";
 import { rules } from "./rules.ts";
 import { sessionCheckpoint } from "./session.ts";
+import { sessionWrites } from "./session-writes.ts";
 import { tokens } from "./tokens.ts";
 import { tui } from "./tui.ts";
 
@@ -28,6 +29,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   memory,
   tokens,
   sessionCheckpoint,
+  sessionWrites,
   bigSession,
   checkpoints,
   tui,

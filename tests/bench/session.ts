@@ -1,7 +1,7 @@
 /**
  * Session checkpoint cost (README: "Session files"): aic rewrites the whole session file atomically (temp file,
- * fsync, rename) several times per step — before each model call, after each assistant turn,
- * after each tool result.
+ * fsync, rename) several times per step — after each assistant turn, before each command, after each
+ * tool result (session-writes.ts counts them).
  *
  * 1. `SessionStore.save()` in this process, on histories of ~100 KB, ~1 MB and ~5 MB built from
  *    realistic tool outputs: median and p90 of 20 writes each, and how much of that is
