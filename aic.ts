@@ -9113,7 +9113,9 @@ function descendantsOf(pid: number): number[] {
 function killAdoptedOrphans(): void {
   const ours = `${process.pid}.`;
   for (const pid of ownChildren()) {
-    if (bunChildren.has(pid) || !jobMarkerOf(pid)?.startsWith(ours)) continue;
+    // A command's process carries the marker, unless it cleared its environment (`env -i`); under Landlock it also
+    // carries no_new_privs, which nothing can clear (the person's own Shell tab has neither).
+    if (bunChildren.has(pid) || !(jobMarkerOf(pid)?.startsWith(ours) || noNewPrivs(pid))) continue;
     const info = processInfo(pid);
     if (!info || info.zombie) continue;
     for (const d of descendantsOf(pid)) signalProcess(d, "SIGKILL");
@@ -9121,6 +9123,15 @@ function killAdoptedOrphans(): void {
     signalProcess(pid, "SIGKILL");
   }
   reapAdoptedZombies();
+}
+
+/** Whether a process runs with no_new_privs (every process the sandbox confines does). */
+function noNewPrivs(pid: number): boolean {
+  try {
+    return /^NoNewPrivs:\s*1$/m.test(fs.readFileSync(`/proc/${pid}/status`, "utf8"));
+  } catch {
+    return false;
+  }
 }
 
 function killGroupsNow(groups: readonly number[]): void {
@@ -12416,6 +12427,49 @@ class ShadowRepository {
   }
 
   /** Creates the repository (once) and writes what it must ignore (every time: the session's name may differ). */
+  /** The identity of the store's config when it was last found to be aic's own. */
+  private settingsChecked: string | undefined;
+
+  /**
+   * The store's config, attributes and commondir as aic wrote them (or absent), before each git run: where
+   * aic's state directory lies among what commands may write (Landlock alone, a HOME under /tmp), a command
+   * could add a core.fsmonitor there, which aic's own git would run outside the sandbox. Put back, and said.
+   */
+  private ensureOwnSettings(): void {
+    const config = path.join(this.gitDir, "config");
+    const now = identityOf(config);
+    const extra = ["commondir", "config.worktree"].filter((f) => fs.existsSync(path.join(this.gitDir, f)));
+    if (now !== undefined && now === this.settingsChecked && !extra.length) return;
+    let text = "";
+    try {
+      text = readOwnFile(config, 1024 * 1024).toString("utf8");
+    } catch {
+      /* missing or planted: written again below */
+    }
+    const attributes = path.join(this.gitDir, "info", "attributes");
+    let attrs = "";
+    try {
+      attrs = readOwnFile(attributes, 1024 * 1024).toString("utf8");
+    } catch {
+      /* written again below */
+    }
+    if (text !== SHADOW_CONFIG || attrs !== SHADOW_ATTRIBUTES || extra.length) {
+      for (const f of extra) fs.rmSync(path.join(this.gitDir, f), { force: true, recursive: true });
+      for (const f of [config, attributes]) fs.rmSync(f, { force: true, recursive: true });
+      writeOwnFile(config, SHADOW_CONFIG);
+      fs.mkdirSync(path.dirname(attributes), { recursive: true });
+      writeOwnFile(attributes, SHADOW_ATTRIBUTES);
+      if (this.settingsChecked !== undefined || text)
+        this.tampered?.(
+          `the checkpoint store's settings (${this.gitDir}) were changed by someone else; aic put its own back`,
+        );
+    }
+    this.settingsChecked = identityOf(config);
+  }
+
+  /** Told when the store's settings had to be put back (see ensureOwnSettings). */
+  tampered: ((text: string) => void) | undefined;
+
   async prepare(): Promise<void> {
     if (!this.exists) {
       fs.mkdirSync(this.home, { recursive: true, mode: 0o700 });
@@ -12515,6 +12569,7 @@ class ShadowRepository {
   }
 
   private async snapshotWithGit(message: string, limitMs: number, bulkCheckIn: string[]): Promise<Snapshot> {
+    this.ensureOwnSettings();
     const add = await this.git([...bulkCheckIn, "add", "-A", "--ignore-errors", "--verbose", ...this.pathspec], {
       limitMs,
     });
@@ -13068,7 +13123,9 @@ class Checkpoints {
   constructor(
     readonly shadow: ShadowRepository,
     private readonly warn: (text: string) => void,
-  ) {}
+  ) {
+    shadow.tampered = warn;
+  }
 
   /** The checkpoints of the held start directory; aic's own files there (the session, its locks and backups) are never in them. */
   static forDirectory(

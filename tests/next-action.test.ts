@@ -6,9 +6,20 @@
  */
 import { describe, expect, test } from "bun:test";
 import { execFileSync } from "node:child_process";
-import { existsSync, mkdirSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-import { bash, has, headless, jsonLines, perTestFixtures, runAic, scratch } from "./helpers.ts";
+import {
+  bash,
+  has,
+  headless,
+  jsonLines,
+  kernelLandlockAbi,
+  perTestFixtures,
+  runAic,
+  scratch,
+  toolAnswer,
+  waitFor,
+} from "./helpers.ts";
 
 const fixtures = perTestFixtures();
 const done = { content: "TASKCOMPLETE" };
@@ -78,6 +89,67 @@ describe("aic in a git worktree", () => {
       expect(run.code).toBe(0);
       const result = jsonLines(run.stdout).find((e) => e.type === "command_result" && e.id === "w");
       expect(result?.changed_files?.created).toEqual(["f.txt"]);
+    },
+  );
+});
+
+describe("Landlock alone: what a command leaves for later", () => {
+  test.skipIf(!has.git || kernelLandlockAbi() < 1)(
+    "a process that cleared its environment and ignores SIGTERM does not outlive aic",
+    async () => {
+      const { dir, env } = project();
+      const mark = `aic-outlive-${process.pid}-${Date.now()}`;
+      const srv = fixtures.serve([
+        bash(
+          `(setsid env -i /bin/bash -c 'trap "" TERM; while :; do sleep 0.2; done # ${mark}' &); ` +
+            `for i in $(seq 100); do pgrep -f ${mark} >/dev/null && break; sleep 0.05; done; pgrep -f ${mark} >/dev/null && echo running`,
+          "d",
+        ),
+        done,
+      ]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], {
+        cwd: dir,
+        env: { ...env, AIC_NO_NAMESPACES: "1" },
+      });
+      expect(run.code).toBe(0);
+      expect(run.stdout + run.stderr).toContain("Landlock alone");
+      expect(toolAnswer(srv.requests.at(-1), "d")).toContain("running");
+      const survivors = () =>
+        readdirSync("/proc")
+          .filter((p) => /^\d+$/.test(p))
+          .filter((p) => {
+            try {
+              return readFileSync(`/proc/${p}/cmdline`, "utf8").includes(mark);
+            } catch {
+              return false;
+            }
+          });
+      await waitFor("the daemon to be gone", () => survivors().length === 0, 10_000);
+      expect(survivors()).toEqual([]);
+    },
+  );
+
+  test.skipIf(!has.git || kernelLandlockAbi() < 1)(
+    "a command that plants core.fsmonitor in aic's own checkpoint store (state inside the writable tree) runs nothing",
+    async () => {
+      const { dir } = project();
+      const state = join(dir, "state");
+      const marker = join(dir, "..", "fsmonitor-ran");
+      const plant = `for c in state/aic/checkpoints/*/git/config; do printf '[core]\\n\\tfsmonitor = "touch ${marker}; false"\\n' >> "$c"; done; ls state/aic/checkpoints/*/git/config | wc -l`;
+      const srv = fixtures.serve([
+        bash("echo one > a.txt", "a"),
+        bash(plant, "plant"),
+        bash("echo two > b.txt", "b"),
+        done,
+      ]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--session", join(dir, "s.json"), "go"], {
+        cwd: dir,
+        env: { XDG_STATE_HOME: state, AIC_NO_NAMESPACES: "1" },
+      });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-2), "plant")).toContain("1");
+      expect(existsSync(marker)).toBe(false);
+      expect(run.stdout + run.stderr).toContain("were changed by someone else; aic put its own back");
     },
   );
 });
