@@ -8303,16 +8303,35 @@ interface GitPointer {
   display: string;
 }
 
-/** Where a `.git` file or link sends git. */
+/**
+ * Where a `.git` file or link sends git, read as git reads it (everything after `gitdir: ` but the trailing
+ * line ends, spaces and newlines inside included) and followed as the kernel follows it (through every link,
+ * `..` after a link included): the real path, or as far as it resolves when it leads nowhere.
+ */
 function gitPointer(p: GitPointer): string | undefined {
   try {
     const st = fs.lstatSync(p.at);
-    if (st.isSymbolicLink()) return path.resolve(path.dirname(p.display), fs.readlinkSync(p.at));
+    if (st.isSymbolicLink()) return realOrAsIs(p.at);
     if (!st.isFile() || st.size > 4096) return undefined;
-    const m = /^gitdir:\s*(.+?)\s*$/m.exec(readOwnFile(p.at, 4096).toString("utf8"));
-    return m ? path.resolve(path.dirname(p.display), m[1]!) : undefined;
+    const text = readOwnFile(p.at, 4096)
+      .toString("utf8")
+      .replace(/[\r\n]+$/, "");
+    if (!text.startsWith("gitdir: ")) return undefined;
+    // Joined as text, never normalised: `..` after a link is the kernel's to follow.
+    return realOrAsIs(`${path.dirname(p.display)}/${text.slice(8)}`, text.slice(8));
   } catch {
     return undefined;
+  }
+}
+
+/** The real path of `p` (links followed by the kernel), or `p` as written when it leads nowhere. */
+function realOrAsIs(p: string, written?: string): string {
+  const joined = written !== undefined && path.isAbsolute(written) ? written : p;
+  try {
+    // realpath(3) itself: the JavaScript one normalises `..` as text before it follows anything.
+    return fs.realpathSync.native(joined);
+  } catch {
+    return joined;
   }
 }
 
@@ -8536,7 +8555,11 @@ function hooksOf(gitDir: HeldDirectory): Map<string, string> {
 function commondirOf(gitDir: HeldDirectory): string | undefined {
   if (!somethingAt(gitDir.at("commondir"))) return undefined;
   try {
-    return path.resolve(gitDir.path, readOwnFile(gitDir.at("commondir"), 4096).toString("utf8").trim());
+    // As git reads it: only the trailing line ends go; then followed as the kernel follows it (links, `..`).
+    const written = readOwnFile(gitDir.at("commondir"), 4096)
+      .toString("utf8")
+      .replace(/[\r\n]+$/, "");
+    return realOrAsIs(`${gitDir.path}/${written}`, written);
   } catch {
     return "(unreadable)";
   }
@@ -8616,7 +8639,7 @@ class GitGuard {
       }
     const found = this.search(false);
     for (const dir of found.dirs) this.dirs.set(dir.path, this.look(dir));
-    for (const p of found.pointers) this.pointers.add(p.display);
+    for (const p of found.pointers) this.pointers.add(`${p.display}\0${fileSignature(p.at) ?? ""}`);
     found.close();
   }
 
@@ -8731,10 +8754,12 @@ class GitGuard {
   }
 
   private auditPointer(p: GitPointer, known: string[]): string[] {
-    if (this.pointers.has(p.display)) return [];
+    // Accepted as it is now: a pointer rewritten later (same path, other bytes) is looked at again.
+    const seen = `${p.display}\0${fileSignature(p.at) ?? ""}`;
+    if (this.pointers.has(seen)) return [];
     const target = gitPointer(p);
     // A pointer is the person's kind only when it leads to a git dir the guard watches (a submodule's, a worktree's).
-    if (target && known.includes(target)) return (this.pointers.add(p.display), []);
+    if (target && known.some((k) => realOrAsIs(k) === target)) return (this.pointers.add(seen), []);
     return moveAside(p.at, p.display, `${p.display}, which sends git to ${target ?? "an unknown place"}`);
   }
 

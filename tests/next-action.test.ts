@@ -153,3 +153,43 @@ describe("Landlock alone: what a command leaves for later", () => {
     },
   );
 });
+
+describe("the repository guard follows a pointer as git and the kernel do", () => {
+  const evilRepo = (base: string, mark: string) =>
+    `mkdir -p ${base}/a/b && cp -a .git ${base}/a/.git && printf '[core]\\n\\tfsmonitor = "touch ${mark}; false"\\n' >> ${base}/a/.git/config`;
+
+  const personsGitStatus = (dir: string) =>
+    Bun.spawnSync(["git", "status", "--short"], {
+      cwd: dir,
+      stdout: "pipe",
+      stderr: "pipe",
+      env: { ...process.env, HOME: dir },
+    });
+
+  for (const [name, plant] of [
+    [
+      "a commondir whose `..` comes after a link",
+      (base: string) => `ln -s ${base}/a/b .lnk && echo ../.lnk/../.git > .git/commondir`,
+    ],
+    [
+      "a .git file in a gitlinked directory, through a link and `..`",
+      (base: string) =>
+        `ln -s ${base}/a/b lnk && mkdir sub && printf 'gitdir: ../lnk/../.git\\n' > sub/.git && git update-index --add --cacheinfo 160000,$(git rev-parse HEAD),sub`,
+    ],
+  ] as const)
+    test.skipIf(!has.git)(`${name}: the person's git status runs nothing planted`, async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      const base = join(dir, "..", "elsewhere");
+      const mark = join(dir, "..", "fsmonitor-ran");
+      const srv = fixtures.serve([bash(`${evilRepo(base, mark)} && ${plant(base)} && echo planted`, "p"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain("planted");
+      personsGitStatus(dir);
+      if (existsSync(join(dir, "sub"))) personsGitStatus(join(dir, "sub"));
+      expect(existsSync(mark)).toBe(false);
+      expect(run.stdout + run.stderr).toContain("aic-disabled");
+    });
+});
