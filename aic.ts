@@ -6108,7 +6108,9 @@ const CACHE_DIRS = [
   "go/pkg/mod",
   ".m2/repository",
   ".gradle/caches",
-  ".local/share/pnpm",
+  // pnpm's store only: its home above it is where `pnpm setup` puts the global bin directory, first on PATH, and a
+  // command that could write there would have the person's next `git` be its own.
+  ".local/share/pnpm/store",
   ".yarn/berry/cache",
 ];
 

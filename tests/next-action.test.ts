@@ -193,3 +193,29 @@ describe("the repository guard follows a pointer as git and the kernel do", () =
       expect(run.stdout + run.stderr).toContain("aic-disabled");
     });
 });
+
+describe("package caches", () => {
+  test.skipIf(kernelLandlockAbi() < 1)(
+    "pnpm's store is writable, its home (a directory pnpm setup puts first on PATH) is not",
+    async () => {
+      const { dir, env } = project();
+      const home = fixtures.varTmp("aic-pnpm-home-");
+      const srv = fixtures.serve([
+        bash(
+          "touch ~/.local/share/pnpm/git; echo home=$?; mkdir -p ~/.local/share/pnpm/store/v3 && touch ~/.local/share/pnpm/store/v3/ok; echo store=$?",
+          "p",
+        ),
+        done,
+      ]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], {
+        cwd: dir,
+        env: { ...env, HOME: home },
+      });
+      expect(run.code).toBe(0);
+      const said = toolAnswer(srv.requests.at(-1), "p");
+      expect(said).toContain("store=0");
+      expect(said).not.toContain("home=0");
+      expect(existsSync(join(home, ".local/share/pnpm/git"))).toBe(false);
+    },
+  );
+});
