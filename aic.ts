@@ -11884,6 +11884,10 @@ function jobGroup(job: Job): number {
 const MAX_CHECKPOINT_FILES = 50_000;
 /** The first snapshot writes every file once; past this, checkpoints cost too much here and are turned off. */
 const FIRST_SNAPSHOT_LIMIT_MS = 2000;
+/** How long a first snapshot may go on in the background once the first command has stopped waiting for it. */
+const FIRST_SNAPSHOT_BACKGROUND_MS = 60_000;
+/** How long a tree checkpoints gave up on (too many files, a first snapshot too slow) is left alone by later runs. */
+const GIVEN_UP_REMEMBERED_MS = 24 * 60 * 60 * 1000;
 /** How many snapshots (commit, tree, manifest) a store keeps in memory. */
 const SNAPSHOT_CACHE_ENTRIES = 64;
 /** How often a git of aic's that is still running is looked at for an open() a FIFO holds up. */
@@ -12426,7 +12430,41 @@ class ShadowRepository {
     // project (`mkdir ../.git`) must not move them, or a restore would read every path under another prefix.
     const recorded = recordedWorkTree(home);
     if (recorded && (recorded === real || isBeneath(real, recorded))) top = recorded;
-    return new ShadowRepository(project, top ?? real, home, ownFiles);
+    const shadow = new ShadowRepository(project, top ?? real, home, ownFiles);
+    // Kept where a run's own store is not: the next run, with a session or without, learns of it.
+    shadow.givenUpFile = path.join(state, "checkpoints", `${hash}.given-up`);
+    return shadow;
+  }
+
+  /** Where a tree checkpoints gave up on is remembered (see Checkpoints.start). */
+  givenUpFile: string | undefined;
+
+  /** Why an earlier run gave up on checkpoints for this tree, and when; undefined when none did within a day. */
+  givenUpBefore(): { why: string; at: number } | undefined {
+    if (!this.givenUpFile) return undefined;
+    try {
+      const o = JSON.parse(readOwnFile(this.givenUpFile, 64 * 1024).toString("utf8")) as {
+        why?: unknown;
+        at?: unknown;
+      };
+      if (typeof o.why !== "string" || typeof o.at !== "number") return undefined;
+      return Date.now() - o.at < GIVEN_UP_REMEMBERED_MS ? { why: o.why, at: o.at } : undefined;
+    } catch {
+      return undefined;
+    }
+  }
+
+  rememberGivenUp(why: string | undefined): void {
+    if (!this.givenUpFile) return;
+    try {
+      if (why === undefined) fs.rmSync(this.givenUpFile, { force: true });
+      else {
+        fs.mkdirSync(path.dirname(this.givenUpFile), { recursive: true, mode: 0o700 });
+        writeOwnFile(this.givenUpFile, JSON.stringify({ why, at: Date.now() }));
+      }
+    } catch {
+      /* the next run finds out again */
+    }
   }
 
   /** `git` with the shut-out environment, stdin closed (or fed), in the work tree, under a time limit. */
@@ -12541,7 +12579,10 @@ class ShadowRepository {
    * How many files a first snapshot would take (ignore rules honoured),
    * stopping at `limit`; over the limit, or taking over `limitMs`, is "too big".
    */
-  async countFiles(limit: number, limitMs: number): Promise<{ count: number; tooBig: boolean }> {
+  async countFiles(
+    limit: number,
+    limitMs: number,
+  ): Promise<{ count: number; tooBig: boolean; top: [string, number][] }> {
     const emptyIndex = path.join(this.home, `count-${process.pid}.index`); // absent: every file counts as new
     const proc = spawnOwned(
       [gitProgram() ?? NO_TRUSTED_GIT, "ls-files", "-o", "--exclude-standard", "-z", ...this.pathspec],
@@ -12556,8 +12597,18 @@ class ShadowRepository {
     let timedOut = false;
     const timer = setTimeout(() => ((timedOut = true), proc.kill("SIGKILL")), limitMs);
     let count = 0;
+    // Per top-level directory of the start directory: where most of a big tree's files are (node_modules, say).
+    const perDir = new Map<string, number>();
+    let pending = "";
     for await (const chunk of proc.stdout) {
-      for (const byte of chunk) if (byte === 0) count++;
+      const names = (pending + utf8Decoder.decode(chunk, { stream: true })).split("\0");
+      pending = names.pop() ?? "";
+      for (const name of names) {
+        count++;
+        const rel = this.relative(name);
+        const slash = rel?.indexOf("/") ?? -1;
+        if (rel && slash > 0) perDir.set(rel.slice(0, slash), (perDir.get(rel.slice(0, slash)) ?? 0) + 1);
+      }
       if (count > limit) {
         proc.kill("SIGKILL");
         break;
@@ -12565,7 +12616,8 @@ class ShadowRepository {
     }
     clearTimeout(timer);
     await proc.exited;
-    return { count, tooBig: count > limit || timedOut };
+    const top = [...perDir].sort((a, b) => b[1] - a[1]).slice(0, 3);
+    return { count, tooBig: count > limit || timedOut, top };
   }
 
   /**
@@ -13050,8 +13102,6 @@ interface CheckpointStep {
   command: string;
   /** The checkpoint just after it ran: what it changed is the difference (absent for a command still running, or a kill -9). */
   after?: string;
-  /** When the command began (ms since the epoch): a file unchanged since then was not made by it, and undo leaves it. */
-  started?: number;
 }
 
 /** What one command did to the files of the start directory (paths relative to it; an empty directory ends in /). */
@@ -13146,6 +13196,13 @@ class Checkpoints {
 
   /** Stops the commands' processes while a snapshot reads the tree; calling what it returns resumes them. */
   freeze: () => () => void = () => () => {};
+  /** Where news that is not a problem goes (a first snapshot still being taken, then done). */
+  notice: (text: string) => void = (text) => this.warn(text);
+
+  /** Takes the run's first snapshot ahead of the first command (its checkpoint, when nothing changes meanwhile). */
+  warmUp(): void {
+    void this.take("start");
+  }
 
   constructor(
     readonly shadow: ShadowRepository,
@@ -13196,38 +13253,65 @@ class Checkpoints {
     if (!gitProgram())
       return (this.turnOff("git was not found on PATH, outside the directories commands may write"), false);
     this.shadow.ensureInPlace();
-    await this.shadow.prepare();
-    // A tree an earlier run snapshotted was counted then: its next first step is one `git add`, not a count.
-    if (this.shadow.snapshottedBefore) return (this.ready = true);
-    const { count, tooBig } = await this.shadow.countFiles(MAX_CHECKPOINT_FILES, FIRST_SNAPSHOT_LIMIT_MS);
-    if (tooBig)
+    const earlier = this.shadow.givenUpBefore();
+    if (earlier) {
+      const when = new Date(earlier.at).toISOString().slice(0, 16).replace("T", " ");
       return (
         this.turnOff(
-          count > MAX_CHECKPOINT_FILES
-            ? `${this.shadow.directory} holds more than ${MAX_CHECKPOINT_FILES} files that are not ignored`
-            : `counting the files of ${this.shadow.directory} took over ${FIRST_SNAPSHOT_LIMIT_MS / 1000} s`,
+          `${earlier.why} (found by an earlier run, ${when} UTC; tried again a day later, or at once if you delete ${this.shadow.givenUpFile})`,
         ),
         false
       );
+    }
+    await this.shadow.prepare();
+    // A tree an earlier run snapshotted was counted then: its next first step is one `git add`, not a count.
+    if (this.shadow.snapshottedBefore) return (this.ready = true);
+    const counted = await this.shadow.countFiles(MAX_CHECKPOINT_FILES, FIRST_SNAPSHOT_LIMIT_MS);
+    this.counted = counted;
+    if (counted.tooBig) {
+      const why =
+        counted.count > MAX_CHECKPOINT_FILES
+          ? `${this.shadow.directory} holds more than ${MAX_CHECKPOINT_FILES} files that are not ignored${this.bigDirectories()}`
+          : `counting the files of ${this.shadow.directory} took over ${FIRST_SNAPSHOT_LIMIT_MS / 1000} s`;
+      return (this.giveUp(why), false);
+    }
     this.ready = true;
     return true;
   }
 
   /** One snapshot under the shadow repository's lock; a failure (or a moved directory) turns checkpoints off. */
-  private async take(message: string): Promise<Snapshot | undefined> {
-    if (this.off) return undefined;
-    const first = !this.ready;
+  /** Snapshots of this process one at a time: the store's lock is a blocking flock, which a second would wait on for ever. */
+  private queue: Promise<unknown> = Promise.resolve();
+
+  private take(message: string): Promise<Snapshot | undefined> {
+    const next = this.queue.then(() => this.takeNow(message));
+    this.queue = next.catch(() => undefined);
+    return next;
+  }
+
+  private async takeNow(message: string): Promise<Snapshot | undefined> {
+    if (this.off || this.firstRun) return undefined;
+    const first = !this.firstTaken;
     try {
       if (!(await this.start())) return undefined;
       const release = this.shadow.lock();
       const thaw = this.freeze();
+      let handedOver = false;
       try {
-        const made = first ? await this.firstSnapshot(message) : await this.shadow.snapshot(message);
-        if (first) await this.shadow.pruneIfNeeded(this.keptCommits());
+        if (!first) return await this.shadow.snapshot(message);
+        this.firstTaken = true;
+        const made = await this.firstSnapshot(message, () => {
+          handedOver = true;
+          thaw();
+          return release;
+        });
+        if (made) await this.shadow.pruneIfNeeded(this.keptCommits());
         return made;
       } finally {
-        thaw();
-        release();
+        if (!handedOver) {
+          thaw();
+          release();
+        }
       }
     } catch (error) {
       const why = (error as Error).message;
@@ -13246,7 +13330,7 @@ class Checkpoints {
   async beforeCommand(call: string, command: string): Promise<void> {
     const made = await this.take(`before: ${oneLine(command, 200)}`);
     if (!made) return;
-    this.done.push({ commit: made.commit, call, command, started: Date.now() });
+    this.done.push({ commit: made.commit, call, command });
     this.redo = []; // a new command forks the history: what was undone stays undone
     if (this.done.length > CHECKPOINTS_KEPT) this.done.splice(0, this.done.length - CHECKPOINTS_KEPT);
   }
@@ -13385,13 +13469,62 @@ class Checkpoints {
    * written (a checkout, an unpacked archive) a busy disk can make that slow
    * once, so one more try is given: git keeps what the first one stored.
    */
-  private async firstSnapshot(message: string): Promise<Snapshot> {
-    try {
-      return await this.shadow.snapshot(message, FIRST_SNAPSHOT_LIMIT_MS, true);
-    } catch (error) {
-      if (!/longer than/.test((error as Error).message)) throw error;
-      return await this.shadow.snapshot(message, FIRST_SNAPSHOT_LIMIT_MS, true);
-    }
+  /** The first snapshot of this run while it outlasts FIRST_SNAPSHOT_LIMIT_MS: commands run without checkpoints until it ends. */
+  private firstRun: Promise<Snapshot> | undefined;
+  private firstTaken = false;
+
+  /**
+   * The run's first snapshot. A big tree's can take seconds (every file read and stored once): the first
+   * command waits FIRST_SNAPSHOT_LIMIT_MS at most, then runs without a checkpoint while the snapshot goes on
+   * in the background (holding the store's lock: `handOver` thaws the jobs and returns the release), and
+   * checkpoints start with the first command after it ends. Later runs start from it: the cost is paid once.
+   */
+  private async firstSnapshot(message: string, handOver: () => () => void): Promise<Snapshot | undefined> {
+    const run = this.shadow.snapshot(message, FIRST_SNAPSHOT_BACKGROUND_MS, true);
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const late = new Promise<"late">((resolve) => (timer = setTimeout(() => resolve("late"), FIRST_SNAPSHOT_LIMIT_MS)));
+    const made = await Promise.race([run, late]).finally(() => clearTimeout(timer));
+    if (made !== "late") return made;
+    const release = handOver();
+    const started = Date.now();
+    this.firstRun = run;
+    this.notice(
+      `checkpoints: the first snapshot of ${this.shadow.directory} takes a while${this.bigDirectories()}; commands run without checkpoints until it is done, and later runs start from it`,
+    );
+    run
+      .then(
+        () =>
+          this.notice(
+            `checkpoints: on from the next command (the first snapshot took ${((Date.now() - started + FIRST_SNAPSHOT_LIMIT_MS) / 1000).toFixed(1)} s)`,
+          ),
+        (error: Error) =>
+          this.giveUp(
+            `the first snapshot failed or took over ${FIRST_SNAPSHOT_BACKGROUND_MS / 60000} minutes (${error.message})`,
+          ),
+      )
+      .finally(() => {
+        this.firstRun = undefined;
+        release();
+      });
+    return undefined;
+  }
+
+  /** " (N of its M files … are in node_modules/: …)" when one directory holds most of what is not ignored. */
+  private bigDirectories(): string {
+    const top = this.counted?.top ?? [];
+    const total = this.counted?.count ?? 0;
+    const [dir, n] = top[0] ?? ["", 0];
+    if (total < 1000 || n * 2 < total) return "";
+    return ` (${n.toLocaleString("en-US")} of its ${total.toLocaleString("en-US")} files that are not ignored are in ${dir}/: add it to .gitignore to leave it out)`;
+  }
+
+  /** What the count at start found: the number of files not ignored, and the top-level directories holding most. */
+  private counted: { count: number; top: [string, number][] } | undefined;
+
+  /** Checkpoints off for this tree, and remembered for a day so later runs do not pay for finding out again. */
+  private giveUp(why: string): void {
+    this.shadow.rememberGivenUp(why);
+    this.turnOff(why);
   }
 
   private keptCommits(): Set<string> {
@@ -13403,6 +13536,7 @@ class Checkpoints {
 
   /** Why nothing can be undone now, or undefined. */
   cannotUndo(n: number): string | undefined {
+    if (this.firstRun) return "the first snapshot of the tree is still being taken; try again once it is done";
     if (this.done.length === 0)
       return this.off ? `checkpoints are off: ${this.off}` : "nothing to undo: no command has run with a checkpoint";
     if (n > this.done.length) return `only ${this.done.length} command(s) can be undone`;
@@ -13414,13 +13548,14 @@ class Checkpoints {
   /** Files back to before the last `n` commands; returns what changed and the steps undone (newest last). */
   async undo(n: number): Promise<{ report: RestoreReport; steps: CheckpointStep[]; before: string; left: string }> {
     const target = this.done[this.done.length - n]!;
-    const started = typeof target.started === "number" && target.started > 0 ? target.started : undefined;
-    const { report, before, left } = await this.restore(target.commit, this.done.at(-1)?.after, started);
+    const { report, before, left } = await this.restore(target.commit, this.done.at(-1)?.after);
     return { report, steps: this.done.splice(this.done.length - n, n), before, left };
   }
 
   /** Files back to before the newest undo, its steps back on the undo list; returns the messages it had cut. */
   async redoLast(): Promise<{ report: RestoreReport; entry: RedoEntry }> {
+    if (this.firstRun)
+      throw new Error("the first snapshot of the tree is still being taken; try again once it is done");
     const entry = this.redo.at(-1)!;
     const { report } = await this.restore(entry.commit, entry.left);
     this.redo.pop();
@@ -13440,8 +13575,6 @@ class Checkpoints {
     target: string,
     /** The snapshot aic last left the files in: a file that differs from it now is the person's, and is kept aside. */
     left: string | undefined,
-    /** When the first command undone began: a file unchanged since then that the target does not hold stays. */
-    started?: number,
   ): Promise<{ report: RestoreReport; before: string; left: string }> {
     if (!(await this.start())) throw new Error(`checkpoints are off: ${this.off}`);
     const s = this.shadow;
@@ -13450,7 +13583,7 @@ class Checkpoints {
       const now = await s.snapshot("before an undo");
       const goal = await s.snapshotOf(target);
       const theirs = left ? await s.changedPaths(left, now.commit) : new Set<string>();
-      const report = await new TreeRestore(s, now, goal, theirs, started).run();
+      const report = await new TreeRestore(s, now, goal, theirs).run();
       s.ensureInPlace();
       const after = await s.snapshot(`restored ${target}`);
       if (after.tree !== goal.tree && !report.skipped.length)
@@ -13502,8 +13635,6 @@ class TreeRestore {
     private readonly goal: Snapshot,
     /** Paths the person changed since aic last left the files: kept aside before anything overwrites or removes them. */
     private readonly theirs: ReadonlySet<string> = new Set(),
-    /** When the first command undone began: a file unchanged since then was ignored by the target, not made since. */
-    private readonly bornBefore?: number,
   ) {}
 
   async run(): Promise<RestoreReport> {
@@ -13511,9 +13642,21 @@ class TreeRestore {
       const changes = await this.changes();
       const contents = await this.blobs(changes.filter((c) => isGitFile(c.toMode)).map((c) => c.toBlob));
       try {
-        for (const c of changes) if (isGitFile(c.fromMode)) this.remove(c);
+        // A file the checkpoint does not hold goes last, once the checkpoint's .gitignore files are back: one
+        // they ignore was never the checkpoint's to hold (a command that emptied .gitignore made it visible), and
+        // stays where it is.
+        // …unless it stands where something is written: a link replacing its directory, a directory replacing it.
+        const inTheWay = (rel: string) =>
+          changes.some((o) => isGitFile(o.toMode) && (o.rel.startsWith(`${rel}/`) || rel.startsWith(`${o.rel}/`)));
+        const gone = changes.filter((c) => isGitFile(c.fromMode) && c.toMode === "000000" && !inTheWay(c.rel));
+        for (const c of changes) if (isGitFile(c.fromMode) && !gone.includes(c)) this.remove(c);
         const written = new Set<string>();
         for (const c of changes) if (isGitFile(c.toMode) && this.write(c, contents)) written.add(c.rel);
+        const ignored = await this.ignoredNow(gone.map((c) => c.rel));
+        for (const c of gone)
+          if (ignored.has(c.rel))
+            this.report.skipped.push(`${c.rel} (ignored by the checkpoint's .gitignore: left in place)`);
+          else this.remove(c);
         this.fixModes(changes, written);
         this.fixEmptyDirectories();
       } finally {
@@ -13523,6 +13666,16 @@ class TreeRestore {
     } finally {
       for (const fd of this.dirs.values()) fs.closeSync(fd);
     }
+  }
+
+  /** Which of `rels` the ignore rules now in the tree ignore (git check-ignore, through the shadow's git). */
+  private async ignoredNow(rels: string[]): Promise<Set<string>> {
+    if (!rels.length) return new Set();
+    const r = await this.shadow.git(["check-ignore", "--no-index", "-z", "--stdin"], {
+      input: rels.map((rel) => `${this.shadow.prefix}${rel}\0`).join(""),
+    });
+    const out = r.stdout.toString("utf8").split("\0").filter(Boolean);
+    return new Set(out.map((p) => this.shadow.relative(p)).filter((p): p is string => p !== undefined));
   }
 
   private async changes(): Promise<TreeChange[]> {
@@ -13599,12 +13752,6 @@ class TreeRestore {
     const at = this.entry(c.rel, false);
     const st = at ? fs.lstatSync(at, { throwIfNoEntry: false }) : undefined;
     if (!at || !st || !(st.isFile() || st.isSymbolicLink())) return;
-    // Untouched since before the first command undone (no write, rename or chmod since: its change time), yet
-    // not in its checkpoint: ignored then (a command emptied .gitignore), never made by what is undone. It stays.
-    if (this.bornBefore !== undefined && st.ctimeMs < this.bornBefore) {
-      this.report.skipped.push(`${c.rel} (it was there before, ignored by the checkpoint: left in place)`);
-      return;
-    }
     if (this.theirs.has(c.rel)) {
       if (!this.keepAside(c.rel, at)) return;
     } else fs.unlinkSync(at);
@@ -17954,6 +18101,9 @@ function runCheckpoints(
   );
   // A job must not swap a directory for a link while a snapshot reads the tree: its processes wait meanwhile.
   checkpoints.freeze = () => jobs.freeze();
+  checkpoints.notice = (text) => sink.emit({ type: "info", text });
+  // The first snapshot starts now, while the model reads the task: the first command seldom waits for it.
+  checkpoints.warmUp();
   return checkpoints;
 }
 

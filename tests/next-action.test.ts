@@ -62,7 +62,7 @@ describe("undo keeps what a checkpoint never held", () => {
       expect(readFileSync(join(dir, "main.c"), "utf8")).toBe("int main;\n");
       expect(existsSync(join(dir, "made.txt"))).toBe(false);
       expect(undo.stdout).toContain(
-        "data/important.db (it was there before, ignored by the checkpoint: left in place)",
+        "data/important.db (ignored by the checkpoint's .gitignore: left in place)",
       );
     },
   );
