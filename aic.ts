@@ -12216,6 +12216,7 @@ const IN_CHANGES = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200 | 0x400 | 0x800
 const IN_ONLYDIR = 0x01000000;
 const IN_DONT_FOLLOW = 0x02000000;
 const IN_IGNORED = 0x8000;
+const IN_MOVE_SELF = 0x800;
 const IN_Q_OVERFLOW = 0x4000;
 const IN_NONBLOCK = 0o4000;
 /** More directories than this and the tree is not watched: every snapshot asks git, as before. */
@@ -12235,7 +12236,8 @@ const MAX_WATCHED_DIRECTORIES = 20_000;
 class ChangeWatch {
   private fd = -1;
   private readonly watched = new Map<number, string>();
-  private readonly byPath = new Map<string, number>();
+  /** Each watched path, its watch and the directory's identity then: a watch follows an inode, not a path. */
+  private readonly byPath = new Map<string, { wd: number; id: string }>();
   private changed = true;
   private readonly buffer = Buffer.alloc(64 * 1024);
 
@@ -12267,21 +12269,20 @@ class ChangeWatch {
     if (this.fd < 0) this.fd = c.inotify_init1(IN_NONBLOCK | O_CLOEXEC);
     if (this.fd < 0) return void (this.fd = -2);
     for (const rel of dirs) {
-      if (this.byPath.has(rel)) continue;
+      const at = path.join(this.root, rel);
+      const st = fs.lstatSync(at, { throwIfNoEntry: false });
+      const id = st?.isDirectory() ? `${st.dev}:${st.ino}` : "";
+      const known = this.byPath.get(rel);
+      // Renamed away and made again, or removed while a process held it (no event said so): watched anew.
+      if (known && known.id === id) continue;
+      if (known) this.byPath.delete(rel);
       if (this.byPath.size >= MAX_WATCHED_DIRECTORIES) return this.giveUp();
-      const wd = c.inotify_add_watch(
-        this.fd,
-        Buffer.from(`${path.join(this.root, rel)}\0`),
-        IN_CHANGES | IN_ONLYDIR | IN_DONT_FOLLOW,
-      );
       this.changed = true;
-      if (wd < 0) {
-        // Gone since the snapshot (a change, counted), or the kernel's watch limit (watching stops).
-        if (fs.existsSync(path.join(this.root, rel))) return this.giveUp();
-        continue;
-      }
+      if (!id) continue; // gone since the snapshot: a change, counted
+      const wd = c.inotify_add_watch(this.fd, Buffer.from(`${at}\0`), IN_CHANGES | IN_ONLYDIR | IN_DONT_FOLLOW);
+      if (wd < 0) return this.giveUp(); // the kernel's watch limit: watching stops
       this.watched.set(wd, rel);
-      this.byPath.set(rel, wd);
+      this.byPath.set(rel, { wd, id });
     }
   }
 
@@ -12315,10 +12316,18 @@ class ChangeWatch {
         if (mask & IN_Q_OVERFLOW) this.changed = true;
         const rel = this.watched.get(wd);
         if (mask & IN_IGNORED) {
-          if (rel !== undefined) (this.watched.delete(wd), this.byPath.delete(rel));
+          if (rel !== undefined && this.byPath.get(rel)?.wd === wd) this.byPath.delete(rel);
+          this.watched.delete(wd);
           continue;
         }
-        if (rel === "" && name && this.own.some((re) => re.test(name))) continue;
+        // A directory moved away: its watch goes with it, and its path is watched anew at the next cover.
+        if (mask & IN_MOVE_SELF && rel !== undefined && this.byPath.get(rel)?.wd === wd) this.byPath.delete(rel);
+        if (name && rel !== undefined && rel.startsWith("..")) {
+          if (name === ".gitignore") this.changed = true; // above the start directory only ignore rules matter
+          continue;
+        }
+        const inTree = rel ? `${rel}/${name}` : name;
+        if (name && this.own.some((re) => re.test(inTree))) continue;
         this.changed = true;
       }
     }
@@ -12682,8 +12691,12 @@ class ShadowRepository {
     return made;
   }
 
+  /** The manifest stopped at its limits: a directory past them is not watched, so the watch is not trusted. */
+  private manifestCut = false;
+
   /** The watch covers every directory of the index and each directory the manifest looked at (empty ones). */
   private coverWatch(): void {
+    if (this.manifestCut) return this.watch.restart(true);
     const now = this.indexIdentity();
     if (now !== undefined && now !== this.indexCovered) {
       let dirs: Set<string> | undefined;
@@ -12697,6 +12710,16 @@ class ShadowRepository {
       this.indexCovered = now;
     }
     if (this.dirStamps) this.watch.cover(this.dirStamps.keys());
+    // In a repository above the start directory, git reads the .gitignore files of every directory between.
+    const up = this.prefix
+      .split("/")
+      .filter(Boolean)
+      .map((_, i) =>
+        Array(i + 1)
+          .fill("..")
+          .join("/"),
+      );
+    this.watch.cover(up);
   }
 
   /**
@@ -12881,6 +12904,7 @@ class ShadowRepository {
     // only empty directories (and ignored files), whose empty leaves are recorded.
     const others = ["ls-files", "-z", "-o", "--directory", "--exclude-standard", ...this.pathspec];
     const empty: string[] = [];
+    this.manifestCut = false;
     for (const entry of (await this.gitOk(others)).split("\0")) {
       const rel = entry.endsWith("/") ? this.relative(entry.slice(0, -1)) : undefined;
       if (rel !== undefined) this.emptyLeaves(rel, empty, 0, dirs);
@@ -12892,7 +12916,7 @@ class ShadowRepository {
 
   /** The empty directories at or below `rel` (a directory git tracks nothing in), walked without following links. */
   private emptyLeaves(rel: string, out: string[], depth: number, seen: Set<string>): void {
-    if (depth > MANIFEST_DIR_DEPTH || out.length >= MANIFEST_DIR_LIMIT) return;
+    if (depth > MANIFEST_DIR_DEPTH || out.length >= MANIFEST_DIR_LIMIT) return void (this.manifestCut = true);
     let entries: fs.Dirent[];
     try {
       entries = fs.readdirSync(this.project.at(rel), { withFileTypes: true });
@@ -13219,9 +13243,13 @@ class Checkpoints {
     ephemeral = false,
   ): Checkpoints {
     const own = [".aicsession*", "..aicsession*.tmp", "commander-debug.txt", ".commander-debug.txt.*.tmp"];
-    if (sessionFile && path.dirname(path.resolve(sessionFile)) === path.resolve(project.path)) {
-      const name = path.basename(sessionFile).replace(/[*?[\\]/g, "\\$&");
-      own.push(`${name}*`, `.${name}*.tmp`);
+    const rel = sessionFile ? path.relative(path.resolve(project.path), path.resolve(sessionFile)) : "..";
+    if (rel && !rel.startsWith("..") && !path.isAbsolute(rel)) {
+      // The session anywhere in the tree (--session sub/s.json): its file, lock and temporaries are aic's own.
+      const escape = (s: string) => s.replace(/[*?[\\]/g, "\\$&");
+      const dir = path.dirname(rel) === "." ? "" : `${escape(path.dirname(rel))}/`;
+      const name = escape(path.basename(rel));
+      own.push(`${dir}${name}*`, `${dir}.${name}*.tmp`);
     }
     return new Checkpoints(ShadowRepository.of(project, own, ephemeral), warn);
   }
