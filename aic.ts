@@ -12270,8 +12270,9 @@ class ChangeWatch {
     if (this.fd < 0) return void (this.fd = -2);
     for (const rel of dirs) {
       const at = path.join(this.root, rel);
-      const st = fs.lstatSync(at, { throwIfNoEntry: false });
-      const id = st?.isDirectory() ? `${st.dev}:${st.ino}` : "";
+      const st = fs.lstatSync(at, { throwIfNoEntry: false, bigint: true });
+      // With its birth time: a directory removed and made again at once often gets the freed inode number back.
+      const id = st?.isDirectory() ? `${st.dev}:${st.ino}:${st.birthtimeNs}` : "";
       const known = this.byPath.get(rel);
       // Renamed away and made again, or removed while a process held it (no event said so): watched anew.
       if (known && known.id === id) continue;
