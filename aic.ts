@@ -12239,6 +12239,9 @@ class ChangeWatch {
   /** Each watched path, its watch and the directory's identity then: a watch follows an inode, not a path. */
   private readonly byPath = new Map<string, { wd: number; id: string }>();
   private changed = true;
+  /** The directories changes were seen in since `restart()`, unless one could not be placed (`whole`). */
+  private readonly dirty = new Set<string>();
+  private whole = true;
   private readonly buffer = Buffer.alloc(64 * 1024);
 
   constructor(
@@ -12259,6 +12262,15 @@ class ChangeWatch {
   restart(failed = false): void {
     if (this.fd >= 0) this.drain();
     this.changed = failed;
+    this.whole = failed;
+    this.dirty.clear();
+  }
+
+  /** The directories (relative to the start directory) every change since `restart()` lies beneath; undefined: anywhere. */
+  scope(): string[] | undefined {
+    if (this.fd < 0) return undefined;
+    this.drain();
+    return this.whole || this.dirty.has("") ? undefined : [...this.dirty];
   }
 
   /** Watches `dirs` (relative to the start directory, "" for itself) too; a directory newly watched counts as a change. */
@@ -12279,6 +12291,7 @@ class ChangeWatch {
       if (known) this.byPath.delete(rel);
       if (this.byPath.size >= MAX_WATCHED_DIRECTORIES) return this.giveUp();
       this.changed = true;
+      this.whole = true;
       if (!id) continue; // gone since the snapshot: a change, counted
       const wd = c.inotify_add_watch(this.fd, Buffer.from(`${at}\0`), IN_CHANGES | IN_ONLYDIR | IN_DONT_FOLLOW);
       if (wd < 0) return this.giveUp(); // the kernel's watch limit: watching stops
@@ -12297,6 +12310,7 @@ class ChangeWatch {
   private giveUp(): void {
     this.close();
     this.changed = true;
+    this.whole = true;
   }
 
   private drain(): void {
@@ -12314,7 +12328,7 @@ class ChangeWatch {
         const length = this.buffer.readUInt32LE(at + 12);
         const name = this.buffer.toString("utf8", at + 16, at + 16 + length).replace(/\0+$/, "");
         at += 16 + length;
-        if (mask & IN_Q_OVERFLOW) this.changed = true;
+        if (mask & IN_Q_OVERFLOW) this.changed = this.whole = true;
         const rel = this.watched.get(wd);
         if (mask & IN_IGNORED) {
           if (rel !== undefined && this.byPath.get(rel)?.wd === wd) this.byPath.delete(rel);
@@ -12324,12 +12338,15 @@ class ChangeWatch {
         // A directory moved away: its watch goes with it, and its path is watched anew at the next cover.
         if (mask & IN_MOVE_SELF && rel !== undefined && this.byPath.get(rel)?.wd === wd) this.byPath.delete(rel);
         if (name && rel !== undefined && rel.startsWith("..")) {
-          if (name === ".gitignore") this.changed = true; // above the start directory only ignore rules matter
+          // Above the start directory only ignore rules matter, and they may change what any directory holds.
+          if (name === ".gitignore") this.changed = this.whole = true;
           continue;
         }
         const inTree = rel ? `${rel}/${name}` : name;
         if (name && this.own.some((re) => re.test(inTree))) continue;
         this.changed = true;
+        if (rel === undefined) this.whole = true;
+        else this.dirty.add(rel);
       }
     }
   }
@@ -12648,20 +12665,38 @@ class ShadowRepository {
       await this.confirmInPlace(undefined);
       return this.last;
     }
+    // Only where something was written is looked at again (a directory's pathspec takes its whole subtree).
+    const scope = this.last ? this.scopedPathspec(this.watch.scope()) : undefined;
     this.watch.restart();
     try {
-      return await this.snapshotWithGit(message, limitMs, bulkCheckIn);
+      return await this.snapshotWithGit(message, limitMs, bulkCheckIn, scope);
     } catch (error) {
       this.watch.restart(true);
       throw error;
     }
   }
 
-  private async snapshotWithGit(message: string, limitMs: number, bulkCheckIn: string[]): Promise<Snapshot> {
+  /** `-- :(top,literal)DIR…` for the directories that still exist; undefined (the whole tree) when none does. */
+  private scopedPathspec(dirs: string[] | undefined): string[] | undefined {
+    const present = (dirs ?? []).filter((rel) =>
+      fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false })?.isDirectory(),
+    );
+    return present.length ? ["--", ...present.map((rel) => `:(top,literal)${this.prefix}${rel}`)] : undefined;
+  }
+
+  private async snapshotWithGit(
+    message: string,
+    limitMs: number,
+    bulkCheckIn: string[],
+    scope?: string[],
+  ): Promise<Snapshot> {
     this.ensureOwnSettings();
-    const add = await this.git([...bulkCheckIn, "add", "-A", "--ignore-errors", "--verbose", ...this.pathspec], {
-      limitMs,
-    });
+    const add = await this.git(
+      [...bulkCheckIn, "add", "-A", "--ignore-errors", "--verbose", ...(scope ?? this.pathspec)],
+      {
+        limitMs,
+      },
+    );
     if (add.timedOut) throw new Error(`taking the snapshot took longer than ${limitMs / 1000} s`);
     // --ignore-errors stages everything it can; a nested repository (a clone, a submodule) needs its files listed.
     if (add.code !== 0 || add.stderr) await this.includeNestedRepositories();
