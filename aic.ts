@@ -8167,7 +8167,9 @@ function gitSettings(text: Buffer): GitSetting[] | undefined {
 function parseGitConfig(text: Buffer): GitSetting[] | undefined {
   const git = gitProgram();
   if (!git) return undefined;
-  const r = Bun.spawnSync([git, "config", "--file", "-", "--list", "-z"], {
+  // --no-includes: an include is a setting to judge, never followed (and git refuses a relative one read from stdin,
+  // which made every config holding one unreadable to the guard).
+  const r = Bun.spawnSync([git, "config", "--no-includes", "--file", "-", "--list", "-z"], {
     cwd: "/",
     stdin: text,
     env: {
@@ -8243,6 +8245,17 @@ function includedConfigs(gitDir: string, configs: readonly (Buffer | undefined)[
   return [...files];
 }
 
+/**
+ * What an included config holds for the guard: its bytes; for something aic does not read (a link, a FIFO), a
+ * marker with its identity (a NUL first, which no config text has), so that it changing is seen; undefined if absent.
+ */
+function includedContent(file: string): Buffer | undefined {
+  const text = readConfigAt(file);
+  if (text) return text;
+  const sig = fileSignature(file);
+  return sig ? Buffer.from(`\0not a file: ${sig}`) : undefined;
+}
+
 /** A config file anywhere, read as aic reads its own (a regular file, never a link, bounded); undefined if not one. */
 function readConfigAt(file: string): Buffer | undefined {
   try {
@@ -8296,6 +8309,12 @@ function looksLikeGitDir(entries: readonly fs.Dirent[]): boolean {
   const has = (name: string, dir: boolean) =>
     entries.some((e) => e.name === name && (dir ? e.isDirectory() : e.isFile() || e.isSymbolicLink()));
   return has("HEAD", false) && has("objects", true) && has("refs", true);
+}
+
+/** A git dir that is not aic's own checkpoint store (found when aic starts in the home directory): not the guard's. */
+function notAicsOwn(dir: HeldDirectory): boolean {
+  const state = aicStateDir();
+  return !state || !(dir.path === state || isBeneath(dir.path, state));
 }
 
 /** A `.git` file or link (its directory held: the caller closes it). */
@@ -8640,7 +8659,7 @@ class GitGuard {
         if (path.dirname(d) === d) break;
       }
     const found = this.search(false);
-    for (const dir of found.dirs) this.dirs.set(dir.path, this.look(dir));
+    for (const dir of found.dirs.filter(notAicsOwn)) this.dirs.set(dir.path, this.look(dir));
     for (const p of found.pointers) this.pointers.add(`${p.display}\0${fileSignature(p.at) ?? ""}`);
     found.close();
   }
@@ -8666,7 +8685,7 @@ class GitGuard {
     try {
       const known = [...this.dirs.keys(), ...found.dirs.map((d) => d.path)];
       for (const p of found.pointers) done.push(...this.auditPointer(p, known));
-      for (const dir of found.dirs) {
+      for (const dir of found.dirs.filter(notAicsOwn)) {
         const judged: Judged = {};
         done.push(...this.disarm(dir, this.dirs.get(dir.path), judged));
         // The configs as aic judged (or left) them, never as read again: a job may plant a setting in between, and
@@ -8775,7 +8794,7 @@ class GitGuard {
     };
     const config = read("config");
     const worktree = read("config.worktree");
-    const included = new Map(includedConfigs(dir.path, [config, worktree]).map((f) => [f, readConfigAt(f)]));
+    const included = new Map(includedConfigs(dir.path, [config, worktree]).map((f) => [f, includedContent(f)]));
     return { config, worktree, included, hooks: hooksOf(dir), commondir: commondirOf(dir) };
   }
 
@@ -8791,6 +8810,19 @@ class GitGuard {
           `${dir.display("commondir")}, which points git at ${commondir}`,
         ),
       );
+    // A FIFO (or a link to one, or a device) where git reads ignore rules or attributes stalls the person's git.
+    const info = dir.child("info");
+    for (const name of ["exclude", "attributes"]) {
+      let st: fs.Stats | undefined;
+      try {
+        st = info ? fs.statSync(info.at(name), { throwIfNoEntry: false }) : undefined; // through a link too
+      } catch {
+        st = undefined;
+      }
+      if (st && (st.isFIFO() || st.isSocket() || st.isCharacterDevice() || st.isBlockDevice()))
+        done.push(...moveAside(info!.at(name), info!.display(name), `${info!.display(name)} (a FIFO or device)`));
+    }
+    info?.close();
     const hooks = dir.child("hooks");
     for (const [name, sig] of hooksOf(dir))
       if (before?.hooks.get(name) !== sig)
@@ -8820,9 +8852,16 @@ class GitGuard {
     });
     const done: string[] = [];
     for (const file of includedConfigs(dir.path, configs)) {
-      const now = readConfigAt(file);
+      const now = includedContent(file);
       const was = before?.included.get(file);
       if (!now || (was && was.equals(now))) continue;
+      // Made a link or a FIFO since aic last looked: git would follow or read it, aic cannot judge it.
+      if (now[0] === 0) {
+        done.push(
+          ...moveAside(file, file, `${file}, which ${dir.display("config")} includes (not a file aic can judge)`),
+        );
+        continue;
+      }
       const old = new Set((was ? (gitSettings(was) ?? []) : []).map((s) => `${s.key}\n${s.value}`));
       const added = (gitSettings(now) ?? []).filter((s) => runsCode(s) && !old.has(`${s.key}\n${s.value}`));
       if (added.length) done.push(...moveAside(file, file, `${file}, which ${dir.display("config")} includes`));

@@ -61,9 +61,7 @@ describe("undo keeps what a checkpoint never held", () => {
       expect(readFileSync(join(dir, ".gitignore"), "utf8")).toBe("data/\n.env\n");
       expect(readFileSync(join(dir, "main.c"), "utf8")).toBe("int main;\n");
       expect(existsSync(join(dir, "made.txt"))).toBe(false);
-      expect(undo.stdout).toContain(
-        "data/important.db (ignored by the checkpoint's .gitignore: left in place)",
-      );
+      expect(undo.stdout).toContain("data/important.db (ignored by the checkpoint's .gitignore: left in place)");
     },
   );
 });
@@ -216,6 +214,49 @@ describe("package caches", () => {
       expect(said).toContain("store=0");
       expect(said).not.toContain("home=0");
       expect(existsSync(join(home, ".local/share/pnpm/git"))).toBe(false);
+    },
+  );
+});
+
+describe("what git reads besides its config", () => {
+  test.skipIf(!has.git || !Bun.which("mkfifo"))(
+    "a FIFO put at .git/info/exclude is taken out: the person's git status does not hang",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      const srv = fixtures.serve([bash("mkfifo f && mv -f f .git/info/exclude && echo planted", "p"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain("planted");
+      const st = Bun.spawnSync(["timeout", "10", "git", "status", "--short"], { cwd: dir, stdout: "pipe" });
+      expect(st.exitCode).toBe(0);
+      expect(existsSync(join(dir, ".git", "info", "exclude.aic-disabled"))).toBe(true);
+    },
+  );
+
+  test.skipIf(!has.git)(
+    "a config the repository includes, replaced by a link to one that runs a program: the person's git runs nothing",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      writeFileSync(join(dir, ".gitconfig-proj"), "[user]\n\tname = someone\n");
+      git(dir, "config", "include.path", "../.gitconfig-proj");
+      const evil = join(dir, "..", "evil.cfg");
+      const mark = join(dir, "..", "include-ran");
+      const srv = fixtures.serve([
+        bash(
+          `printf '[core]\\n\\tfsmonitor = "touch ${mark}; false"\\n' > ${evil} && ln -sf ${evil} .gitconfig-proj && echo planted`,
+          "p",
+        ),
+        done,
+      ]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain("planted");
+      Bun.spawnSync(["git", "status", "--short"], { cwd: dir, stdout: "pipe", stderr: "pipe" });
+      expect(existsSync(mark)).toBe(false);
     },
   );
 });
