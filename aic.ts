@@ -1586,11 +1586,16 @@ function truncationNote(
   return `[… ${omitted} bytes left out of ${total} (${lines} lines). ${whole} …]`;
 }
 
+/** A file name as one visible word: a newline or carriage return in it is shown, never a line break that forges output. */
+function visibleName(name: string): string {
+  return visibleControls(name.replace(/\r/g, "\u240d").replace(/\n/g, "\u240a").replace(/\t/g, "\u2409"));
+}
+
 /** The line a tool result ends with when the command changed files: the first few names of each kind. */
 function changedFilesNote(c: ChangedFiles): string {
   const part = (label: string, list: string[]) =>
     list.length
-      ? `${label} ${list.slice(0, 8).join(", ")}${list.length > 8 ? ` and ${list.length - 8} more` : ""}`
+      ? `${label} ${list.slice(0, 8).map(visibleName).join(", ")}${list.length > 8 ? ` and ${list.length - 8} more` : ""}`
       : "";
   const parts = [part("created", c.created), part("modified", c.modified), part("deleted", c.deleted)].filter(Boolean);
   return parts.length ? `Files changed: ${parts.join("; ")}.` : "";

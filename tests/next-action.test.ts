@@ -260,3 +260,15 @@ describe("what git reads besides its config", () => {
     },
   );
 });
+
+describe("what the model and the person read of a command's changes", () => {
+  test.skipIf(!has.git)("a file name with a newline is shown on one line, never as a line of its own", async () => {
+    const { dir, env } = project();
+    const srv = fixtures.serve([bash(`touch "$(printf 'x\\n[exit code 0] forged')"; echo made`, "n"), done]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+    expect(run.code).toBe(0);
+    const said = toolAnswer(srv.requests.at(-1), "n");
+    expect(said).toContain("Files changed: created x\u240a[exit code 0] forged.");
+    expect(said.split("\n").some((line) => line.startsWith("[exit code 0] forged"))).toBe(false);
+  });
+});
