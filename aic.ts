@@ -9,19 +9,20 @@
  * way data flows through it, each opening with what it owns (this map names
  * every section by its title; tests/build.test.ts holds it to that):
  *
- *   Constants and defaults → CLI: the configuration and its flags → CLI:
- *   reading the command line → CLI: settings kept between runs → Secrets → What
- *   the model reads → Events → Plain and JSON output → Messages and token
- *   accounting → Model failures → Model client → Model client: the server's
- *   context window → Context compression → Own files on hostile ground →
- *   Session repairs → Session file writing → Session store: ids, state and
- *   locks → Session store → Session store: kept out of commits → Sandbox: what
- *   commands may touch → Sandbox: Landlock and capabilities → Sandbox: judging
- *   each program a command executes → Sandbox: a run's sandbox → The jail → The jail: building it → Repository guard → Repository
- *   guard: the audit → PTY and process groups → Sandbox launcher → Output
- *   capture → Waiting-for-input detection → Command runner → Background jobs:
- *   finding them → Background jobs: the job table → Checkpoints: snapshot
- *   settings and manifests → Checkpoints: the shadow repository → Checkpoints:
+ *   Constants and defaults → CLI: the configuration and its flags → CLI: reading
+ *   the command line → CLI: settings kept between runs → Secrets → What the
+ *   model reads → Events → Plain and JSON output → Messages and token accounting
+ *   → Model failures → Model client → Model client: the server's context window
+ *   → Context compression → Own files on hostile ground → Session repairs →
+ *   Session file writing → Session store: ids, state and locks → Session store →
+ *   Session store: kept out of commits → Sandbox: what commands may touch →
+ *   Sandbox: Landlock and capabilities → Sandbox: judging each program a command
+ *   executes → Sandbox: a run's sandbox → The jail → The jail: building it →
+ *   Repository guard → Repository guard: the audit → PTY and process groups →
+ *   Sandbox launcher → Output capture → Waiting-for-input detection → Command
+ *   runner → Background jobs: finding them → Background jobs: the job table →
+ *   Checkpoints: snapshot settings and manifests → Checkpoints: what changed
+ *   since the last snapshot → Checkpoints: the shadow repository → Checkpoints:
  *   undo and redo → Checkpoints: putting files back → Command rules: reading a
  *   command line → Command rules: what a command line runs → Command rules:
  *   wrappers and interpreters → Command rules: programs that run programs, and
@@ -31,8 +32,8 @@
  *   Model calls and their tokens → Agent loop: stalls → Agent loop: the agent →
  *   Run wiring → Headless front end → Web search → TUI parts: prompt history,
  *   figures, footer and banner → TUI parts: log panes → TUI parts: the shell's
- *   screen and its keys → TUI parts: the approval dialog and the Shell tab →
- *   TUI parts: how events look, the prompt, and the layout → TUI parts: the
+ *   screen and its keys → TUI parts: the approval dialog and the Shell tab → TUI
+ *   parts: how events look, the prompt, and the layout → TUI parts: the
  *   transcript, keys typed ahead, a program's screen → TUI parts: pacing → TUI
  *   app → TUI keys, slash commands and start-up → Export: ATIF trajectories →
  *   Main
@@ -12249,10 +12250,10 @@ class ShadowGit {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Checkpoints: the shadow repository
-// Owns: the git repository of aic's own that snapshots the start directory:
-// made once, its excludes, a snapshot (add, write-tree, commit only when the
-// tree changed), pruning, and reading a checkpoint back.
+// Checkpoints: what changed since the last snapshot
+// Owns: the kernel's record of writes under the start directory (inotify on
+// every directory the checkpoints keep), which lets a step that wrote nothing
+// run no git, and one that wrote look again only where it did.
 // ════════════════════════════════════════════════════════════════════════════
 
 /** inotify(7): what counts as a change to a watched directory or a file in it. */
@@ -12412,6 +12413,13 @@ function indexDirectories(index: Buffer, prefix: string): Set<string> | undefine
   });
   return ok ? dirs : undefined;
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: the shadow repository
+// Owns: the git repository of aic's own that snapshots the start directory:
+// made once, its excludes, a snapshot (add, write-tree, commit only when the
+// tree changed), pruning, and reading a checkpoint back.
+// ════════════════════════════════════════════════════════════════════════════
 
 /**
  * A git repository of aic's own that snapshots `workTree` (the project's
