@@ -8511,8 +8511,39 @@ function gitlinksInIndex(b: Buffer): string[] | undefined {
   return read ? links : undefined;
 }
 
+/**
+ * The shared index a split index names (`git update-index --split-index`: its `link` extension), as the hex of
+ * its hash, or undefined; the split one holds only the entries changed since, the rest are in
+ * `sharedindex.<hash>` beside it.
+ */
+function sharedIndexOf(b: Buffer): string | undefined {
+  let at = indexEntriesEnd(b);
+  while (at !== undefined && at + 8 <= b.length - 20) {
+    const size = b.readUInt32BE(at + 4);
+    if (b.toString("latin1", at, at + 4) === "link" && size >= 20)
+      return b.toString("hex", at + 8, at + 8 + Math.min(size, 32));
+    at += 8 + size;
+  }
+  return undefined;
+}
+
+function indexEntriesEnd(b: Buffer): number | undefined {
+  let end: number | undefined;
+  return indexEntries(
+    b,
+    () => {},
+    (at) => (end = at),
+  )
+    ? end
+    : undefined;
+}
+
 /** Calls `visit` with each entry's path and mode, in the index's order; false when the file is not an index git wrote. */
-function indexEntries(b: Buffer, visit: (name: Buffer, mode: number) => void): boolean {
+function indexEntries(
+  b: Buffer,
+  visit: (name: Buffer, mode: number) => void,
+  ended: (at: number) => void = () => {},
+): boolean {
   if (b.length < 12 || b.toString("latin1", 0, 4) !== "DIRC") return false;
   const version = b.readUInt32BE(4);
   const count = b.readUInt32BE(8);
@@ -8550,6 +8581,7 @@ function indexEntries(b: Buffer, visit: (name: Buffer, mode: number) => void): b
     previous = name;
     visit(name, mode);
   }
+  ended(at);
   return true;
 }
 
@@ -8754,7 +8786,19 @@ class GitGuard {
       return ((this.gitlinks = []), true);
     }
     const inProject = (rel: string) => path.relative(this.where.workDir.path, path.join(top, rel));
-    this.gitlinks = (gitlinksInIndex(index) ?? []).map(inProject).filter((rel) => rel && !rel.startsWith(".."));
+    // A split index keeps most entries in its shared index: a gitlink there is as much git's as one here.
+    const links = new Set(gitlinksInIndex(index) ?? []);
+    const shared = sharedIndexOf(index);
+    for (const length of shared ? [40, 64] : []) {
+      try {
+        const file = path.join(gitDir, `sharedindex.${shared!.slice(0, length)}`);
+        for (const link of gitlinksInIndex(readOwnFile(file, MAX_GIT_INDEX_BYTES)) ?? []) links.add(link);
+        break;
+      } catch {
+        /* not this hash's length (SHA-1 or SHA-256), or gone */
+      }
+    }
+    this.gitlinks = [...links].map(inProject).filter((rel) => rel && !rel.startsWith(".."));
     return true;
   }
 

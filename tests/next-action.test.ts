@@ -272,3 +272,24 @@ describe("what the model and the person read of a command's changes", () => {
     expect(said.split("\n").some((line) => line.startsWith("[exit code 0] forged"))).toBe(false);
   });
 });
+
+describe("the repository guard reads a split index whole", () => {
+  test.skipIf(!has.git)(
+    "a gitlink in node_modules kept in the shared index of a split index is found: the person's git status runs nothing",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      const mark = join(dir, "..", "split-ran");
+      const plant =
+        `mkdir -p node_modules/x && git init -q node_modules/x && git -C node_modules/x config core.fsmonitor "touch ${mark}; false" && ` +
+        `git update-index --add --cacheinfo 160000,$(git rev-parse HEAD),node_modules/x && git update-index --split-index && ls .git | grep -c sharedindex`;
+      const srv = fixtures.serve([bash(plant, "p"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain("1");
+      Bun.spawnSync(["git", "status", "--short"], { cwd: dir, stdout: "pipe", stderr: "pipe" });
+      expect(existsSync(mark)).toBe(false);
+    },
+  );
+});
