@@ -8116,7 +8116,8 @@ const GIT_INERT_SETTING = new RegExp(
       "core\\.(repositoryformatversion|filemode|bare|logallrefupdates|ignorecase|precomposeunicode|symlinks|autocrlf|eol|safecrlf|quotepath|compression|loosecompression|bigfilethreshold|sharedrepository|checkstat|trustctime|abbrev|commentchar|whitespace|untrackedcache|splitindex|preloadindex|packedgitlimit|packedgitwindowsize|deltabasecachelimit)",
       "user\\.(name|email|signingkey|useconfigonly)",
       "(author|committer)\\.(name|email)",
-      "remote\\..+\\.(url|pushurl|fetch|push|tagopt|prune|prunetags|mirror|skipdefaultupdate|skipfetchall|promisor|partialclonefilter)",
+      // Not push or mirror: they decide what the person's next `git push` deletes on the remote.
+      "remote\\..+\\.(url|pushurl|fetch|tagopt|prune|prunetags|skipdefaultupdate|skipfetchall|promisor|partialclonefilter)",
       "branch\\..+\\.(remote|merge|rebase|pushremote|description)",
       "init\\.defaultbranch",
       "extensions\\.(objectformat|preciousobjects|partialclone|refstorage)",
@@ -8200,37 +8201,12 @@ function parseGitConfig(text: Buffer): GitSetting[] | undefined {
 
 /** Whether a setting may make git run something (or read more settings): anything not known to be inert. */
 function runsCode(s: GitSetting): boolean {
-  if (/^alias\./i.test(s.key)) return aliasRunsCode(s.value ?? "");
-  if (/^core\.fsmonitor$/i.test(s.key)) return !/^(true|false|yes|no|on|off|1|0|)$/i.test((s.value ?? "").trim());
+  // Any alias: it is a name the person types believing it their own, and git's own subcommands destroy and write
+  // as well as any program (`ci = reset --hard`, `st = log --output=~/.bashrc`). None a command adds is kept.
+  if (/^alias\./i.test(s.key)) return true;
+  // Exactly a boolean, as git reads one: `"yes "` with its space is a program's name to git (and runs /usr/bin/yes).
+  if (/^core\.fsmonitor$/i.test(s.key)) return !/^(true|false|yes|no|on|off|1|0|)$/i.test(s.value ?? "");
   return !GIT_INERT_SETTING.test(s.key);
-}
-
-/**
- * git subcommands an alias may stand for (`st = status -sb`): none of them runs a program of the
- * repository's choosing unless an option names one (those are in ALIAS_PROGRAM_OPTIONS). Not
- * difftool, mergetool, bisect, filter-branch, submodule, config (it writes settings) and the like.
- */
-const ALIAS_SUBCOMMANDS = new Set(
-  (
-    "status log show diff branch checkout switch commit add reset restore stash tag fetch pull push merge " +
-    "rebase cherry-pick revert remote blame shortlog describe reflog ls-files grep mv rm worktree whatchanged " +
-    "show-branch rev-parse rev-list cat-file ls-tree count-objects fsck gc prune clean format-patch am apply"
-  ).split(" "),
-);
-/** Options with which those subcommands run a program: `-x`/`--exec`, `--upload-pack`, `--receive-pack`, `-c`… */
-const ALIAS_PROGRAM_OPTIONS =
-  /^(-x|--exec|--upload-pack|--receive-pack|--extcmd|-c|--config-env|--tool|--exec-path|--git-dir|--work-tree|-C|--open-files-in-pager|-O)(=|$)|^-[a-zA-Z]*[xO]/;
-
-/**
- * Whether an alias may run a program: a `!` alias always; otherwise unless it is plain words naming
- * one of ALIAS_SUBCOMMANDS without an option that names a program (`ls-remote --upload-pack=PROG`
- * or `difftool -x PROG` run PROG, and a repository's alias wins over the person's own of that name).
- */
-function aliasRunsCode(value: string): boolean {
-  const words = value.trim().split(/\s+/);
-  if (!words[0] || value.trimStart().startsWith("!") || /["'\\$`;|&<>(){}]/.test(value)) return true;
-  if (!ALIAS_SUBCOMMANDS.has(words[0])) return true;
-  return words.slice(1).some((w) => ALIAS_PROGRAM_OPTIONS.test(w));
 }
 
 /** A git dir's configs as the repository guard last judged them (what it left there). */

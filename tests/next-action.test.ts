@@ -293,3 +293,35 @@ describe("the repository guard reads a split index whole", () => {
     },
   );
 });
+
+describe("Landlock alone: settings that destroy rather than run", () => {
+  test.skipIf(!has.git || kernelLandlockAbi() < 1)(
+    'an alias of git\'s own subcommands, remote mirror and push, and fsmonitor set to "yes " are taken out of .git/config',
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      git(dir, "config", "alias.lg", "log --oneline");
+      git(dir, "remote", "add", "origin", join(dir, "..", "remote.git"));
+      const plant =
+        "git config alias.ci 'reset -q --hard' && git config remote.origin.mirror true && " +
+        "git config remote.origin.push ':refs/heads/theirs' && git config core.fsmonitor 'yes ' && echo planted";
+      const srv = fixtures.serve([bash(plant, "p"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], {
+        cwd: dir,
+        env: { ...env, AIC_NO_NAMESPACES: "1" },
+      });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain("planted");
+      const get = (key: string) =>
+        Bun.spawnSync(["git", "config", "--get", key], { cwd: dir, stdout: "pipe" }).stdout.toString().trim();
+      expect(get("alias.ci")).toBe("");
+      expect(get("remote.origin.mirror")).toBe("");
+      expect(get("remote.origin.push")).toBe("");
+      expect(get("core.fsmonitor")).toBe("");
+      // What the person had stays.
+      expect(get("alias.lg")).toBe("log --oneline");
+      expect(get("remote.origin.url")).toBe(join(dir, "..", "remote.git"));
+    },
+  );
+});
