@@ -8293,6 +8293,9 @@ function looksLikeGitDir(entries: readonly fs.Dirent[]): boolean {
   return has("HEAD", false) && has("objects", true) && has("refs", true);
 }
 
+/** Where a paused rebase or cherry-pick keeps what is left to do, relative to the git dir. */
+const SEQUENCER_TODOS = ["rebase-merge/git-rebase-todo", "sequencer/todo"];
+
 /** A git dir that is not aic's own checkpoint store (found when aic starts in the home directory): not the guard's. */
 function notAicsOwn(dir: HeldDirectory): boolean {
   const state = aicStateDir();
@@ -8570,6 +8573,8 @@ interface GitDirBaseline {
   included: Map<string, Buffer | undefined>;
   /** Hook name → fileSignature. */
   hooks: Map<string, string>;
+  /** A paused rebase's or cherry-pick's todo list → fileSignature (its `exec` lines run at the person's --continue). */
+  todos?: Map<string, string>;
   /** Where its `commondir` leads, if it has one. */
   commondir: string | undefined;
 }
@@ -8821,7 +8826,13 @@ class GitGuard {
     const config = read("config");
     const worktree = read("config.worktree");
     const included = new Map(includedConfigs(dir.path, [config, worktree]).map((f) => [f, includedContent(f)]));
-    return { config, worktree, included, hooks: hooksOf(dir), commondir: commondirOf(dir) };
+    const todos = new Map(
+      SEQUENCER_TODOS.flatMap((t) => {
+        const sig = fileSignature(dir.at(t));
+        return sig ? [[t, sig] as [string, string]] : [];
+      }),
+    );
+    return { config, worktree, included, hooks: hooksOf(dir), commondir: commondirOf(dir), todos };
   }
 
   private disarm(dir: HeldDirectory, before: GitDirBaseline | undefined, judged: Judged): string[] {
@@ -8836,6 +8847,31 @@ class GitGuard {
           `${dir.display("commondir")}, which points git at ${commondir}`,
         ),
       );
+    // A todo list that changed and now runs a program (`exec …`) would run it at the person's `git rebase --continue`.
+    for (const todo of SEQUENCER_TODOS) {
+      const parent = todo.split("/")[0]!;
+      // Never read or rename through a link (git would follow one to a todo anywhere): the link itself goes.
+      if (fs.lstatSync(dir.at(parent), { throwIfNoEntry: false })?.isSymbolicLink()) {
+        done.push(...moveAside(dir.at(parent), dir.display(parent), `${dir.display(parent)} (a link)`));
+        continue;
+      }
+      const sig = fileSignature(dir.at(todo));
+      if (!sig || before?.todos?.get(todo) === sig) continue;
+      let text = "";
+      try {
+        text = readOwnFile(dir.at(todo), MAX_GIT_CONFIG_BYTES).toString("utf8");
+      } catch {
+        text = "exec (not a file aic can read)";
+      }
+      if (/^\s*(x|exec)\s/m.test(text))
+        done.push(
+          ...moveAside(
+            dir.at(todo),
+            dir.display(todo),
+            `${dir.display(todo)}, whose exec lines run at git rebase --continue`,
+          ),
+        );
+    }
     // A FIFO (or a link to one, or a device) where git reads ignore rules or attributes stalls the person's git.
     const info = dir.child("info");
     for (const name of ["exclude", "attributes"]) {
@@ -16440,7 +16476,7 @@ class CommandRules {
     if (now === this.identity) return undefined;
     // It changed while a command ran: at the next start it is not in force until the person accepts it.
     RulesTrust.commandWrote(this.path, rulesOnDisk(this.path));
-    return `${this.path} changed on disk while aic runs (a command may have written it): the rules in force stay the ones read at ${this.loadedAt}; the change takes effect only when you reload it (/rules reload in the TUI) or start aic again`;
+    return `${this.path} changed on disk while aic runs (a command may have written it): the rules in force stay the ones read at ${this.loadedAt}; the change takes effect only when you reload it (/rules reload in the TUI), or at a later start once you accept it (aic rules accept)`;
   }
 
   /**

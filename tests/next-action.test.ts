@@ -325,3 +325,33 @@ describe("Landlock alone: settings that destroy rather than run", () => {
     },
   );
 });
+
+describe("a rebase left paused", () => {
+  test.skipIf(!has.git)(
+    "exec lines added to a paused rebase's todo are taken out: the person's git rebase --continue runs nothing planted",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q");
+      writeFileSync(join(dir, "a.txt"), "1\n");
+      git(dir, "add", "a.txt");
+      git(dir, "commit", "-q", "-m", "one");
+      writeFileSync(join(dir, "a.txt"), "2\n");
+      git(dir, "commit", "-q", "-am", "two");
+      const mark = join(dir, "..", "rebase-ran");
+      const plant =
+        "GIT_SEQUENCE_EDITOR='sed -i 1s/^pick/edit/' git -c user.email=t@t -c user.name=t rebase -q -i HEAD~1 >/dev/null 2>&1; " +
+        `echo 'exec touch ${mark}' >> .git/rebase-merge/git-rebase-todo && echo planted`;
+      const srv = fixtures.serve([bash(plant, "p"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain("planted");
+      Bun.spawnSync(["git", "-c", "user.email=t@t", "-c", "user.name=t", "rebase", "--continue"], {
+        cwd: dir,
+        stdout: "pipe",
+        stderr: "pipe",
+        env: { ...process.env, GIT_EDITOR: "true" },
+      });
+      expect(existsSync(mark)).toBe(false);
+    },
+  );
+});
