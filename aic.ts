@@ -117,6 +117,11 @@ const JOB_EXIT_WAIT_MS = 1000;
 const JOB_SETTLE_MS = 300;
 const JOB_SETTLE_POLL_MS = 20;
 
+/** `s` as one shell word: as it is when nothing in it is special, else in single quotes. */
+function shellQuoted(s: string): string {
+  return /^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`;
+}
+
 /** Whether a process has a signal pending that ends it by default (TERM, KILL, INT, HUP, QUIT): it is on its way out. */
 function dying(pid: number): boolean {
   try {
@@ -6704,7 +6709,7 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number | Promise<number
   // it comes before anything else is given up; for a non-root aic there is nothing to drop.
   // The exec supervisor keeps CAP_SYS_PTRACE where it has it (the jail's init; root): it reads the argv of the
   // launcher's children, which share the launcher's non-dumpable memory until they exec.
-  const supervising = Boolean(plan.judgeExec?.length) && !execJudgeMissing();
+  const supervising = Boolean(plan.judgeExec?.length);
   const dropped = dropCapabilities(supervising ? 1 << CAP_SYS_PTRACE : 0);
   if (dropped) return fail(dropped);
   if (c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) !== 0) return fail("prctl(PR_SET_NO_NEW_PRIVS) was refused");
@@ -6718,7 +6723,7 @@ function sandboxExec(plan: SandboxPlan, argv: string[]): number | Promise<number
     return { buffers, table };
   };
   // Deny rules on subcommands need a judge at each execve: this process stays, as the launcher's parent.
-  if (plan.judgeExec?.length && !execJudgeMissing()) return superviseLauncher(plan.judgeExec, argv);
+  if (supervising) return superviseLauncher(plan.judgeExec!, argv);
   const args = cStrings(argv);
   const env = cStrings(Object.entries(process.env).map(([k, v]) => `${k}=${v ?? ""}`));
   c.execve(Buffer.from(argv[0] + "\0"), ptr(args.table), ptr(env.table));
@@ -6734,8 +6739,7 @@ function selfArgv(): string[] {
 
 /** The same, as a shell command line for the system prompt's search recipe. */
 function selfCommand(): string {
-  const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
-  return selfArgv().map(quote).join(" ");
+  return selfArgv().map(shellQuoted).join(" ");
 }
 
 /** What aic keeps of its own that no command may read: the checkpoint store, the prompt history, other runs' outputs. */
@@ -7114,10 +7118,8 @@ function judgedLine(judge: ExecJudge, call: ExecCall, depth = 0): string | undef
   const dashedName = known.by === "file" ? baseName(argv[0] ?? "") : name;
   const sub = dashedName.startsWith(`${program}-`) ? [dashedName.slice(program.length + 1)] : [];
   const rest = program === "git" ? withoutHarmlessGitSettings(argv.slice(1)) : argv.slice(1);
-  return [program, ...sub, ...rest].map(quotedWord).join(" ");
+  return [program, ...sub, ...rest].map(shellQuoted).join(" ");
 }
-
-const quotedWord = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
 
 /** Reads one notification's call: the path now, the argv on demand; undefined when the caller's memory cannot be read. */
 function readExecCall(tid: number, nr: number, args: BigUint64Array, mem: number): ExecCall | undefined {
@@ -7465,7 +7467,7 @@ function startLauncher(o: {
       ? { ...o.plan, rules: [...o.plan.rules, { ...outputs, access: "r" as const }] }
       : o.plan;
   const plain = [...o.self, SANDBOX_EXEC, JSON.stringify(plan), "--", ...o.self, SANDBOX_LAUNCHER];
-  const supervised = Boolean(plan.judgeExec?.length) && !execJudgeMissing();
+  const supervised = Boolean(plan.judgeExec?.length);
   if (o.jail.refused) {
     const launcher = new SandboxLauncher(plain, false, undefined, supervised);
     void launcher.start();
@@ -12032,10 +12034,7 @@ function unblockFifoOpen(pid: number): void {
 function readCString(pid: number, at: number): string | undefined {
   const fd = fs.openSync(`/proc/${pid}/mem`, O.O_RDONLY);
   try {
-    const buf = Buffer.alloc(4096);
-    const n = fs.readSync(fd, buf, 0, buf.length, at);
-    const end = buf.subarray(0, n).indexOf(0);
-    return end > 0 ? buf.subarray(0, end).toString("utf8") : undefined;
+    return readMemoryString(fd, at, 4096);
   } finally {
     fs.closeSync(fd);
   }
@@ -12453,23 +12452,6 @@ class ChangeWatch {
   }
 }
 
-/** The directories holding the index's entries (under `prefix`, relative to the start directory), the start directory itself first. */
-function indexDirectories(index: Buffer, prefix: string): Set<string> | undefined {
-  const dirs = new Set<string>([""]);
-  const ok = indexEntries(index, (name) => {
-    const slash = name.lastIndexOf(0x2f);
-    if (slash < 0) return;
-    let dir = name.toString("utf8", 0, slash);
-    if (prefix) dir = dir.startsWith(prefix) ? dir.slice(prefix.length) : dir === prefix.slice(0, -1) ? "" : dir;
-    while (dir && !dirs.has(dir)) {
-      dirs.add(dir);
-      const up = dir.lastIndexOf("/");
-      dir = up < 0 ? "" : dir.slice(0, up);
-    }
-  });
-  return ok ? dirs : undefined;
-}
-
 // ════════════════════════════════════════════════════════════════════════════
 // Checkpoints: the shadow repository
 // Owns: the git repository of aic's own that snapshots the start directory:
@@ -12514,8 +12496,6 @@ class ShadowRepository {
 
   /** What was written under the start directory since the last snapshot began: nothing, and git need not be asked. */
   private readonly watch: ChangeWatch;
-  /** The index's identity when the watch last covered its directories. */
-  private indexCovered: string | undefined;
 
   private readonly runner: ShadowGit;
 
@@ -12838,21 +12818,10 @@ class ShadowRepository {
   /** The manifest stopped at its limits: a directory past them is not watched, so the watch is not trusted. */
   private manifestCut = false;
 
-  /** The watch covers every directory of the index and each directory the manifest looked at (empty ones). */
+  /** The watch covers every directory the manifest knows: each holding a file of the index, and the empty ones. */
   private coverWatch(): void {
     if (this.manifestCut) return this.watch.restart(true);
-    const now = this.indexIdentity();
-    if (now !== undefined && now !== this.indexCovered) {
-      let dirs: Set<string> | undefined;
-      try {
-        dirs = indexDirectories(readOwnFile(path.join(this.gitDir, "index"), MAX_OWN_FILE_BYTES), this.prefix);
-      } catch {
-        dirs = undefined;
-      }
-      if (!dirs) return this.watch.restart(true);
-      this.watch.cover(dirs);
-      this.indexCovered = now;
-    }
+    // The manifest's directories: every one holding a file of the index, and each the empty-directory search entered.
     if (this.dirStamps) this.watch.cover(this.dirStamps.keys());
     // In a repository above the start directory, git reads the .gitignore files of every directory between.
     const up = this.prefix
@@ -21887,9 +21856,10 @@ function stoppedJobLine(job: Job): string {
 
 function exitLine(session: SessionStore | undefined, config: Config): string {
   if (!session) return "aic: nothing was saved (--no-session).\n";
-  const quote = (s: string) => (/^[\w@%+=:,./-]+$/.test(s) ? s : `'${s.replace(/'/g, "'\\''")}'`);
   const how =
-    config.session === undefined ? `cd ${quote(process.cwd())} && aic` : `aic --session ${quote(session.path)}`;
+    config.session === undefined
+      ? `cd ${shellQuoted(process.cwd())} && aic`
+      : `aic --session ${shellQuoted(session.path)}`;
   return `aic: the conversation is saved in ${session.path} (session ${session.sessionId}); to continue it: ${how}\n`;
 }
 
