@@ -148,6 +148,16 @@ async function undo(p: Project, ...args: string[]): Promise<string> {
   return r.stdout;
 }
 
+/** `aic undo N` puts the tree back exactly as `before`, and `aic redo` exactly as it was; the tree after the run. */
+async function undoneAndRedone(p: Project, before: Record<string, string>, n: number): Promise<Record<string, string>> {
+  const after = tree(p.dir);
+  await undo(p, "undo", String(n));
+  expect(tree(p.dir)).toEqual(before);
+  await undo(p, "redo");
+  expect(tree(p.dir)).toEqual(after);
+  return after;
+}
+
 // ─── A door in front of the fake server ──────────────────────────────────────────────────────────
 
 const proxies: Server<undefined>[] = [];
@@ -218,11 +228,7 @@ describe.skipIf(!has.git)("changes the watch must not miss", () => {
     const got = await steps(p, ["true", "true", "true", "true", "echo more >> a/b/c/d/deep.txt", "true"]);
     expect(got).toEqual([none, none, none, none, changes({ modified: ["a/b/c/d/deep.txt"] }), none]);
     expect(readFileSync(join(p.dir, "a/b/c/d/deep.txt"), "utf8")).toBe("deep\nmore\n");
-    const after = tree(p.dir);
-    await undo(p, "undo", "2");
-    expect(tree(p.dir)).toEqual(before);
-    await undo(p, "redo");
-    expect(tree(p.dir)).toEqual(after);
+    await undoneAndRedone(p, before, 2);
   });
 
   test("a file in a brand-new directory tree, then writes inside it in the next steps", async () => {
@@ -251,11 +257,7 @@ describe.skipIf(!has.git)("changes the watch must not miss", () => {
       none,
       changes({ modified: ["e/f/g/file.txt"] }),
     ]);
-    const after = tree(p.dir);
-    await undo(p, "undo", "8");
-    expect(tree(p.dir)).toEqual(before);
-    await undo(p, "redo");
-    expect(tree(p.dir)).toEqual(after);
+    await undoneAndRedone(p, before, 8);
   });
 
   test("deleting a file and a whole directory, between quiet steps", async () => {
@@ -278,11 +280,7 @@ describe.skipIf(!has.git)("changes the watch must not miss", () => {
       none,
       changes({ modified: ["stay.txt"] }),
     ]);
-    const after = tree(p.dir);
-    await undo(p, "undo", "6");
-    expect(tree(p.dir)).toEqual(before);
-    await undo(p, "redo");
-    expect(tree(p.dir)).toEqual(after);
+    await undoneAndRedone(p, before, 6);
   });
 
   test("a change of mode only (chmod), of the exec bit and of the other bits", async () => {
@@ -297,13 +295,9 @@ describe.skipIf(!has.git)("changes the watch must not miss", () => {
       changes({ modified: ["nested/data.txt"] }),
       none,
     ]);
-    const after = tree(p.dir);
+    const after = await undoneAndRedone(p, before, 5);
     expect(after["run.sh"]).toEndWith(" 755");
     expect(after["nested/data.txt"]).toEndWith(" 600");
-    await undo(p, "undo", "5");
-    expect(tree(p.dir)).toEqual(before);
-    await undo(p, "redo");
-    expect(tree(p.dir)).toEqual(after);
   });
 
   test("a rename across directories, and an edit of the renamed file", async () => {
@@ -326,15 +320,10 @@ describe.skipIf(!has.git)("changes the watch must not miss", () => {
       changes({ created: ["from/back.txt"], deleted: ["to/renamed.txt"] }),
       none,
     ]);
-    const after = tree(p.dir);
-    await undo(p, "undo", "6");
-    expect(tree(p.dir)).toEqual(before);
-    await undo(p, "redo");
-    expect(tree(p.dir)).toEqual(after);
+    await undoneAndRedone(p, before, 6);
   });
 
-  // Files under a renamed directory keep their change time (only the directory's changes): undo must still take the
-  // new name away, as it does for a renamed file.
+  // Undo must take a renamed directory's new name away, as it does for a renamed file, though nothing under it changed.
   test("a directory renamed across directories is undone to the exact tree, and redone", async () => {
     const p = project();
     write(p.dir, { "pkg/f.txt": "1\n", "pkg/sub/g.txt": "g\n", "to/keep.txt": "k\n" });
@@ -345,11 +334,7 @@ describe.skipIf(!has.git)("changes the watch must not miss", () => {
       changes({ created: ["to/pkg-moved/f.txt", "to/pkg-moved/sub/g.txt"], deleted: ["pkg/f.txt", "pkg/sub/g.txt"] }),
       none,
     ]);
-    const after = tree(p.dir);
-    await undo(p, "undo", "2");
-    expect(tree(p.dir)).toEqual(before);
-    await undo(p, "redo");
-    expect(tree(p.dir)).toEqual(after);
+    await undoneAndRedone(p, before, 2);
   });
 
   test("a symlink replacing a directory, a write through it, and the directory made again", async () => {
@@ -376,11 +361,7 @@ describe.skipIf(!has.git)("changes the watch must not miss", () => {
       none,
       changes({ modified: ["d/f.txt"] }),
     ]);
-    const after = tree(p.dir);
-    await undo(p, "undo", "8");
-    expect(tree(p.dir)).toEqual(before);
-    await undo(p, "redo");
-    expect(tree(p.dir)).toEqual(after);
+    await undoneAndRedone(p, before, 8);
   });
 
   // The person writes while aic waits for the model: the next step's checkpoint before its command holds it, so it

@@ -27,6 +27,7 @@ import {
   toolResults,
   unique,
   type TestUser,
+  harnessGit,
 } from "./helpers.ts";
 
 const fixtures = perTestFixtures();
@@ -55,21 +56,7 @@ interface Place {
   state: string;
 }
 
-/** git as the test harness (root, or this user), outside aic, on directories another user may own. */
-function git(cwd: string, ...args: string[]): string {
-  const r = Bun.spawnSync(["git", "-c", "safe.directory=*", ...args], {
-    cwd,
-    env: {
-      ...process.env,
-      GIT_AUTHOR_NAME: "t",
-      GIT_AUTHOR_EMAIL: "t@t",
-      GIT_COMMITTER_NAME: "t",
-      GIT_COMMITTER_EMAIL: "t@t",
-    },
-  });
-  if (r.exitCode !== 0) throw new Error(`git ${args.join(" ")}: ${r.stderr.toString()}`);
-  return r.stdout.toString().trim();
-}
+const git = harnessGit;
 
 /** A repository with one commit on master and an empty bare remote as origin, owned by `user`, under /tmp. */
 function place(user: TestUser): Place {

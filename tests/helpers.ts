@@ -504,6 +504,25 @@ export function readPeakRssKb(pid: number): number | undefined {
   }
 }
 
+/**
+ * git as the test harness runs it (outside aic, as root or this user, on directories another user may own), with
+ * a committer of its own; its trimmed output. A failure throws with git's words.
+ */
+export function harnessGit(cwd: string, ...args: string[]): string {
+  const r = Bun.spawnSync(["git", "-c", "safe.directory=*", ...args], {
+    cwd,
+    env: {
+      ...process.env,
+      GIT_AUTHOR_NAME: "t",
+      GIT_AUTHOR_EMAIL: "t@t",
+      GIT_COMMITTER_NAME: "t",
+      GIT_COMMITTER_EMAIL: "t@t",
+    },
+  });
+  if (r.exitCode !== 0) throw new Error(`git ${args.join(" ")}: ${r.stderr.toString()}`);
+  return r.stdout.toString().trim();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scripting the fake model and reading what it was sent
 

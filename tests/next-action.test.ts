@@ -5,7 +5,6 @@
  * by a .gitignore the command emptied; aic starts in a git worktree (a `.git` file).
  */
 import { describe, expect, test } from "bun:test";
-import { execFileSync } from "node:child_process";
 import { existsSync, mkdirSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import {
@@ -19,12 +18,12 @@ import {
   scratch,
   toolAnswer,
   waitFor,
+  harnessGit,
 } from "./helpers.ts";
 
 const fixtures = perTestFixtures();
 const done = { content: "TASKCOMPLETE" };
-const git = (cwd: string, ...args: string[]) =>
-  execFileSync("git", ["-c", "user.email=t@t", "-c", "user.name=t", ...args], { cwd, stdio: "pipe" }).toString();
+const git = harnessGit;
 
 function project(): { dir: string; env: Record<string, string> } {
   const root = fixtures.disposable(scratch("aic-next-"));

@@ -21,6 +21,7 @@ import {
   runAic,
   scratch,
   toolAnswer,
+  harnessGit,
 } from "./helpers.ts";
 
 const fixtures = perTestFixtures();
@@ -142,20 +143,7 @@ const PUSH_ROUTES = [
   "git pu origin master",
 ];
 
-function git(cwd: string, ...args: string[]): string {
-  const r = Bun.spawnSync(["git", ...args], {
-    cwd,
-    env: {
-      ...process.env,
-      GIT_AUTHOR_NAME: "t",
-      GIT_AUTHOR_EMAIL: "t@t",
-      GIT_COMMITTER_NAME: "t",
-      GIT_COMMITTER_EMAIL: "t@t",
-    },
-  });
-  if (r.exitCode !== 0) throw new Error(`git ${args.join(" ")}: ${r.stderr.toString()}`);
-  return r.stdout.toString().trim();
-}
+const git = harnessGit;
 
 describe.skipIf(!has.git)("deny holds under --auto-approve, whatever the route", () => {
   test(`${DELETE_ROUTES.length + SCRIPT_ROUTES.length + PUSH_ROUTES.length} command lines: no victim deleted, no ref pushed`, async () => {
