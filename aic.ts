@@ -4023,6 +4023,10 @@ function openLinuxLibc() {
     // The jail's set-up, in the fresh namespaces (see "The jail").
     mount: { args: [FFIType.ptr, FFIType.ptr, FFIType.ptr, FFIType.u64, FFIType.ptr], returns: FFIType.i32 },
     socket: { args: [FFIType.i32, FFIType.i32, FFIType.i32], returns: FFIType.i32 },
+    // The exec judge's listener, handed from the launcher to its supervisor (SCM_RIGHTS).
+    socketpair: { args: [FFIType.i32, FFIType.i32, FFIType.i32, FFIType.ptr], returns: FFIType.i32 },
+    sendmsg: { args: [FFIType.i32, FFIType.ptr, FFIType.i32], returns: FFIType.i64 },
+    recvmsg: { args: [FFIType.i32, FFIType.ptr, FFIType.i32], returns: FFIType.i64 },
     ioctl: { args: [FFIType.i32, FFIType.u64, FFIType.ptr], returns: FFIType.i32 },
     // The checkpoints' watch on the start directory (see ChangeWatch).
     inotify_init1: { args: [FFIType.i32], returns: FFIType.i32 },
@@ -6617,6 +6621,8 @@ function dropCapabilities(keep = 0): string | undefined {
   const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
   const status = fs.readFileSync("/proc/self/status", "utf8");
   if (/^CapPrm:\s*0+$/m.test(status) && /^CapAmb:\s*0+$/m.test(status)) return undefined;
+  // Only what this process holds can be kept: a container's root lacks CAP_SYS_PTRACE (capset would refuse it all).
+  keep &= Number(BigInt(`0x${/^CapPrm:\s*([0-9a-f]+)$/m.exec(status)?.[1] ?? "0"}`) & 0xffffffffn);
   if (c.prctl(PR_SET_SECUREBITS, SECUREBITS_NO_WAY_BACK, 0, 0, 0) !== 0) return "prctl(PR_SET_SECUREBITS) was refused";
   const last = Number(fs.readFileSync("/proc/sys/kernel/cap_last_cap", "utf8"));
   for (let cap = 0; cap <= last; cap++)
@@ -6761,12 +6767,9 @@ function selfCommand(): string {
 
 /** Set in the launcher's environment when it must put itself under the filter: "init" when the supervisor is the jail's PID 1. */
 const EXEC_JUDGE_ENV = "AIC_EXEC_JUDGE";
-/** Where the launcher parks the listener until the supervisor has taken it (pidfd_getfd). */
-const EXEC_LISTENER_FD = 1000;
+/** The launcher's end of the socket pair its supervisor receives the listener on. */
+const EXEC_JUDGE_SOCKET_FD = 4;
 const SYS_SECCOMP = 317;
-const SYS_DUP3 = 292;
-const SYS_PIDFD_OPEN = 434;
-const SYS_PIDFD_GETFD = 438;
 const SECCOMP_SET_MODE_FILTER = 1;
 const CAP_SYS_PTRACE = 19;
 const SECCOMP_FILTER_FLAG_TSYNC = 1;
@@ -6838,10 +6841,10 @@ function execFilterProgram(): Uint8Array {
 
 /**
  * In the launcher, before anything else: the filter on every thread of it
- * (and so on every command it starts), its listener parked at
- * EXEC_LISTENER_FD for the supervisor, then one execve of a path that does
- * not exist, which blocks until the supervisor has taken the listener and
- * answered: only then is the launcher's own copy closed. Returns why not.
+ * (and so on every command it starts), its listener sent to the supervisor
+ * (and the launcher's own copy closed), then one execve of a path that does
+ * not exist, which blocks until the supervisor answers it: proof that it
+ * judges. Returns why not.
  */
 function putLauncherUnderExecJudge(subreaper: boolean): string | undefined {
   const c = libc()?.symbols;
@@ -6855,15 +6858,51 @@ function putLauncherUnderExecJudge(subreaper: boolean): string | undefined {
   const flags = SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_TSYNC | SECCOMP_FILTER_FLAG_TSYNC_ESRCH;
   const listener = Number(c.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, flags, ptr(fprog), 0, 0));
   if (listener < 0) return `the exec filter was refused (seccomp: ${lastErrno()})`;
-  if (Number(c.syscall(SYS_DUP3, listener, EXEC_LISTENER_FD, O_CLOEXEC, 0, 0)) !== EXEC_LISTENER_FD)
-    return `cannot park the exec filter's listener: ${lastErrno()}`;
+  const sent = sendDescriptor(EXEC_JUDGE_SOCKET_FD, listener);
   c.close(listener);
+  c.close(EXEC_JUDGE_SOCKET_FD);
+  if (!sent) return `cannot hand the exec filter's listener to the supervisor: ${lastErrno()}`;
   const none = new BigUint64Array(1);
   c.execve(Buffer.from("/proc/aic-exec-judge-handshake\0"), ptr(none), ptr(none));
   const answered = lastErrno();
-  c.close(EXEC_LISTENER_FD);
   // ENOSYS: the call found no listener, so nobody judges; ENOENT is the kernel's own answer once it went on.
   return answered === "ENOENT" ? undefined : `the exec supervisor did not answer (${answered})`;
+}
+
+/**
+ * struct msghdr for one byte and one descriptor (SCM_RIGHTS), as x86-64 lays it out: msg_name, msg_namelen,
+ * msg_iov, msg_iovlen, msg_control, msg_controllen, msg_flags; with its iovec and control buffers, kept alive.
+ */
+function descriptorMessage(fd = -1) {
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  const byte = new Uint8Array(1);
+  const iov = new BigUint64Array([BigInt(ptr(byte)), 1n]);
+  const control = new Uint8Array(24); // struct cmsghdr { size_t len; int level; int type; } + the descriptor, padded
+  const view = new DataView(control.buffer);
+  view.setBigUint64(0, 20n, true); // CMSG_LEN(sizeof(int))
+  view.setInt32(8, 1, true); // SOL_SOCKET
+  view.setInt32(12, 1, true); // SCM_RIGHTS
+  view.setInt32(16, fd, true);
+  const header = new BigUint64Array([0n, 0n, BigInt(ptr(iov)), 1n, BigInt(ptr(control)), 24n, 0n]);
+  return { header, byte, iov, control, view };
+}
+
+function sendDescriptor(socket: number, fd: number): boolean {
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  const m = descriptorMessage(fd);
+  return Number(libc()!.symbols.sendmsg(socket, ptr(m.header), 0)) === 1;
+}
+
+/** The descriptor a peer sent on `socket`, or -1 when it sent none (it ended first). */
+function receiveDescriptor(socket: number): number {
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  const m = descriptorMessage();
+  m.view.setInt32(8, 0, true);
+  m.view.setInt32(12, 0, true);
+  const MSG_CMSG_CLOEXEC = 0x40000000;
+  if (Number(libc()!.symbols.recvmsg(socket, ptr(m.header), MSG_CMSG_CLOEXEC)) !== 1) return -1;
+  const ok = m.view.getInt32(8, true) === 1 && m.view.getInt32(12, true) === 1;
+  return ok ? m.view.getInt32(16, true) : -1;
 }
 
 /** A C string at `address` in the memory of `mem` (a /proc/PID/mem descriptor), up to `max` bytes; undefined past that. */
@@ -7187,16 +7226,21 @@ async function superviseLauncher(ruleLines: readonly string[], argv: string[]): 
   const capEff = /^CapEff:\s*([0-9a-f]+)$/m.exec(fs.readFileSync("/proc/self/status", "utf8"))?.[1] ?? "0";
   const reads = (BigInt(`0x${capEff}`) & (1n << BigInt(CAP_SYS_PTRACE))) !== 0n ? "+ptrace" : "";
   const env = { ...process.env, [EXEC_JUDGE_ENV]: (process.pid === 1 ? "init" : "child") + reads };
-  // Descriptor 3 (aic's own binary, by which the launcher is started) goes on to it; Bun's types know three entries.
-  const stdio = ["inherit", "inherit", "inherit", 3] as unknown as ["inherit", "inherit", "inherit"];
+  // A socket pair for the listener, which the launcher sends once it has made it (pidfd_getfd would be simpler, but
+  // Docker's default profile refuses it without CAP_SYS_PTRACE).
+  const { ptr } = require("bun:ffi") as typeof import("bun:ffi");
+  const pair = new Int32Array(2);
+  if (c.socketpair(1 /* AF_UNIX */, 1 /* SOCK_STREAM */ | O_CLOEXEC, 0, ptr(pair)) !== 0)
+    return (writeOut(2, `aic sandbox: cannot make the exec judge's socket: ${lastErrno()}\n`), 126);
+  // Descriptor 3 (aic's own binary, by which the launcher is started) and the pair's other end (its descriptor 4) go
+  // on to it; Bun's types know three entries.
+  const stdio = ["inherit", "inherit", "inherit", 3, pair[1]] as unknown as ["inherit", "inherit", "inherit"];
   const launcher = Bun.spawn(argv, { stdio, env });
   fs.closeSync(3);
-  const pidfd = Number(c.syscall(SYS_PIDFD_OPEN, launcher.pid, 0, 0, 0, 0));
-  let listener = -1;
-  while (pidfd >= 0 && listener < 0 && launcher.exitCode === null && launcher.signalCode === null) {
-    listener = Number(c.syscall(SYS_PIDFD_GETFD, pidfd, EXEC_LISTENER_FD, 0, 0, 0));
-    if (listener < 0) await Bun.sleep(2);
-  }
+  fs.closeSync(pair[1]!);
+  // Blocking: until the launcher sends the listener, or ends (the pair then reads end of file).
+  const listener = receiveDescriptor(pair[0]!);
+  fs.closeSync(pair[0]!);
   if (listener >= 0) await judgeExecsUntilDone(judge, listener, launcher);
   return await launcher.exited;
 }

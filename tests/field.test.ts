@@ -23,6 +23,7 @@ import {
   readdirSync,
   rmSync,
   symlinkSync,
+  writeFileSync,
 } from "node:fs";
 import { join } from "node:path";
 import { dockerRefusals } from "./docker-refusals.ts";
@@ -568,6 +569,40 @@ describe("in a Docker container with Docker's default seccomp profile", () => {
             expect(result.output).toMatch(/wrote=[1-9]/); // and it confines: /var/tmp is outside the writable set
           }
           expect(endOf(run.stdout)).toMatchObject({ status: "completed", exit_code: 0 });
+
+          // A deny rule on arguments is held at exec there too: Docker's profile lets the launcher put its commands
+          // under the exec judge's seccomp filter (or, where Landlock is missing, there is no launcher to judge).
+          if (sandbox.jail === "landlock") {
+            const proj = scratch("aic-field-judged-");
+            writeFileSync(join(proj, ".aicrules"), "deny echo forbidden *\n");
+            const judged = startFakeServer({
+              turns: [bash("w=forbidden; /bin/echo $w word; echo rc=$?; /bin/echo fine", "j1"), done],
+            });
+            try {
+              const inProj = ["run", "--rm", "--network", "host", "-v", `${bin}:/opt/aic:ro`, "-v", `${proj}:/proj`];
+              const held = await engine.docker([
+                ...inProj,
+                "-w",
+                "/proj",
+                engine.image,
+                "/opt/aic/aic",
+                ...headless(judged.url),
+                "--json",
+                "--auto-approve",
+                "--no-session",
+                "judged",
+              ]);
+              expect(held.code, shown(held)).toBe(0);
+              const out = resultsOf(held.stdout).find((e) => e.id === "j1");
+              expect(out?.output, shown(held)).toContain(
+                'aic: refused at exec: echo forbidden word — the rule "deny echo forbidden *"',
+              );
+              expect(out.output).not.toContain("forbidden word\n");
+              expect(out.output).toContain("fine");
+            } finally {
+              judged.close();
+            }
+          }
         } finally {
           srv.close();
         }
