@@ -9,14 +9,15 @@
  * way data flows through it, each opening with what it owns (this map names
  * every section by its title; tests/build.test.ts holds it to that):
  *
- *   Constants and defaults → CLI: the configuration and its flags → CLI: reading
- *   the command line → CLI: settings kept between runs → Secrets → What the
- *   model reads → Events → Plain and JSON output → Messages and token accounting
- *   → Model failures → Model client → Model client: the server's context window
- *   → Context compression → Own files on hostile ground → Session repairs →
- *   Session file writing → Session store: ids, state and locks → Session store →
- *   Session store: kept out of commits → Sandbox: what commands may touch →
- *   Sandbox: Landlock and capabilities → Sandbox: judging each program a command
+ *   Constants and defaults → CLI: the configuration and its flags → CLI:
+ *   reading the command line → CLI: settings kept between runs → Secrets → What
+ *   the model reads → Events → Plain and JSON output → Messages and token
+ *   accounting → Model failures → Model client → Model client: the server's
+ *   context window → Context compression → Own files on hostile ground →
+ *   Session repairs → Session file writing → Session store: ids, state and
+ *   locks → Session store → Session store: putting the file on disk → Session
+ *   store: kept out of commits → Sandbox: what commands may touch → Sandbox:
+ *   Landlock and capabilities → Sandbox: judging each program a command
  *   executes → Sandbox: a run's sandbox → The jail → The jail: building it →
  *   Repository guard → Repository guard: the audit → PTY and process groups →
  *   Sandbox launcher → Output capture → Waiting-for-input detection → Command
@@ -29,14 +30,15 @@
  *   scripts a line runs → Command rules: the verdict → Command rules: read-only
  *   programs and always-allow → Command rules: the rules file → Tool calls: the
  *   approval gate and the command → Tool calls: keys for a waiting command →
- *   Model calls and their tokens → Agent loop: stalls → Agent loop: the agent →
- *   Run wiring → Headless front end → Web search → TUI parts: prompt history,
- *   figures, footer and banner → TUI parts: log panes → TUI parts: the shell's
- *   screen and its keys → TUI parts: the approval dialog and the Shell tab → TUI
+ *   Model calls and their tokens → Agent loop: stalls → Agent loop: the
+ *   conversation and its checkpoints → Agent loop: the agent → Run wiring →
+ *   Headless front end → Web search → TUI parts: prompt history, figures,
+ *   footer and banner → TUI parts: log panes → TUI parts: the shell's screen
+ *   and its keys → TUI parts: the approval dialog and the Shell tab → TUI
  *   parts: how events look, the prompt, and the layout → TUI parts: the
  *   transcript, keys typed ahead, a program's screen → TUI parts: pacing → TUI
- *   app → TUI keys, slash commands and start-up → Export: ATIF trajectories →
- *   Main
+ *   app → TUI app: where keys go → TUI keys, slash commands and start-up →
+ *   Export: ATIF trajectories → Main
  *
  * The agent core never touches the terminal: it emits typed events to a sink
  * and awaits an approval function. Plain text, JSON Lines and the TUI are
@@ -5278,9 +5280,8 @@ function sessionStateFile(file: string, kind: "lock" | "written"): string | unde
 // ════════════════════════════════════════════════════════════════════════════
 // Session store
 // Owns: one claimed session file: claiming it (the first free instance, locked
-// in aic's state directory), loading and repairing it, saving it atomically at
-// each named moment (a step's own without waiting for the disk: flushed on the
-// thread pool, one at a time, in order), and noticing what others did to it.
+// in aic's state directory), loading and repairing it, and what each named
+// moment's checkpoint holds (the next section puts it on disk).
 // ════════════════════════════════════════════════════════════════════════════
 
 /**
@@ -5293,14 +5294,12 @@ class SessionStore {
   /** The directory of saved full outputs that this conversation names. */
   outputDir: string | undefined;
   private extra: Record<string, unknown> = {};
-  private failureReported = false;
   /** Set when the file could not be read, moved aside or understood: then it is never written over. */
   private frozen = false;
   /** The size of the file load() read (0 before, or when there was none). */
   loadedBytes = 0;
-  /** What the last fsynced write held: the message list, its length, its last message and the system text. */
-  private durable: unknown[] | undefined;
   private readonly writer = new SessionWriter();
+  private readonly writes: SessionWrites;
 
   private constructor(
     private readonly dir: HeldDirectory,
@@ -5308,10 +5307,12 @@ class SessionStore {
     readonly instanceNumber: number,
     private readonly lockFd: number | undefined,
     private meta: { model: string; apiBase: string },
-    private readonly sink: EventSink,
+    sink: EventSink,
     /** The file as opened and read through while claiming it (undefined: there was none). */
     private claimedFd: number | undefined,
-  ) {}
+  ) {
+    this.writes = new SessionWrites(dir, name, lockFd, sink, () => this.mayWrite());
+  }
 
   get path(): string {
     return this.dir.display(this.name);
@@ -5573,43 +5574,221 @@ class SessionStore {
   private brokenAtStart = false;
 
   /**
-   * Writes one checkpoint atomically (temporary file, fsync, rename, fsync of
-   * the directory), waiting for the disk; a failure is reported once and the
-   * run goes on. Writes still on their way from `saveSoon` are older: they are
-   * dropped, never put in place after this one.
+   * Writes one checkpoint atomically, waiting for the disk; a failure is
+   * reported once and the run goes on. Writes still on their way from
+   * `saveSoon` are older: they are dropped, never put in place after this one.
    */
   save(reason: string, state: SessionState, ifChanged = false): boolean {
-    if (this.frozen || this.reloadRefused) return false;
+    if (!this.mayWrite()) return false;
     const doc = this.document(reason, state);
     if (ifChanged && this.holds(doc.content)) return true;
-    return this.writeNow(doc, state);
+    return this.put(doc, state, "now");
   }
 
-  private writeNow(doc: SessionDocument, state: SessionState): boolean {
+  /** The same checkpoint without waiting for the disk (SessionWrites.writeSoon says how). */
+  saveSoon(reason: string, state: SessionState): boolean {
+    if (!this.mayWrite()) return false;
+    return this.put(this.document(reason, state), state, "soon");
+  }
+
+  private put(doc: SessionDocument, state: SessionState, when: "now" | "soon"): boolean {
+    const pieces = this.writer.pieces(doc.doc, state.messages, doc.steps);
+    try {
+      const written = when === "now" ? this.writes.writeNow(pieces, doc) : this.writes.writeSoon(pieces, doc);
+      if (written) this.lastContent = doc.content;
+      return written;
+    } finally {
+      // A long restored history has just been written out: its short-lived strings are collected now,
+      // before the run allocates more (the tokenizer, a compression), so that they do not add to the peak.
+      if (doc.firstSinceLoad && this.loadedBytes >= COLLECT_EVERY_BYTES) Bun.gc(true);
+    }
+  }
+
+  /** False while the file must not be written: it could not be read, or a /reload refused it. */
+  private mayWrite(): boolean {
+    return !this.frozen && !this.reloadRefused;
+  }
+
+  /** Resolves when every checkpoint written so far is on disk, its rename too (or failed, which was said). */
+  settled(): Promise<void> {
+    return this.writes.settled();
+  }
+
+  /** Resolves when every checkpoint written so far is in place (a kill -9 from then on finds it). */
+  inPlace(): Promise<void> {
+    return this.writes.inPlace();
+  }
+
+  /** The document of one checkpoint, and what tells whether the file already holds it. */
+  private document(reason: string, state: SessionState): SessionDocument {
+    const doc: Record<string, unknown> = {
+      aic_session_version: SESSION_VERSION,
+      session_id: this.sessionId,
+      updated_at: localIsoSeconds(),
+      reason,
+      model: this.meta.model,
+      api_base: this.meta.apiBase,
+      cwd: state.cwd ?? process.cwd(),
+      instance_number: this.instanceNumber,
+      step_count: state.stepCount,
+      usage: state.usage,
+      messages: MESSAGES_SLOT,
+    };
+    if (this.outputDir) doc.output_dir = this.outputDir;
+    if (state.jobs) doc.jobs = state.jobs;
+    const firstSinceLoad = this.writer.restored !== undefined;
+    // The steps (up to CHECKPOINTS_KEPT of them) are written from cached bytes, as the messages are.
+    const steps = state.checkpoints?.done.length ? state.checkpoints.done : [];
+    if (state.checkpoints)
+      doc.checkpoints = steps.length ? { ...state.checkpoints, done: STEPS_SLOT } : state.checkpoints;
+    for (const [key, value] of Object.entries(this.extra)) if (!(key in doc)) doc[key] = value;
+    // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
+    // (before_command right after assistant_message, say), losing this write to a power cut loses
+    // only its label: the rename stays atomic, the fsync is skipped.
+    const last = state.messages[state.messages.length - 1];
+    const signature = [state.messages, state.messages.length, last, state.messages[0]?.content];
+    const durableAlready = this.writes.holdsDurably(signature);
+    // What the file would hold besides its label, the time and the step count (see save's ifChanged).
+    const record = state.checkpoints;
+    const content = [
+      ...signature,
+      last?.content,
+      last?.tool_calls,
+      JSON.stringify([
+        state.usage,
+        state.jobs,
+        doc.cwd,
+        this.sessionId,
+        this.outputDir,
+        record && [record.directory, record.done.length, record.done.at(-1), record.redo.length],
+      ]),
+    ];
+    return { doc, steps, signature, durableAlready, firstSinceLoad, content };
+  }
+
+  /** What the last checkpoint written holds besides its label (document()'s `content`). */
+  private lastContent: unknown[] | undefined;
+
+  /** Whether the last checkpoint written holds `content`: then one more would change only its label and step count. */
+  private holds(content: unknown[]): boolean {
+    return this.lastContent !== undefined && content.every((v, i) => v === this.lastContent![i]);
+  }
+
+  /** Said at load: the file is not what aic last wrote (a person's edit, or a command's while no aic ran). */
+  private changedSinceWritten(): string | undefined {
+    const last = readWrittenRecord(this.path)?.identity;
+    const now = this.writes.identityOnDisk();
+    if (!last || now === undefined || now === last) return undefined;
+    return `${this.path} changed since aic last wrote it: by you, or by a command while aic was not running; if you did not edit it, read it before you go on`;
+  }
+
+  /** The session's lock in aic's state directory (see stateLockFor). */
+  stateLockFd: number | undefined;
+  /** What /session shows: the file, its id and instance, and what the file on disk holds now. */
+  describe(): string[] {
+    let onDisk = "nothing yet";
+    try {
+      const doc = JSON.parse(this.dir.read(this.name).toString("utf8")) as {
+        reason?: unknown;
+        updated_at?: unknown;
+        messages?: unknown;
+        step_count?: unknown;
+      };
+      const count = Array.isArray(doc.messages) ? doc.messages.length : 0;
+      onDisk = `${count} message(s), step ${String(doc.step_count ?? 0)}, last written ${String(doc.updated_at ?? "?")} (${String(doc.reason ?? "?")})`;
+    } catch (error) {
+      if (!ownFileError(error).missing) onDisk = `unreadable (${(error as Error).message})`;
+    }
+    return [`file ${this.path} · id ${this.sessionId} · instance ${this.instanceNumber}`, `on disk: ${onDisk}`];
+  }
+
+  /** Starts a new session id (after /clear). */
+  renew(): void {
+    this.sessionId = newSessionId();
+    this.outputDir = undefined;
+  }
+
+  release(): void {
+    // Every caller has written its last checkpoint with save(), which dropped what was on its way already.
+    this.writes.release();
+    if (this.claimedFd !== undefined) fs.closeSync(this.claimedFd);
+    this.claimedFd = undefined;
+    for (const fd of this.stateLockFd !== undefined ? [this.stateLockFd] : [])
+      try {
+        fs.closeSync(fd);
+      } catch {
+        /* already closed */
+      }
+    if (this.lockFd !== undefined)
+      try {
+        fs.closeSync(this.lockFd);
+      } catch {
+        /* already closed */
+      }
+    this.dir.close();
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Session store: putting the file on disk
+// Owns: how a claimed session file reaches the disk: replaced atomically while
+// aic waits, or staged now and flushed on the thread pool, one write at a time
+// and in order (a newer write drops one still waiting); the record of what aic
+// last wrote, for the next start; and noticing a command that changed, deleted
+// or linked the file or its lock.
+// ════════════════════════════════════════════════════════════════════════════
+
+/**
+ * The writes of one claimed session file. SessionStore decides what the file
+ * holds and when; this decides how it gets there, so that a crash at any
+ * moment leaves one whole document, the newest one put in place.
+ */
+class SessionWrites {
+  /** What the last fsynced write held: the message list, its length, its last message and the system text. */
+  private durable: unknown[] | undefined;
+  private failureReported = false;
+
+  constructor(
+    private readonly dir: HeldDirectory,
+    private readonly name: string,
+    private readonly lockFd: number | undefined,
+    private readonly sink: EventSink,
+    /** False while the file must not be written (SessionStore's own reasons). */
+    private readonly mayWrite: () => boolean,
+  ) {}
+
+  private get path(): string {
+    return this.dir.display(this.name);
+  }
+
+  /** Whether `signature` names the messages of the last write made durable (a rename without fsync can do). */
+  holdsDurably(signature: unknown[]): boolean {
+    return this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
+  }
+
+  /**
+   * Replaces the file atomically (temporary file, fsync, rename, fsync of the
+   * directory) with `pieces`, waiting for the disk; older writes still on
+   * their way are dropped. A failure is reported once; returns whether it landed.
+   */
+  writeNow(pieces: Iterable<Uint8Array>, doc: SessionDocument): boolean {
     for (const w of [...this.onTheirWay]) this.drop(w);
     try {
       this.noticePlantedLink();
       this.noticeTampering();
       const digest = createHash("sha256");
-      this.dir.replace(
-        this.name,
-        hashedAsWritten(this.writer.pieces(doc.doc, state.messages, doc.steps), digest),
-        !doc.durableAlready,
-      );
+      this.dir.replace(this.name, hashedAsWritten(pieces, digest), !doc.durableAlready);
       this.landed(digest.digest("hex"));
       if (!doc.durableAlready) this.durable = doc.signature;
-      this.lastContent = doc.content;
       return true;
     } catch (error) {
       this.reportFailure(error);
       return false;
-    } finally {
-      this.afterWrite(doc.firstSinceLoad);
     }
   }
 
   /**
-   * The same checkpoint without waiting for the disk: the temporary file is
+   * `pieces` put in place without waiting for the disk: the temporary file is
    * written now (the bytes are the kernel's, whatever the conversation does
    * next), flushed on the thread pool, renamed into place as soon as it is on
    * disk, and the directory flushed after it. Writes leave in order, one on
@@ -5617,11 +5796,9 @@ class SessionStore {
    * is dropped (the newer holds all it held). `settled()` resolves when every
    * write so far is on disk.
    */
-  saveSoon(reason: string, state: SessionState): boolean {
-    if (this.frozen || this.reloadRefused) return false;
-    const doc = this.document(reason, state);
-    // Messages already on disk: a rename without fsync, at once, as save() does (a power cut could cost the label).
-    if (doc.durableAlready && this.onTheirWay.length === 0 && !this.inFlight) return this.writeNow(doc, state);
+  writeSoon(pieces: Iterable<Uint8Array>, doc: SessionDocument): boolean {
+    // Messages already on disk: a rename without fsync, at once, as writeNow does (a power cut could cost the label).
+    if (doc.durableAlready && this.onTheirWay.length === 0 && !this.inFlight) return this.writeNow(pieces, doc);
     // Messages on their way to the disk in the write being flushed, and nothing else waiting: this one (the
     // checkpoint before a command, right after its turn) is renamed after that one without a flush of its own.
     const inFlight = this.inFlight;
@@ -5633,15 +5810,10 @@ class SessionStore {
     let staged: StagedFile;
     const digest = createHash("sha256");
     try {
-      staged = this.dir.stage(
-        this.name,
-        hashedAsWritten(this.writer.pieces(doc.doc, state.messages, doc.steps), digest),
-      );
+      staged = this.dir.stage(this.name, hashedAsWritten(pieces, digest));
     } catch (error) {
       this.reportFailure(error);
       return false;
-    } finally {
-      this.afterWrite(doc.firstSinceLoad);
     }
     for (const w of this.onTheirWay.filter((x) => !x.flushing)) this.drop(w);
     let placed!: () => void;
@@ -5656,7 +5828,6 @@ class SessionStore {
       done: () => placed(),
     };
     this.onTheirWay.push(write);
-    this.lastContent = doc.content;
     this.queue = this.queue.then(() => this.putOnDisk(write));
     return true;
   }
@@ -5709,7 +5880,7 @@ class SessionStore {
     // A newer write that waited for the disk (save) took its place meanwhile: this one is gone already.
     if (w.dropped) return;
     // A /reload that could not read the file meanwhile: it is not written until one can.
-    if (this.frozen || this.reloadRefused) return this.drop(w);
+    if (!this.mayWrite()) return this.drop(w);
     this.onTheirWay = this.onTheirWay.filter((x) => x !== w);
     try {
       if (flushed) throw flushed;
@@ -5733,61 +5904,6 @@ class SessionStore {
     this.dir.dropStaged(w.staged);
   }
 
-  /** The document of one checkpoint, and what tells whether the file already holds it. */
-  private document(reason: string, state: SessionState): SessionDocument {
-    const doc: Record<string, unknown> = {
-      aic_session_version: SESSION_VERSION,
-      session_id: this.sessionId,
-      updated_at: localIsoSeconds(),
-      reason,
-      model: this.meta.model,
-      api_base: this.meta.apiBase,
-      cwd: state.cwd ?? process.cwd(),
-      instance_number: this.instanceNumber,
-      step_count: state.stepCount,
-      usage: state.usage,
-      messages: MESSAGES_SLOT,
-    };
-    if (this.outputDir) doc.output_dir = this.outputDir;
-    if (state.jobs) doc.jobs = state.jobs;
-    const firstSinceLoad = this.writer.restored !== undefined;
-    // The steps (up to CHECKPOINTS_KEPT of them) are written from cached bytes, as the messages are.
-    const steps = state.checkpoints?.done.length ? state.checkpoints.done : [];
-    if (state.checkpoints)
-      doc.checkpoints = steps.length ? { ...state.checkpoints, done: STEPS_SLOT } : state.checkpoints;
-    for (const [key, value] of Object.entries(this.extra)) if (!(key in doc)) doc[key] = value;
-    // fsync is most of a checkpoint's cost. When the messages are the ones already made durable
-    // (before_command right after assistant_message, say), losing this write to a power cut loses
-    // only its label: the rename stays atomic, the fsync is skipped.
-    const last = state.messages[state.messages.length - 1];
-    const signature = [state.messages, state.messages.length, last, state.messages[0]?.content];
-    const durableAlready = this.durable !== undefined && signature.every((v, i) => v === this.durable![i]);
-    // What the file would hold besides its label, the time and the step count (see save's ifChanged).
-    const record = state.checkpoints;
-    const content = [
-      ...signature,
-      last?.content,
-      last?.tool_calls,
-      JSON.stringify([
-        state.usage,
-        state.jobs,
-        doc.cwd,
-        this.sessionId,
-        this.outputDir,
-        record && [record.directory, record.done.length, record.done.at(-1), record.redo.length],
-      ]),
-    ];
-    return { doc, steps, signature, durableAlready, firstSinceLoad, content };
-  }
-
-  /** What the last checkpoint written holds besides its label (document()'s `content`). */
-  private lastContent: unknown[] | undefined;
-
-  /** Whether the last checkpoint written holds `content`: then one more would change only its label and step count. */
-  private holds(content: unknown[]): boolean {
-    return this.lastContent !== undefined && content.every((v, i) => v === this.lastContent![i]);
-  }
-
   /** A write is in place: what the file now is, for noticing anyone else's change. Returns its number. */
   private landed(contentHash: string): number {
     this.written = this.identityOnDisk();
@@ -5804,12 +5920,6 @@ class SessionStore {
       type: "warning",
       text: `cannot write the session file ${this.path} (${(error as Error).message}); the run goes on, the previous file is unchanged`,
     });
-  }
-
-  private afterWrite(firstSinceLoad: boolean): void {
-    // A long restored history has just been written out: its short-lived strings are collected now,
-    // before the run allocates more (the tokenizer, a compression), so that they do not add to the peak.
-    if (firstSinceLoad && this.loadedBytes >= COLLECT_EVERY_BYTES) Bun.gc(true);
   }
 
   /** Writes of saveSoon not yet in place, oldest first: at most one is being flushed. */
@@ -5842,15 +5952,7 @@ class SessionStore {
   }
   private recordFd: number | undefined;
 
-  /** Said at load: the file is not what aic last wrote (a person's edit, or a command's while no aic ran). */
-  private changedSinceWritten(): string | undefined {
-    const last = readWrittenRecord(this.path)?.identity;
-    const now = this.identityOnDisk();
-    if (!last || now === undefined || now === last) return undefined;
-    return `${this.path} changed since aic last wrote it: by you, or by a command while aic was not running; if you did not edit it, read it before you go on`;
-  }
-
-  private identityOnDisk(name = this.name): string | undefined {
+  identityOnDisk(name = this.name): string | undefined {
     return identityOf(this.dir.at(name));
   }
 
@@ -5885,8 +5987,6 @@ class SessionStore {
     }
   }
   private readonly extraLocks: number[] = [];
-  /** The session's lock in aic's state directory (see stateLockFor). */
-  stateLockFd: number | undefined;
   /** A command replaced the file with a link: the write replaces the link (never follows it), and the person is told once. */
   private noticePlantedLink(): void {
     if (this.linkReported) return;
@@ -5902,50 +6002,17 @@ class SessionStore {
     });
   }
 
-  /** What /session shows: the file, its id and instance, and what the file on disk holds now. */
-  describe(): string[] {
-    let onDisk = "nothing yet";
-    try {
-      const doc = JSON.parse(this.dir.read(this.name).toString("utf8")) as {
-        reason?: unknown;
-        updated_at?: unknown;
-        messages?: unknown;
-        step_count?: unknown;
-      };
-      const count = Array.isArray(doc.messages) ? doc.messages.length : 0;
-      onDisk = `${count} message(s), step ${String(doc.step_count ?? 0)}, last written ${String(doc.updated_at ?? "?")} (${String(doc.reason ?? "?")})`;
-    } catch (error) {
-      if (!ownFileError(error).missing) onDisk = `unreadable (${(error as Error).message})`;
-    }
-    return [`file ${this.path} · id ${this.sessionId} · instance ${this.instanceNumber}`, `on disk: ${onDisk}`];
-  }
-
-  /** Starts a new session id (after /clear). */
-  renew(): void {
-    this.sessionId = newSessionId();
-    this.outputDir = undefined;
-  }
-
+  /** Drops what is still on its way and closes what it holds (the lock beside the file stays SessionStore's). */
   release(): void {
-    // Every caller has written its last checkpoint with save(), which dropped these already.
     for (const w of [...this.onTheirWay]) this.drop(w);
     if (this.recordFd !== undefined) fs.closeSync(this.recordFd);
     this.recordFd = undefined;
-    if (this.claimedFd !== undefined) fs.closeSync(this.claimedFd);
-    this.claimedFd = undefined;
-    for (const fd of [...this.extraLocks.splice(0), ...(this.stateLockFd !== undefined ? [this.stateLockFd] : [])])
+    for (const fd of this.extraLocks.splice(0))
       try {
         fs.closeSync(fd);
       } catch {
         /* already closed */
       }
-    if (this.lockFd !== undefined)
-      try {
-        fs.closeSync(this.lockFd);
-      } catch {
-        /* already closed */
-      }
-    this.dir.close();
   }
 }
 
@@ -17524,12 +17591,155 @@ class StartWatch {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// Agent loop: the conversation and its checkpoints
+// Owns: the agent's history (messages, the step count, the summary under the
+// system prompt, where commands run), taking over a restored session, /clear,
+// /undo, /redo and /diff on it, and each named checkpoint a session store
+// writes.
+// ════════════════════════════════════════════════════════════════════════════
+
+/**
+ * What the agent remembers between steps and runs. The loop appends to it and
+ * compresses it; everything else that edits it (a restore, an undo, a clear)
+ * happens here, while no run is going on.
+ */
+class Conversation {
+  messages: Message[] = [];
+  stepCount = 0;
+  /** The summary kept under the system prompt by compression. */
+  summary: string | undefined;
+  /** Where commands run: the start directory, or wherever the person's Shell tab went. */
+  cwd = process.cwd();
+
+  constructor(
+    private readonly o: AgentOptions,
+    /** The system prompt without the rules' paragraph, which `basePrompt` adds as the rules are now. */
+    private readonly fixedPrompt: string,
+    private readonly model: ModelCalls,
+    private readonly emit: (e: AgentEvent) => void,
+  ) {}
+
+  get basePrompt(): string {
+    return fullSystemPrompt({ systemPrompt: this.fixedPrompt, rules: this.o.rules });
+  }
+
+  /** The system prompt first, fresh (the rules may have changed since), then the new request. */
+  begin(request: Message): void {
+    if (this.messages.length === 0)
+      this.messages.push({ role: "system", content: systemContent(this.basePrompt, this.summary) });
+    else this.refreshSystemPrompt();
+    this.messages.push(request);
+  }
+
+  /** The person reloaded the rules (or added one): the system prompt names the ones now in force. */
+  rulesChanged(): void {
+    if (this.messages.length) this.refreshSystemPrompt();
+  }
+
+  /** Runs the next commands in `dir` (the TUI's Shell tab went there). */
+  moveTo(dir: string): void {
+    if (dir === this.cwd) return;
+    this.cwd = dir;
+    this.emit({ type: "info", text: `[cwd] the agent now works in ${dir} (followed the Shell tab)` });
+  }
+
+  /** Takes over a restored session; the stored summary stays after the fresh system prompt. */
+  restore(loaded: LoadedSession): void {
+    this.o.checkpoints?.adopt(loaded.checkpoints);
+    if (!loaded.messages) return;
+    this.summary = undefined;
+    this.messages = loaded.messages;
+    this.stepCount = loaded.stepCount ?? 0;
+    this.model.ledger.usage = loaded.usage ?? emptyUsage();
+    this.refreshSystemPrompt();
+    // The context figure shows the restored history at once, as a quick guess: counting a long history
+    // exactly would cost tiktoken's load and seconds of CPU before anything is needed (the first step's
+    // compression counts it when the history may not fit).
+    this.model.contextEstimate = roughTokenEstimate(this.messages);
+  }
+
+  private refreshSystemPrompt(): void {
+    const first = this.messages[0];
+    if (first?.role === "system") {
+      this.summary = splitSummary(contentText(first.content)).summary;
+      first.content = systemContent(this.basePrompt, this.summary);
+    } else this.messages.unshift({ role: "system", content: systemContent(this.basePrompt, this.summary) });
+  }
+
+  /**
+   * /undo N: the files back to before the last N commands, and the
+   * conversation cut back to before the turn that proposed the first of them.
+   * Only while the agent is stopped. Returns the lines to show.
+   */
+  async undo(n: number): Promise<string[]> {
+    if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
+    const lines = await undoCommands(this.o.checkpoints, this, n);
+    this.afterCut("undo");
+    return lines;
+  }
+
+  /** /diff N: the unified diff of what the N-th last command changed. */
+  async diff(n: number): Promise<string> {
+    if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
+    return this.o.checkpoints.diffOf(n, false);
+  }
+
+  /** /redo: the newest undo undone, files and conversation. */
+  async redo(): Promise<string[]> {
+    if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
+    const lines = await redoCommands(this.o.checkpoints, this);
+    this.afterCut("redo");
+    return lines;
+  }
+
+  private afterCut(reason: string): void {
+    this.model.contextEstimate = this.model.counter
+      ? this.model.counter.estimate(this.messages)
+      : roughTokenEstimate(this.messages);
+    this.checkpoint(reason);
+  }
+
+  /** Forgets everything (/clear). */
+  clear(): void {
+    this.messages = [];
+    this.summary = undefined;
+    this.stepCount = 0;
+    this.model.ledger.usage = emptyUsage();
+    this.model.contextEstimate = 0;
+    this.o.session?.renew();
+    this.o.outputs.clear(this.o.session?.sessionId ?? String(process.pid));
+    this.checkpoint("cleared");
+  }
+
+  /**
+   * Saves the session at a named moment (README: "Session files"). A step's
+   * own checkpoints (`soon`) do not wait for the disk: their fsyncs run while
+   * the model is asked or the files' snapshot is taken, and a command waits
+   * for them before it runs (toolCallContext's beforeRun). `if_changed`: not
+   * written when the file already holds all of it but the label and the step
+   * count (otherwise written at once, as the others are).
+   */
+  checkpoint(reason: string, soon?: "soon" | "if_changed"): void {
+    const jobs = this.o.jobs.records();
+    const state: SessionState = {
+      messages: this.messages,
+      stepCount: this.stepCount,
+      usage: this.model.ledger.usage,
+      cwd: this.cwd,
+      jobs: jobs.length ? jobs : undefined,
+      checkpoints: this.o.checkpoints?.record(),
+    };
+    if (soon === "soon") this.o.session?.saveSoon(reason, state);
+    else this.o.session?.save(reason, state, soon === "if_changed");
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // Agent loop: the agent
-// Owns: the ralph loop — history, steering suggestions, compression at the start
-// of each step, one streamed model turn, the approval gate and the commands —
-// and the checkpoints a session store hooks into. It talks to the outside only
-// through the sink, `approve` and its model port, and is moved only through its
-// methods.
+// Owns: the ralph loop — steering suggestions, compression at the start of
+// each step, one streamed model turn, the approval gate and the commands, and
+// how a run ends. It talks to the outside only through the sink, `approve` and
+// its model port, and is moved only through its methods.
 // ════════════════════════════════════════════════════════════════════════════
 
 /**
@@ -17538,15 +17748,10 @@ class StartWatch {
  * history and keeps every tool call answered exactly once.
  */
 class Agent {
-  messages: Message[] = [];
-  stepCount = 0;
+  /** The history, its checkpoints, and where commands run. */
+  readonly history: Conversation;
   private autoApprove: boolean;
   private isRunning = false;
-  /** Where commands run: the start directory, or wherever the person's Shell tab went. */
-  private cwd = process.cwd();
-  /** The system prompt without the rules' paragraph, which `basePrompt` adds as the rules are now. */
-  private readonly fixedPrompt: string;
-  private summary: string | undefined;
   private suggestions: string[] = [];
   private abort: AbortController | undefined;
   /** The model side: calls, token counts, the context figure, the budget. */
@@ -17567,8 +17772,8 @@ class Agent {
 
   constructor(private readonly o: AgentOptions) {
     this.autoApprove = o.config.autoApprove;
-    this.fixedPrompt = o.systemPrompt;
     this.model = new ModelCalls(o.config, o.sink, o.model);
+    this.history = new Conversation(o, o.systemPrompt, this.model, (e) => this.emit(e));
     this.compression = new CompressionPolicy(o.config.compressAlg, o.config.compressTarget, promptBudget(o.config));
   }
 
@@ -17576,22 +17781,24 @@ class Agent {
     return promptBudget(this.o.config);
   }
 
-  private get basePrompt(): string {
-    return fullSystemPrompt({ systemPrompt: this.fixedPrompt, rules: this.o.rules });
+  get messages(): Message[] {
+    return this.history.messages;
   }
 
-  /** The person reloaded the rules (or added one): the system prompt names the ones now in force. */
-  rulesChanged(): void {
-    if (this.messages.length) this.refreshSystemPrompt();
+  /** Takes over a restored session (see Conversation.restore). */
+  restore(loaded: LoadedSession): void {
+    this.history.restore(loaded);
+  }
+
+  /** Forgets everything (/clear), the suggestions not yet used too. */
+  clear(): void {
+    this.suggestions = [];
+    this.history.clear();
   }
 
   /** The conversation's token totals. */
   get usage(): Usage {
     return this.model.ledger.usage;
-  }
-
-  private set usage(totals: Usage) {
-    this.model.ledger.usage = totals;
   }
 
   get running(): boolean {
@@ -17607,42 +17814,8 @@ class Agent {
     this.autoApprove = on;
   }
 
-  /** Runs the next commands in `dir` (the TUI's Shell tab went there). */
-  moveTo(dir: string): void {
-    if (dir === this.cwd) return;
-    this.cwd = dir;
-    this.emit({ type: "info", text: `[cwd] the agent now works in ${dir} (followed the Shell tab)` });
-  }
-
   get contextEstimate(): number {
     return this.model.contextEstimate;
-  }
-
-  private set contextEstimate(tokens: number) {
-    this.model.contextEstimate = tokens;
-  }
-
-  /** Takes over a restored session; the stored summary stays after the fresh system prompt. */
-  restore(loaded: LoadedSession): void {
-    this.o.checkpoints?.adopt(loaded.checkpoints);
-    if (!loaded.messages) return;
-    this.summary = undefined;
-    this.messages = loaded.messages;
-    this.stepCount = loaded.stepCount ?? 0;
-    this.usage = loaded.usage ?? emptyUsage();
-    this.refreshSystemPrompt();
-    // The context figure shows the restored history at once, as a quick guess: counting a long history
-    // exactly would cost tiktoken's load and seconds of CPU before anything is needed (the first step's
-    // compression counts it when the history may not fit).
-    this.contextEstimate = roughTokenEstimate(this.messages);
-  }
-
-  private refreshSystemPrompt(): void {
-    const first = this.messages[0];
-    if (first?.role === "system") {
-      this.summary = splitSummary(contentText(first.content)).summary;
-      first.content = systemContent(this.basePrompt, this.summary);
-    } else this.messages.unshift({ role: "system", content: systemContent(this.basePrompt, this.summary) });
   }
 
   /** A command still waiting for the model's input when the run ends is stopped: nobody will type into it. */
@@ -17686,74 +17859,6 @@ class Agent {
   }
   private stopExitCode: number = EXIT.sigint;
 
-  /**
-   * /undo N: the files back to before the last N commands, and the
-   * conversation cut back to before the turn that proposed the first of them.
-   * Only while the agent is stopped. Returns the lines to show.
-   */
-  async undo(n: number): Promise<string[]> {
-    if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
-    const lines = await undoCommands(this.o.checkpoints, this, n);
-    this.afterCut("undo");
-    return lines;
-  }
-
-  /** /diff N: the unified diff of what the N-th last command changed. */
-  async diff(n: number): Promise<string> {
-    if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
-    return this.o.checkpoints.diffOf(n, false);
-  }
-
-  /** /redo: the newest undo undone, files and conversation. */
-  async redo(): Promise<string[]> {
-    if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
-    const lines = await redoCommands(this.o.checkpoints, this);
-    this.afterCut("redo");
-    return lines;
-  }
-
-  private afterCut(reason: string): void {
-    this.contextEstimate = this.model.counter
-      ? this.model.counter.estimate(this.messages)
-      : roughTokenEstimate(this.messages);
-    this.checkpoint(reason);
-  }
-
-  /** Forgets everything (/clear). */
-  clear(): void {
-    this.messages = [];
-    this.summary = undefined;
-    this.stepCount = 0;
-    this.usage = emptyUsage();
-    this.contextEstimate = 0;
-    this.suggestions = [];
-    this.o.session?.renew();
-    this.o.outputs.clear(this.o.session?.sessionId ?? String(process.pid));
-    this.checkpoint("cleared");
-  }
-
-  /**
-   * Saves the session at a named moment (README: "Session files"). A step's
-   * own checkpoints (`soon`) do not wait for the disk: their fsyncs run while
-   * the model is asked or the files' snapshot is taken, and a command waits
-   * for them before it runs (toolCallContext's beforeRun). `if_changed`: not
-   * written when the file already holds all of it but the label and the step
-   * count (otherwise written at once, as the others are).
-   */
-  checkpoint(reason: string, soon?: "soon" | "if_changed"): void {
-    const jobs = this.o.jobs.records();
-    const state: SessionState = {
-      messages: this.messages,
-      stepCount: this.stepCount,
-      usage: this.usage,
-      cwd: this.cwd,
-      jobs: jobs.length ? jobs : undefined,
-      checkpoints: this.o.checkpoints?.record(),
-    };
-    if (soon === "soon") this.o.session?.saveSoon(reason, state);
-    else this.o.session?.save(reason, state, soon === "if_changed");
-  }
-
   private emit(e: AgentEvent): void {
     this.starts.seen(e);
     this.o.sink.emit(e);
@@ -17767,11 +17872,8 @@ class Agent {
     const abort = (this.abort = new AbortController());
     const startedAt = Date.now();
     this.isRunning = true;
-    if (this.messages.length === 0)
-      this.messages.push({ role: "system", content: systemContent(this.basePrompt, this.summary) });
-    else this.refreshSystemPrompt();
     const requestMessage: Message = stamped({ role: "user", content: request });
-    this.messages.push(requestMessage);
+    this.history.begin(requestMessage);
     this.model.newRun();
     this.refusedClaims = 0;
     this.refused = 0;
@@ -17780,7 +17882,7 @@ class Agent {
     // A new request moves the conversation on: what was undone before it stays undone.
     if (this.o.checkpoints) this.o.checkpoints.redo = [];
     this.verified = false;
-    this.checkpoint("user_request");
+    this.history.checkpoint("user_request");
     const maxTime = this.o.config.maxTime;
     const clock = maxTime === undefined ? undefined : setTimeout(() => abort.abort(TIME_BUDGET), maxTime * 1000);
     this.deadline = maxTime === undefined ? undefined : Date.now() + maxTime * 1000;
@@ -17789,7 +17891,7 @@ class Agent {
     try {
       for (; !abort.signal.aborted && steps < this.o.config.maxSteps;) {
         steps++;
-        this.stepCount++;
+        this.history.stepCount++;
         const outcome = await this.step(steps, abort.signal);
         if (outcome) {
           status = outcome;
@@ -17802,15 +17904,15 @@ class Agent {
     } finally {
       clearTimeout(clock);
       await this.endWaitingCommand();
-      answerOpenCalls(this.messages, notExecuted(abort.signal));
-      if (status === "failed" && withdrawUnanswered(this.messages, requestMessage))
+      answerOpenCalls(this.history.messages, notExecuted(abort.signal));
+      if (status === "failed" && withdrawUnanswered(this.history.messages, requestMessage))
         this.emit({
           type: "info",
           text: "the request was taken back out of the conversation, since the model never answered it",
         });
       this.isRunning = false;
       this.abort = undefined;
-      this.checkpoint(status === "stopped" || status === "interrupted" ? "interrupted" : "loop_terminated");
+      this.history.checkpoint(status === "stopped" || status === "interrupted" ? "interrupted" : "loop_terminated");
     }
     return this.finishRun(status, steps, Date.now() - startedAt);
   }
@@ -17818,9 +17920,10 @@ class Agent {
   /** One step: steering, compression, one model turn, its tool calls. A final status, or undefined to go on. */
   private async step(step: number, signal: AbortSignal): Promise<RunStatus | undefined> {
     this.emit({ type: "step", step, max_steps: this.o.config.maxSteps });
-    for (const text of this.suggestions.splice(0)) this.messages.push({ role: "user", content: steeringMessage(text) });
+    for (const text of this.suggestions.splice(0))
+      this.history.messages.push({ role: "user", content: steeringMessage(text) });
     await this.compressIfNeeded(signal, this.compression.target);
-    if (validateOutgoing(this.messages).terminal) return "terminal";
+    if (validateOutgoing(this.history.messages).terminal) return "terminal";
     const turn = await this.callModel(signal);
     return this.handleTurn(turn, signal);
   }
@@ -17855,7 +17958,7 @@ class Agent {
     }
     let exitCode = status === "stopped" ? this.stopExitCode : RUN_ENDINGS[status].exit;
     if (exitCode === EXIT.ok && this.refused > 0 && this.o.config.failOnRefusal) exitCode = EXIT.needsApproval;
-    const last = [...this.messages].reverse().find((m) => m.role === "assistant");
+    const last = [...this.history.messages].reverse().find((m) => m.role === "assistant");
     this.emit({
       type: "end",
       status,
@@ -17881,13 +17984,13 @@ class Agent {
     await this.o.session?.inPlace();
     let fraction = this.compression.target;
     for (let overflow = 0; ; overflow++) {
-      const { messages } = validateOutgoing(this.messages);
+      const { messages } = validateOutgoing(this.history.messages);
       try {
         return await this.model.turn(messages, signal, (estimate) => {
           if (this.o.config.debug) writeDebugDump(this.o.workDir, messages, estimate, this.budget);
           // Right after a command's result nothing but the label would change: not written. A steering message
           // or a nudge since is.
-          this.checkpoint("before_llm_call", "if_changed");
+          this.history.checkpoint("before_llm_call", "if_changed");
         });
       } catch (error) {
         if (!(error instanceof ModelError) || error.kind !== "context" || overflow >= MAX_CONTEXT_RETRIES) throw error;
@@ -17913,22 +18016,22 @@ class Agent {
     // Kept in the provider's own field: thinking models that call tools refuse the next request without it.
     if (turn.reasoning) message[turn.reasoningField ?? "reasoning_content"] = turn.reasoning;
     if (turn.usage) message.aic_usage = turn.usage;
-    if (this.messages[this.messages.length - 1]?.role === "assistant") this.messages.pop();
-    this.messages.push(message);
+    if (this.history.messages[this.history.messages.length - 1]?.role === "assistant") this.history.messages.pop();
+    this.history.messages.push(message);
     if (turn.reasoning) this.emit({ type: "reasoning", text: turn.reasoning });
     this.emit({
       type: "assistant",
       content: turn.content,
       tool_calls: turn.toolCalls.map((c) => ({ id: c.id, name: c.function.name, arguments: c.function.arguments })),
     });
-    this.checkpoint("assistant_message", "soon");
+    this.history.checkpoint("assistant_message", "soon");
     if (!turn.toolCalls.length) {
       // A suggestion typed during the last step is heard before the task counts as done.
       if (turn.content.includes(MARKER)) return this.suggestions.length ? undefined : this.judgeClaim(signal);
       // A person at the keyboard answers a question themselves; nobody there: the model is nudged, a few times.
       if (this.o.attended) return this.suggestions.length ? undefined : "answered";
       if (this.stall.toolless()) return "stalled";
-      this.messages.push({ role: "user", content: CONTINUE_MESSAGE });
+      this.history.messages.push({ role: "user", content: CONTINUE_MESSAGE });
       return undefined;
     }
     return this.runToolCalls(turn, signal);
@@ -17945,7 +18048,7 @@ class Agent {
       }
       const result = await answerToolCall(call, this.toolCallContext(turn, index, signal));
       if (result.kind === "no_input") {
-        answerOpenCalls(this.messages, NOT_EXECUTED_STOPPED);
+        answerOpenCalls(this.history.messages, NOT_EXECUTED_STOPPED);
         return "needs_approval";
       }
       await this.o.jobs.settle();
@@ -17953,7 +18056,8 @@ class Agent {
       if (result.kind === "suggestion") suggestion = result.text;
       if (this.stall.repeated(call.function.arguments, result.content)) return "stalled";
     }
-    if (suggestion !== undefined) this.messages.push({ role: "user", content: suggestionInsteadMessage(suggestion) });
+    if (suggestion !== undefined)
+      this.history.messages.push({ role: "user", content: suggestionInsteadMessage(suggestion) });
     return signal.aborted ? stoppedStatus(signal) : undefined;
   }
 
@@ -17962,16 +18066,16 @@ class Agent {
       options: this.o,
       cutOff: turn.finishReason === "length",
       autoApprove: this.autoApprove,
-      cwd: () => this.cwd,
+      cwd: () => this.history.cwd,
       index: index + 1,
       total: turn.toolCalls.length,
       signal,
       emit: (event) => this.emit(event),
-      rulesChanged: () => this.rulesChanged(),
+      rulesChanged: () => this.history.rulesChanged(),
       beforeRun: async (id, command) => {
         if (this.o.checkpoints) {
           await this.o.checkpoints.beforeCommand(id, command);
-          this.checkpoint("before_command", "soon"); // so that undo works even after a kill -9 during the command
+          this.history.checkpoint("before_command", "soon"); // so that undo works even after a kill -9 during the command
         }
         // The turn that asked for the command (and its checkpoint) on disk before it runs: a kill -9 or a power
         // cut during the command finds the call in the file, answered [SESSION RECOVERED], never run again.
@@ -17993,7 +18097,7 @@ class Agent {
     if (!check) return "completed";
     const { passed, refusal } = await checkCompletion(check, {
       options: this.o,
-      cwd: () => this.cwd,
+      cwd: () => this.history.cwd,
       signal,
       emit: (e) => this.emit(e),
     });
@@ -18002,8 +18106,8 @@ class Agent {
       this.verified = true;
       return "completed";
     }
-    this.messages.push({ role: "user", content: refusal });
-    this.checkpoint("completion_refused");
+    this.history.messages.push({ role: "user", content: refusal });
+    this.history.checkpoint("completion_refused");
     if (++this.refusedClaims < MAX_REFUSED_CLAIMS) return undefined;
     this.emit({
       type: "warning",
@@ -18019,8 +18123,8 @@ class Agent {
     const clock =
       this.deadline !== undefined && maxTime !== undefined ? timeLeftLine(this.deadline - Date.now(), maxTime) : "";
     const text = [content, jobs, clock].filter(Boolean).join("\n");
-    this.messages.push(stamped({ role: "tool", tool_call_id: id, content: text }));
-    this.checkpoint("tool_result", "soon");
+    this.history.messages.push(stamped({ role: "tool", tool_call_id: id, content: text }));
+    this.history.checkpoint("tool_result", "soon");
   }
 
   /**
@@ -18035,28 +18139,28 @@ class Agent {
     force = false,
     ceiling = Infinity,
   ): Promise<void> {
-    if (this.messages.length <= 2) return;
+    if (this.history.messages.length <= 2) return;
     // Before tiktoken is loaded, a byte count bounds the tokens: a short history needs no counting at all.
-    if (!force && !this.model.counter && tokenUpperBound(this.messages) <= this.budget) return;
+    if (!force && !this.model.counter && tokenUpperBound(this.history.messages) <= this.budget) return;
     const counter = await this.tokenCounter();
-    const before = await measureHistory(this.messages, counter, this.budget, force);
-    this.contextEstimate = before;
+    const before = await measureHistory(this.history.messages, counter, this.budget, force);
+    this.model.contextEstimate = before;
     if (!force && before <= this.budget) return;
     const policy = this.compression;
     const { messages, summary, result } = await compressHistory(
-      { messages: this.messages, summary: this.summary },
+      { messages: this.history.messages, summary: this.history.summary },
       policy,
       {
         counter,
         targetRaw: policy.targetRaw(fraction, counter.ratio, ceiling),
-        basePrompt: this.basePrompt,
+        basePrompt: this.history.basePrompt,
         summarise: (request) => this.model.summarise(request, signal),
       },
     );
-    this.messages = messages;
-    this.summary = summary;
-    const after = counter.estimate(this.messages);
-    this.contextEstimate = after;
+    this.history.messages = messages;
+    this.history.summary = summary;
+    const after = counter.estimate(this.history.messages);
+    this.model.contextEstimate = after;
     this.emit({
       type: "compression",
       algorithm: policy.algorithm,
@@ -18065,7 +18169,7 @@ class Agent {
       removed: result.removed,
       detail: result.detail,
     });
-    this.checkpoint("compressed");
+    this.history.checkpoint("compressed");
   }
 }
 
@@ -18393,7 +18497,7 @@ function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, reque
       }
       const said = disarmedMessage(prepared.sandbox.auditRepositories(true));
       if (said) front.sink.emit({ type: "warning", text: said });
-      agent.checkpoint(reason);
+      agent.history.checkpoint(reason);
       session?.release();
       outputs.close(config.keepJobs);
       checkpoints?.dispose();
@@ -21006,13 +21110,6 @@ const WARM_UP_DELAY_MS = 50;
 const CTRL_C_QUIT_WINDOW_MS = 2000;
 const SHELL_TAB_PLACEHOLDER = "The Shell tab has your keys: it is your own shell. Tab goes back to the console.";
 
-/**
- * The split-pane interface: agent output on the left, the commands' console
- * and the person's own shell on the right, a prompt and a status footer
- * below. It is one more EventSink for the agent and the approval function the
- * agent awaits; it moves the agent only through the agent's methods, and its
- * figures come from the agent's events.
- */
 /** The status line's figures before anything ran. */
 function initialFigures(config: Config, prepared: PreparedRun): TuiFigures {
   return {
@@ -21029,6 +21126,13 @@ function initialFigures(config: Config, prepared: PreparedRun): TuiFigures {
   };
 }
 
+/**
+ * The split-pane interface: agent output on the left, the commands' console
+ * and the person's own shell on the right, a prompt and a status footer
+ * below. It is one more EventSink for the agent and the approval function the
+ * agent awaits; it moves the agent only through the agent's methods, and its
+ * figures come from the agent's events.
+ */
 class Tui implements EventSink {
   readonly agent: Agent;
   readonly session: SessionStore | undefined;
@@ -21041,18 +21145,18 @@ class Tui implements EventSink {
   private readonly root: BoxNode;
   private readonly tabConsole: TextNode;
   private readonly tabShell: TextNode;
-  private readonly shellTab: ShellTab;
+  readonly shellTab: ShellTab;
   private readonly status: StatusBar;
-  private readonly dialog: ApprovalDialog;
-  private readonly tooSmall: BoxNode;
-  private tab: "console" | "shell" = "console";
+  readonly dialog: ApprovalDialog;
+  readonly tooSmall: BoxNode;
+  tab: "console" | "shell" = "console";
   private running: Promise<RunOutcome> | undefined;
   private readonly pacing: TuiPacing;
   readonly figures: TuiFigures;
   /** Where the person's keys go for a command that waits for input (auto-approve off): set while one runs. */
   /** The running command's keyboard while it runs (its keys, its size), for a person to type into. */
-  private keyboard: CommandKeyboard | undefined;
-  private commandWaiting = false;
+  keyboard: CommandKeyboard | undefined;
+  commandWaiting = false;
 
   /**
    * A full-screen program the person drives gets a terminal the size of the
@@ -21070,20 +21174,14 @@ class Tui implements EventSink {
       this.keyboard.resize(cols, rows);
     } else if (!this.view.screen.fullScreen) this.keyboard.resize(COMMAND_COLUMNS, COMMAND_ROWS);
   }
-  /** Keys typed right after approving a command, held until aic knows whether the command reads them. */
-  private readonly typeAhead = new TypeAhead((text, submit) => {
-    this.prompt.value = this.prompt.value + text;
-    if (submit) void this.submit(this.prompt.value);
-  });
-  private ctrlCAt = 0;
-  /** The last Ctrl+C that went to a waiting command: a second within 2 s stops the command (never aic). */
-  private commandCtrlCAt = 0;
-  private ctrlCTimer: ReturnType<typeof setTimeout> | undefined;
+  /** Where the person's keys go, and what Escape, Ctrl+C and Ctrl+D mean at the moment. */
+  readonly keys: TuiKeys;
   private exiting = false;
 
-  constructor(private readonly o: TuiOptions) {
+  constructor(readonly o: TuiOptions) {
     const { config, renderer: r, ot } = o;
     this.r = r;
+    this.keys = new TuiKeys(this);
     this.pacing = new TuiPacing(r, {
       refresh: () => this.refreshStatus(),
       idle: () => !this.exiting && !this.running,
@@ -21101,7 +21199,7 @@ class Tui implements EventSink {
     this.view = new AgentView(ot, r, !config.noThinking, o.Terminal);
     this.view.onFullScreen = () => this.fitCommandScreen();
     this.shellTab = new ShellTab(ot, r, o.Terminal, {
-      onCwd: (dir) => this.agent.moveTo(dir),
+      onCwd: (dir) => this.agent.history.moveTo(dir),
       onError: (message) => this.agentPane.line(message, COLORS.error),
       onExit: () => {
         if (this.exiting) return;
@@ -21126,8 +21224,8 @@ class Tui implements EventSink {
     });
     this.checkSize();
 
-    r.keyInput.on("keypress", (key: KeyEvent) => this.onKey(key));
-    r.keyInput.on("paste", (event: { bytes: Uint8Array; preventDefault(): void }) => this.onPaste(event));
+    r.keyInput.on("keypress", (key: KeyEvent) => this.keys.onKey(key));
+    r.keyInput.on("paste", (event: { bytes: Uint8Array; preventDefault(): void }) => this.keys.onPaste(event));
     // After the prompt (or whoever takes the key) has handled it.
     r.keyInput.on("keypress", () => this.pacing.keysHandled());
     r.keyInput.on("paste", () => this.pacing.keysHandled());
@@ -21163,12 +21261,12 @@ class Tui implements EventSink {
       canAnswerInput: () => true,
       attachInput: (io) => {
         this.keyboard = io;
-        this.typeAhead.extend();
+        this.keys.typeAhead.extend();
         return () => {
           this.keyboard = undefined;
           this.commandWaiting = false;
           this.figures.notice = undefined;
-          this.typeAhead.toPrompt();
+          this.keys.typeAhead.toPrompt();
         };
       },
       beforeCommand: () => this.shellTab.checkCwd(),
@@ -21198,7 +21296,7 @@ class Tui implements EventSink {
     return this.view.agentPane;
   }
 
-  private get consolePane(): LogPane {
+  get consolePane(): LogPane {
     return this.view.consolePane;
   }
 
@@ -21218,7 +21316,7 @@ class Tui implements EventSink {
 
   answerApproval(answer: Approval): void {
     if (!this.dialog.answer(answer)) return this.agentPane.line("No command is waiting for approval.", COLORS.warning);
-    if (answer.kind === "approve") this.typeAhead.start();
+    if (answer.kind === "approve") this.keys.typeAhead.start();
     this.refreshStatus();
   }
 
@@ -21309,153 +21407,6 @@ class Tui implements EventSink {
     this.agent.interrupt();
     this.dialog.withdraw();
     this.refreshStatus();
-  }
-
-  // ── keys ─────────────────────────────────────────────────────────────────
-
-  /**
-   * Where a key goes, most specific first: a too-small screen takes nothing;
-   * the history search; Tab; the Shell tab; a command waiting for the
-   * person's input; the approval dialog (only Y/Enter, N/Escape answer it,
-   * and only while the prompt is empty: any other key is typed into the
-   * prompt, so prose typed at that moment never approves anything); then the
-   * TUI's own keys; everything else is typing.
-   */
-  private onKey(key: KeyEvent): void {
-    const id = `${key.ctrl ? "C-" : ""}${key.meta ? "M-" : ""}${key.shift ? "S-" : ""}${key.name}`;
-    const take = () => key.preventDefault();
-    if (this.tooSmall.visible) {
-      take();
-      if (id === "C-c") this.ctrlC();
-      return;
-    }
-    if (this.prompt.search.active) {
-      if (this.prompt.search.key(key, id) === "quit") this.ctrlC();
-      return;
-    }
-    if (id === "tab") {
-      take();
-      if (this.prompt.complete()) return;
-      if (this.awaitingApproval)
-        return this.agentPane.line(
-          "A command waits for your approval: answer it first (Enter or Escape).",
-          COLORS.warning,
-        );
-      return this.setTab(this.tab === "console" ? "shell" : "console");
-    }
-    if (this.tab === "shell" && this.shellTab.running) {
-      take();
-      return this.shellTab.key(key, id);
-    }
-    if (!this.commandWaiting && this.prompt.value === "" && this.typeAhead.hold(key, id)) return take();
-    // An approval the model asks for (its keys for a program handed to it) answers before the program gets keys.
-    if (this.commandWaiting && this.keyboard && !this.dialog.visible) {
-      take();
-      if (id === "C-c") return this.ctrlCToCommand(this.keyboard.write);
-      if (id === "C-o") return this.keyboard.handToModel();
-      // A full-screen program needs Escape (vim's normal mode); a line program is stopped by it.
-      if (id === "escape" && !this.view.screen.fullScreen) return this.interrupt();
-      const bytes = keyToBytes(key);
-      if (bytes) this.keyboard.write(bytes);
-      return;
-    }
-    if (this.dialog.visible) {
-      if (TUI_PAGING.has(id)) {
-        take();
-        return this.dialog.page(id.endsWith("up") ? -1 : 1);
-      }
-      if (this.prompt.value === "" && APPROVE_KEYS.has(id)) {
-        take();
-        return this.answerApproval({ kind: "approve" });
-      }
-      if (this.prompt.value === "" && REJECT_KEYS.has(id)) {
-        take();
-        return this.answerApproval({ kind: "reject" });
-      }
-    }
-    const action = TUI_KEYS[id];
-    if (action && action(this) !== false) take();
-  }
-
-  private onPaste(event: { bytes: Uint8Array; preventDefault(): void }): void {
-    if (this.tooSmall.visible) return event.preventDefault();
-    if (this.tab === "shell" && this.shellTab.running) {
-      event.preventDefault();
-      return this.shellTab.paste(event.bytes);
-    }
-    if (this.commandWaiting && this.keyboard) {
-      event.preventDefault();
-      this.keyboard.write(event.bytes);
-    }
-    // Otherwise the prompt takes the paste, newlines and all.
-  }
-
-  /** Escape: clears the prompt if it holds text, else interrupts the agent. */
-  escape(): boolean {
-    if (this.prompt.value !== "") this.prompt.clear();
-    else if (this.agent.running) this.interrupt();
-    else return false;
-    return true;
-  }
-
-  /** Ctrl+C: the first clears or interrupts like Escape; a second one within 2 s quits. */
-  ctrlC(): void {
-    if (Date.now() - this.ctrlCAt < CTRL_C_QUIT_WINDOW_MS) return void this.quit(EXIT.ok, "process_exit");
-    this.ctrlCAt = Date.now();
-    if (!this.tooSmall.visible) this.escape();
-    // Quitting stops what the commands left running: the notice says so before the second press.
-    const jobs = this.o.config.keepJobs ? 0 : this.run.jobs.running.length;
-    const notice = jobs ? `Ctrl+C again to quit and stop ${jobs} job${jobs === 1 ? "" : "s"}` : "Ctrl+C again to quit";
-    this.figures.notice = notice;
-    clearTimeout(this.ctrlCTimer);
-    this.ctrlCTimer = setTimeout(() => {
-      if (this.figures.notice === notice) this.figures.notice = undefined;
-      this.refreshStatus();
-    }, CTRL_C_QUIT_WINDOW_MS);
-    this.refreshStatus();
-  }
-
-  /** Ctrl+C while a command has the keyboard: the first goes to it, as in a terminal; a second within 2 s stops it. */
-  private ctrlCToCommand(write: (data: string | Uint8Array) => void): void {
-    // A press that reached the program never arms "twice quits": only presses aic itself handled count for that,
-    // so a Ctrl+C that ends `npm init` and the next one, on aic's prompt, never quit aic.
-    this.ctrlCAt = 0;
-    if (Date.now() - this.commandCtrlCAt < CTRL_C_QUIT_WINDOW_MS) {
-      this.commandCtrlCAt = 0;
-      return this.interrupt();
-    }
-    this.commandCtrlCAt = Date.now();
-    write("\x03");
-    this.figures.notice = "Ctrl+C again stops the command";
-    clearTimeout(this.ctrlCTimer);
-    this.ctrlCTimer = setTimeout(() => {
-      if (this.figures.notice === "Ctrl+C again stops the command") this.figures.notice = KEYS_TO_COMMAND_NOTICE;
-      this.refreshStatus();
-    }, CTRL_C_QUIT_WINDOW_MS);
-    this.refreshStatus();
-  }
-
-  /** Ctrl+D quits on an empty prompt (and deletes a character otherwise). */
-  ctrlD(): boolean {
-    if (this.prompt.value !== "") return false;
-    void this.quit(EXIT.ok, "process_exit");
-    return true;
-  }
-
-  historyOlder(): boolean {
-    return this.prompt.older();
-  }
-
-  historyNewer(): boolean {
-    return this.prompt.newer();
-  }
-
-  page(pane: "agent" | "console", direction: -1 | 1): void {
-    (pane === "agent" ? this.agentPane : this.consolePane).page(direction);
-  }
-
-  startSearch(): void {
-    this.prompt.search.start(this.prompt.value);
   }
 
   // ── panes and tabs ───────────────────────────────────────────────────────
@@ -21556,7 +21507,7 @@ class Tui implements EventSink {
         // The terminal takes the pane's size first: keys typed ahead then reach a program drawn as it will be seen.
         this.fitCommandScreen();
         const keyboard = this.keyboard;
-        if (keyboard) this.typeAhead.toCommand((bytes) => void keyboard.type(bytes));
+        if (keyboard) this.keys.typeAhead.toCommand((bytes) => void keyboard.type(bytes));
         if (this.commandWaiting) this.figures.notice = KEYS_TO_COMMAND_NOTICE;
         this.refreshStatus();
         break;
@@ -21594,7 +21545,7 @@ class Tui implements EventSink {
     if (this.exiting) return;
     this.exiting = true;
     this.pacing.stop();
-    clearTimeout(this.ctrlCTimer);
+    this.keys.stop();
     this.agent.stop(code);
     this.dialog.answer({ kind: "reject" });
     // A hung-up terminal leaves nobody to wait for: the guard's time is all there is.
@@ -21618,6 +21569,180 @@ class Tui implements EventSink {
       writeOut(2, (message ?? "") + stopped.join("") + exitLine(this.session, this.o.config));
       this.o.onExit(code);
     }
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI app: where keys go
+// Owns: routing each key and paste (the history search, Tab, the Shell tab, a
+// command waiting for the person, the dialog, the TUI's own keys), keys typed
+// ahead of a command, and what Escape, Ctrl+C and Ctrl+D mean at the moment.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** The TUI's keyboard: it reads the TUI's state and moves it only through its methods. */
+class TuiKeys {
+  /** Keys typed right after approving a command, held until aic knows whether the command reads them. */
+  readonly typeAhead: TypeAhead;
+  private ctrlCAt = 0;
+  /** The last Ctrl+C that went to a waiting command: a second within 2 s stops the command (never aic). */
+  private commandCtrlCAt = 0;
+  private ctrlCTimer: ReturnType<typeof setTimeout> | undefined;
+
+  constructor(private readonly t: Tui) {
+    this.typeAhead = new TypeAhead((text, submit) => {
+      t.prompt.value = t.prompt.value + text;
+      if (submit) void t.submit(t.prompt.value);
+    });
+  }
+
+  /** Quitting: a pending Ctrl+C notice is not redrawn. */
+  stop(): void {
+    clearTimeout(this.ctrlCTimer);
+  }
+
+  /**
+   * Where a key goes, most specific first: a too-small screen takes nothing;
+   * the history search; Tab; the Shell tab; a command waiting for the
+   * person's input; the approval dialog (only Y/Enter, N/Escape answer it,
+   * and only while the prompt is empty: any other key is typed into the
+   * prompt, so prose typed at that moment never approves anything); then the
+   * TUI's own keys; everything else is typing.
+   */
+  onKey(key: KeyEvent): void {
+    const id = `${key.ctrl ? "C-" : ""}${key.meta ? "M-" : ""}${key.shift ? "S-" : ""}${key.name}`;
+    const take = () => key.preventDefault();
+    if (this.t.tooSmall.visible) {
+      take();
+      if (id === "C-c") this.ctrlC();
+      return;
+    }
+    if (this.t.prompt.search.active) {
+      if (this.t.prompt.search.key(key, id) === "quit") this.ctrlC();
+      return;
+    }
+    if (id === "tab") {
+      take();
+      if (this.t.prompt.complete()) return;
+      if (this.t.awaitingApproval)
+        return this.t.agentPane.line(
+          "A command waits for your approval: answer it first (Enter or Escape).",
+          COLORS.warning,
+        );
+      return this.t.setTab(this.t.tab === "console" ? "shell" : "console");
+    }
+    if (this.t.tab === "shell" && this.t.shellTab.running) {
+      take();
+      return this.t.shellTab.key(key, id);
+    }
+    if (!this.t.commandWaiting && this.t.prompt.value === "" && this.typeAhead.hold(key, id)) return take();
+    // An approval the model asks for (its keys for a program handed to it) answers before the program gets keys.
+    if (this.t.commandWaiting && this.t.keyboard && !this.t.dialog.visible) {
+      take();
+      if (id === "C-c") return this.ctrlCToCommand(this.t.keyboard.write);
+      if (id === "C-o") return this.t.keyboard.handToModel();
+      // A full-screen program needs Escape (vim's normal mode); a line program is stopped by it.
+      if (id === "escape" && !this.t.view.screen.fullScreen) return this.t.interrupt();
+      const bytes = keyToBytes(key);
+      if (bytes) this.t.keyboard.write(bytes);
+      return;
+    }
+    if (this.t.dialog.visible) {
+      if (TUI_PAGING.has(id)) {
+        take();
+        return this.t.dialog.page(id.endsWith("up") ? -1 : 1);
+      }
+      if (this.t.prompt.value === "" && APPROVE_KEYS.has(id)) {
+        take();
+        return this.t.answerApproval({ kind: "approve" });
+      }
+      if (this.t.prompt.value === "" && REJECT_KEYS.has(id)) {
+        take();
+        return this.t.answerApproval({ kind: "reject" });
+      }
+    }
+    const action = TUI_KEYS[id];
+    if (action && action(this.t) !== false) take();
+  }
+
+  onPaste(event: { bytes: Uint8Array; preventDefault(): void }): void {
+    if (this.t.tooSmall.visible) return event.preventDefault();
+    if (this.t.tab === "shell" && this.t.shellTab.running) {
+      event.preventDefault();
+      return this.t.shellTab.paste(event.bytes);
+    }
+    if (this.t.commandWaiting && this.t.keyboard) {
+      event.preventDefault();
+      this.t.keyboard.write(event.bytes);
+    }
+    // Otherwise the prompt takes the paste, newlines and all.
+  }
+
+  /** Escape: clears the prompt if it holds text, else interrupts the agent. */
+  escape(): boolean {
+    if (this.t.prompt.value !== "") this.t.prompt.clear();
+    else if (this.t.agent.running) this.t.interrupt();
+    else return false;
+    return true;
+  }
+
+  /** Ctrl+C: the first clears or interrupts like Escape; a second one within 2 s quits. */
+  ctrlC(): void {
+    if (Date.now() - this.ctrlCAt < CTRL_C_QUIT_WINDOW_MS) return void this.t.quit(EXIT.ok, "process_exit");
+    this.ctrlCAt = Date.now();
+    if (!this.t.tooSmall.visible) this.escape();
+    // Quitting stops what the commands left running: the notice says so before the second press.
+    const jobs = this.t.o.config.keepJobs ? 0 : this.t.run.jobs.running.length;
+    const notice = jobs ? `Ctrl+C again to quit and stop ${jobs} job${jobs === 1 ? "" : "s"}` : "Ctrl+C again to quit";
+    this.t.figures.notice = notice;
+    clearTimeout(this.ctrlCTimer);
+    this.ctrlCTimer = setTimeout(() => {
+      if (this.t.figures.notice === notice) this.t.figures.notice = undefined;
+      this.t.refreshStatus();
+    }, CTRL_C_QUIT_WINDOW_MS);
+    this.t.refreshStatus();
+  }
+
+  /** Ctrl+C while a command has the keyboard: the first goes to it, as in a terminal; a second within 2 s stops it. */
+  private ctrlCToCommand(write: (data: string | Uint8Array) => void): void {
+    // A press that reached the program never arms "twice quits": only presses aic itself handled count for that,
+    // so a Ctrl+C that ends `npm init` and the next one, on aic's prompt, never quit aic.
+    this.ctrlCAt = 0;
+    if (Date.now() - this.commandCtrlCAt < CTRL_C_QUIT_WINDOW_MS) {
+      this.commandCtrlCAt = 0;
+      return this.t.interrupt();
+    }
+    this.commandCtrlCAt = Date.now();
+    write("\x03");
+    this.t.figures.notice = "Ctrl+C again stops the command";
+    clearTimeout(this.ctrlCTimer);
+    this.ctrlCTimer = setTimeout(() => {
+      if (this.t.figures.notice === "Ctrl+C again stops the command") this.t.figures.notice = KEYS_TO_COMMAND_NOTICE;
+      this.t.refreshStatus();
+    }, CTRL_C_QUIT_WINDOW_MS);
+    this.t.refreshStatus();
+  }
+
+  /** Ctrl+D quits on an empty prompt (and deletes a character otherwise). */
+  ctrlD(): boolean {
+    if (this.t.prompt.value !== "") return false;
+    void this.t.quit(EXIT.ok, "process_exit");
+    return true;
+  }
+
+  historyOlder(): boolean {
+    return this.t.prompt.older();
+  }
+
+  historyNewer(): boolean {
+    return this.t.prompt.newer();
+  }
+
+  page(pane: "agent" | "console", direction: -1 | 1): void {
+    (pane === "agent" ? this.t.agentPane : this.t.consolePane).page(direction);
+  }
+
+  startSearch(): void {
+    this.t.prompt.search.start(this.t.prompt.value);
   }
 }
 
@@ -21753,7 +21878,7 @@ async function undoOrRedo(t: Tui, kind: "undo" | "redo", args: string): Promise<
   if (!Number.isInteger(n) || n < 1)
     return t.agentPane.line("Usage: /undo [N], N a positive whole number", COLORS.warning);
   try {
-    const lines = kind === "undo" ? await t.agent.undo(n) : await t.agent.redo();
+    const lines = kind === "undo" ? await t.agent.history.undo(n) : await t.agent.history.redo();
     for (const line of lines) t.agentPane.line(line, COLORS.info);
   } catch (error) {
     t.agentPane.line(`/${kind}: ${(error as Error).message}`, COLORS.warning);
@@ -21767,7 +21892,7 @@ async function showDiff(t: Tui, args: string): Promise<void> {
   if (!Number.isInteger(n) || n < 1)
     return t.agentPane.line("Usage: /diff [N], N a positive whole number", COLORS.warning);
   try {
-    for (const line of (await t.agent.diff(n)).replace(/\n$/, "").split("\n")) {
+    for (const line of (await t.agent.history.diff(n)).replace(/\n$/, "").split("\n")) {
       const color = line.startsWith("+")
         ? COLORS.ok
         : line.startsWith("-")
@@ -21799,7 +21924,7 @@ function rulesCommand(t: Tui, args: string): void {
   const rules = t.prepared.rules;
   if (args.trim() === "reload") {
     const reports = rules.read();
-    t.agent.rulesChanged();
+    t.agent.history.rulesChanged();
     t.agentPane.line(`[rules] read ${rules.path} again: ${rules.rules.length} rule(s) in force`, COLORS.info);
     for (const r of reports) t.agentPane.line(r, COLORS.warning);
     return;
@@ -21951,20 +22076,20 @@ const REJECT_WORDS = new Set(["n", "no"]);
  * key after all (Up inside a multi-line prompt moves the cursor).
  */
 const TUI_KEYS: Record<string, (tui: Tui) => boolean | void> = {
-  up: (t) => t.historyOlder(),
-  "C-p": (t) => t.historyOlder(),
-  down: (t) => t.historyNewer(),
-  "C-n": (t) => t.historyNewer(),
-  "C-r": (t) => t.startSearch(),
-  pageup: (t) => t.page("agent", -1),
-  pagedown: (t) => t.page("agent", 1),
-  "S-pageup": (t) => t.page("console", -1),
-  "S-pagedown": (t) => t.page("console", 1),
-  escape: (t) => t.escape(),
+  up: (t) => t.keys.historyOlder(),
+  "C-p": (t) => t.keys.historyOlder(),
+  down: (t) => t.keys.historyNewer(),
+  "C-n": (t) => t.keys.historyNewer(),
+  "C-r": (t) => t.keys.startSearch(),
+  pageup: (t) => t.keys.page("agent", -1),
+  pagedown: (t) => t.keys.page("agent", 1),
+  "S-pageup": (t) => t.keys.page("console", -1),
+  "S-pagedown": (t) => t.keys.page("console", 1),
+  escape: (t) => t.keys.escape(),
   // Two quick Escapes reach us as one Alt+Escape (the parser waits to see whether ESC starts a sequence).
-  "M-escape": (t) => t.escape(),
-  "C-c": (t) => t.ctrlC(),
-  "C-d": (t) => t.ctrlD(),
+  "M-escape": (t) => t.keys.escape(),
+  "C-c": (t) => t.keys.ctrlC(),
+  "C-d": (t) => t.keys.ctrlD(),
   "C-z": (t) => void t.suspendToShell(),
 };
 

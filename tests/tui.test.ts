@@ -995,6 +995,21 @@ const agentColumn = (frame: string) => {
   return rows.map((row) => row.slice(0, width > 0 ? width : row.length / 2));
 };
 
+/**
+ * A pane's text with its wrapping undone: the rows of one column inside its border, joined by single spaces.
+ * A line the pane wrapped at a space reads as it was written, wherever the wrap fell (it moves with the width
+ * of a figure such as "running for 115 ms").
+ */
+const unwrapped = (frame: string, column: "left" | "right") => {
+  const rows = frame.split("\n");
+  const split = (rows[0] ?? "").indexOf("┐┌") + 1;
+  return rows
+    .map((row) => (split > 0 ? (column === "left" ? row.slice(0, split) : row.slice(split)) : row))
+    .map((row) => row.replace(/^[│┌└]/, "").replace(/[│┐┘]\s*$/, "").trim())
+    .filter(Boolean)
+    .join(" ");
+};
+
 describe("a TUI a person can trust (round 2)", () => {
   // 1. With the dialog open and the prompt empty, the first letter of a sentence goes to the prompt; after
   // that Y and N are text. Typing "please modify" must not approve, "do it differently" must not reject.
@@ -1190,8 +1205,8 @@ describe("a TUI a person can trust (round 2)", () => {
     const h = await openTui({ width: 120, height: 30 });
     for (let i = 1; i <= 80; i++) h.tui.agentPane.line(`old line ${i}`);
     await h.until((f) => f.includes("old line 80"));
-    h.tui.page("agent", -1);
-    h.tui.page("agent", -1);
+    h.tui.keys.page("agent", -1);
+    h.tui.keys.page("agent", -1);
     await h.until((f) => !f.includes("old line 80"));
     await h.type("run: echo newest-$((6*7))");
     const frame = await h.until(
@@ -1316,26 +1331,28 @@ describe("a TUI a person can trust (round 2)", () => {
   // stopped by /jobs kill N (the process is gone from /proc).
   test("/jobs lists what a command left running and /jobs kill stops it", async () => {
     const h = await openTui({ request: "run: sleep 300 & echo started", args: ["--auto-approve"] });
-    let frame = await h.until((f) => /\[job 1 started: pid \d+, sleep 300/.test(f));
-    const pid = Number(/\[job 1 started: pid (\d+)/.exec(frame)![1]);
+    let frame = await h.until((f) => /\[job 1 started: pid \d+, sleep 300/.test(unwrapped(f, "right")));
+    const pid = Number(/\[job 1 started: pid (\d+)/.exec(unwrapped(frame, "right"))![1]);
     expect(readFileSync(`/proc/${pid}/cmdline`, "utf8")).toBe("sleep\x00300\x00");
     await h.idle(2);
     frame = await h.until((f) => footer(f).includes("1 job"));
     await h.type("/jobs");
-    await h.until(
-      (f) =>
-        new RegExp(`\\[job 1\\] running for \\d+ m?s: process group ${pid} \\(sleep 300\\)`).test(f) &&
-        f.includes(`stop it with: kill -- -${pid}`),
-    );
+    await h.until((f) => {
+      const agent = unwrapped(f, "left");
+      return (
+        new RegExp(`\\[job 1\\] running for \\d+ m?s: process group ${pid} \\(sleep 300\\)`).test(agent) &&
+        agent.includes(`stop it with: kill -- -${pid}`)
+      );
+    });
     await h.type("/jobs kill 1");
-    frame = await h.until((f) => f.includes("Stopped job 1 (sleep 300)."));
+    frame = await h.until((f) => unwrapped(f, "left").includes("Stopped job 1 (sleep 300)."));
     await waitFor("the job's process to be gone", () => {
       const stat = existsSync(`/proc/${pid}/stat`) ? readFileSync(`/proc/${pid}/stat`, "utf8") : "";
       return !stat || / Z /.test(stat);
     });
     frame = await h.until((f) => !footer(f).includes("job"));
     await h.type("/jobs kill 1");
-    await h.until((f) => f.includes("Job 1 is not running (stopped by the person after"));
+    await h.until((f) => unwrapped(f, "left").includes("Job 1 is not running (stopped by the person after"));
   });
 
   // Command rules in the TUI: an allowed command runs without the dialog; for an asked one the dialog offers
