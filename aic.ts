@@ -11,33 +11,42 @@
  *
  *   Constants and defaults → CLI: the configuration and its flags → CLI:
  *   reading the command line → CLI: settings kept between runs → Secrets → What
- *   the model reads → Events → Plain and JSON output → Messages and token
- *   accounting → Model failures → Model client → Model client: the server's
- *   context window → Context compression → Own files on hostile ground →
- *   Session repairs → Session file writing → Session store: ids, state and
- *   locks → Session store → Session store: putting the file on disk → Session
- *   store: kept out of commits → Sandbox: what commands may touch → Sandbox:
- *   Landlock and capabilities → Sandbox: judging each program a command
- *   executes → Sandbox: a run's sandbox → The jail → The jail: building it →
- *   Repository guard → Repository guard: the audit → PTY and process groups →
- *   Sandbox launcher → Output capture → Waiting-for-input detection → Command
- *   runner → Background jobs: finding them → Background jobs: the job table →
- *   Checkpoints: snapshot settings and manifests → Checkpoints: what changed
- *   since the last snapshot → Checkpoints: the shadow repository → Checkpoints:
- *   undo and redo → Checkpoints: putting files back → Command rules: reading a
- *   command line → Command rules: what a command line runs → Command rules:
- *   wrappers and interpreters → Command rules: programs that run programs, and
- *   scripts a line runs → Command rules: the verdict → Command rules: read-only
+ *   the model reads → What the model reads: notes in tool results → Events →
+ *   Events: how they are worded → Plain and JSON output → Messages and token
+ *   accounting → Model failures → Model client → Model client: streaming a turn
+ *   → Model client: the server's context window → Context compression → Own
+ *   files on hostile ground → Own files: a directory aic holds → Session
+ *   repairs → Session file writing → Session store: ids, state and locks →
+ *   Session store → Session store: putting the file on disk → Session store:
+ *   kept out of commits → Sandbox: what commands may touch → Sandbox: the
+ *   programs and paths a run trusts → Sandbox: Landlock and capabilities →
+ *   Sandbox: judging each program a command executes → Sandbox: the program an
+ *   exec names, and the verdict → Sandbox: a run's sandbox → The jail → The
+ *   jail: building it → Repository guard → Repository guard: finding
+ *   repositories → Repository guard: the audit → PTY and process groups →
+ *   Sandbox launcher → Sandbox launcher: aic's side → Output capture → Output
+ *   capture: the terminal emulator → Waiting-for-input detection → Command
+ *   runner → Background jobs: finding them → Background jobs: a job and its
+ *   terminal → Background jobs: the job table → Checkpoints: snapshot settings
+ *   and manifests → Checkpoints: what changed since the last snapshot →
+ *   Checkpoints: what git does not record → Checkpoints: the shadow
+ *   repository's own files → Checkpoints: the shadow repository → Checkpoints:
+ *   what a session records of them → Checkpoints: undo and redo → Checkpoints:
+ *   putting files back → Checkpoints: aic undo, redo and diff → Command rules:
+ *   reading a command line → Command rules: what a command line runs → Command
+ *   rules: wrappers and interpreters → Command rules: programs that run
+ *   programs, and scripts a line runs → Command rules: find, sort, watch,
+ *   flock, awk and sed → Command rules: the verdict → Command rules: read-only
  *   programs and always-allow → Command rules: the rules file → Tool calls: the
  *   approval gate and the command → Tool calls: keys for a waiting command →
  *   Model calls and their tokens → Agent loop: stalls → Agent loop: the
  *   conversation and its checkpoints → Agent loop: the agent → Run wiring →
- *   Headless front end → Web search → TUI parts: prompt history, figures,
- *   footer and banner → TUI parts: log panes → TUI parts: the shell's screen
- *   and its keys → TUI parts: the approval dialog and the Shell tab → TUI
- *   parts: how events look, the prompt, and the layout → TUI parts: the
+ *   Headless front end → Web search → TUI parts: prompt history → TUI parts:
+ *   figures, footer and banner → TUI parts: log panes → TUI parts: the shell's
+ *   screen and its keys → TUI parts: the approval dialog and the Shell tab →
+ *   TUI parts: how events look, the prompt, and the layout → TUI parts: the
  *   transcript, keys typed ahead, a program's screen → TUI parts: pacing → TUI
- *   app → TUI app: where keys go → TUI keys, slash commands and start-up →
+ *   app → TUI app: where keys go → TUI keys and slash commands → TUI start-up →
  *   Export: ATIF trajectories → Main
  *
  * The agent core never touches the terminal: it emits typed events to a sink
@@ -1537,6 +1546,13 @@ const NO_WAITING_COMMAND_MESSAGE =
 const INPUT_KEYS_HELP =
   "text, \\n for Enter, and <Esc>, <C-c>, <C-d>, <Tab>, <Up>, <Down>, <Left>, <Right>, <Backspace> for keys";
 
+// ════════════════════════════════════════════════════════════════════════════
+// What the model reads: notes in tool results
+// Owns: the notes a tool result carries besides the output: a command waiting
+// for input, typed keys, cut output, changed files, the repository guard's
+// report, jobs, refusals and the sandbox's refusals.
+// ════════════════════════════════════════════════════════════════════════════
+
 /** What the model is told when a command waits and keeps running, handed to it with its screen. */
 function waitingMessage(o: {
   verdict: "waiting_for_input" | "waiting_on_time";
@@ -1780,8 +1796,8 @@ const MODEL_TEXTS = {
 
 // ════════════════════════════════════════════════════════════════════════════
 // Events
-// Owns: the typed events the agent emits and the one place that turns them into
-// the words a person reads, for every front end.
+// Owns: the typed events the agent emits, the statuses a command and a run end
+// with, and the sink every front end is (the next section words them).
 // ════════════════════════════════════════════════════════════════════════════
 
 interface Usage {
@@ -2001,6 +2017,13 @@ interface EventSink {
 
 /** C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides that make text read otherwise than it runs. */
 const CONTROL_CHARACTERS = /[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+
+// ════════════════════════════════════════════════════════════════════════════
+// Events: how they are worded
+// Owns: text made safe for a terminal, the streamed answer's marker filter and
+// reducer, and the one wording of every event that plain text, JSON and the TUI
+// share.
+// ════════════════════════════════════════════════════════════════════════════
 
 /**
  * Text from the model, a server or a file, made safe for a person's
@@ -3110,9 +3133,9 @@ function modelErrorFrom(error: unknown, url: string, midStream: boolean): ModelE
 
 // ════════════════════════════════════════════════════════════════════════════
 // Model client
-// Owns: one streamed chat completion through the official openai SDK, its
-// assembly into an assistant turn, and the retry policy. The SDK's own retries
-// are off so that every wait is shown and can be cut short.
+// Owns: the assistant turn a completion comes to, and the tool calls a model
+// wrote into its text instead of calling them, rescued as calls. The next
+// section streams the completion through the official openai SDK.
 // ════════════════════════════════════════════════════════════════════════════
 
 interface AssistantTurn {
@@ -3276,6 +3299,13 @@ function silence(beforeFirstChunk: boolean): ModelError {
     "retry",
   );
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Model client: streaming a turn
+// Owns: one streamed completion from the OpenAI-compatible server: the wait for
+// its first chunk, tool calls assembled from deltas, the retry policy and its
+// waits, and the usage figures the server reports.
+// ════════════════════════════════════════════════════════════════════════════
 
 /**
  * The wait for a model's first chunk, which on a local server reading a long
@@ -4206,6 +4236,13 @@ function identityOf(file: string): string | undefined {
     return undefined;
   }
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Own files: a directory aic holds
+// Owns: a directory held open by its descriptor, in which aic reads, stages,
+// writes and renames its own files without following a link, and the batched
+// writes of many pieces with one call.
+// ════════════════════════════════════════════════════════════════════════════
 
 /**
  * A directory aic holds open. Files in it are reached through the
@@ -6456,6 +6493,13 @@ function whySandboxRefused(p: string, s: Sandbox): { why: SandboxRefusal; detail
   return { why: "write", detail: `${shown.join(", ")}${s.caches.length ? " and the package caches" : ""}` };
 }
 
+// ════════════════════════════════════════════════════════════════════════════
+// Sandbox: the programs and paths a run trusts
+// Owns: where commands may write as aic's own programs see it, PATH and git
+// resolved once at start from places commands cannot write, the home directory,
+// the caches, what stays readable, and the plan of a run's sandbox.
+// ════════════════════════════════════════════════════════════════════════════
+
 /**
  * Where commands may write, as far as aic's own programs are concerned:
  * the sandbox's writable set once it is known, and always the start
@@ -7006,6 +7050,14 @@ function readStringArray(mem: number, address: number): string[] | undefined {
   }
   return strings;
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Sandbox: the program an exec names, and the verdict
+// Owns: finding the program an execve names as the kernel would (by path,
+// inode, a plain copy, argv[0], the loader, a #! interpreter), the deny rules'
+// verdict on its real argv, and the supervisor that answers every notification
+// until the commands are gone.
+// ════════════════════════════════════════════════════════════════════════════
 
 /** One execve as the supervisor sees it: the calling thread, the path it gave and where a relative one starts. */
 interface ExecCall {
@@ -8454,6 +8506,14 @@ function realOrAsIs(p: string, written?: string): string {
   }
 }
 
+// ════════════════════════════════════════════════════════════════════════════
+// Repository guard: finding repositories
+// Owns: the search of the tree for repositories a command may have made or
+// changed (listings remembered by inode and times, .git checked first in every
+// directory), git's index read in-process for its gitlinks, and where a
+// repository's hooks and common directory lie.
+// ════════════════════════════════════════════════════════════════════════════
+
 /** The git dirs and `.git` pointers a search found, held: `close` releases them. */
 class FoundGit {
   readonly dirs: HeldDirectory[] = [];
@@ -9671,6 +9731,13 @@ async function runSandboxLauncher(): Promise<number> {
   return 0; // the commands' terminals close with this process
 }
 
+// ════════════════════════════════════════════════════════════════════════════
+// Sandbox launcher: aic's side
+// Owns: the one launcher process a run keeps: asking it for commands and
+// reading its frames, the pid and group a jailed command sees, and freezing and
+// killing what commands leave.
+// ════════════════════════════════════════════════════════════════════════════
+
 /** A command the launcher was asked for, from aic's side. */
 interface LaunchedCommand {
   pid?: number;
@@ -10010,8 +10077,9 @@ class SandboxLauncher {
 // ════════════════════════════════════════════════════════════════════════════
 // Output capture
 // Owns: turning what a command printed into what a person would have seen:
-// rendered by @xterm/headless, capped head + tail, the whole rendering saved to
-// a file the model can read in slices. Memory stays bounded whatever it prints.
+// plain lines cut directly (the next section's emulator takes the rest),
+// capped head + tail, the whole rendering saved to a file the model can read
+// in slices. Memory stays bounded whatever it prints.
 // ════════════════════════════════════════════════════════════════════════════
 
 const utf8 = new TextEncoder();
@@ -10322,6 +10390,13 @@ class RenderedOutput {
     return { text, savedTo: this.fileError ? undefined : this.filePath };
   }
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Output capture: the terminal emulator
+// Owns: the headless xterm a command's output goes through once it holds a byte
+// a terminal would act on: tamed against hostile counts, fed only what the
+// screen needs, released as soon as its screen is read.
+// ════════════════════════════════════════════════════════════════════════════
 
 /** The largest counts sequences may carry: a line's width for characters, a screen's height for lines. */
 const MAX_CHARACTER_COUNT = COMMAND_COLUMNS;
@@ -11601,10 +11676,9 @@ function commandLineOf(pid: number): string {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Background jobs: the job table
-// Owns: the jobs themselves: their terminals drained to logs, their state
-// polled, their lines for every tool result, and stopping them on every way
-// out of aic but kill -9.
+// Background jobs: a job and its terminal
+// Owns: what a job is and what the session keeps of it, and a job's terminal,
+// drained to its log while the job runs.
 // ════════════════════════════════════════════════════════════════════════════
 
 /**
@@ -11716,6 +11790,13 @@ interface Leftovers {
 /** Every job table of this process: the exit handler stops their jobs on a path that skipped close(). */
 const liveJobTables = new Set<JobTable>();
 let exitHandlerInstalled = false;
+
+// ════════════════════════════════════════════════════════════════════════════
+// Background jobs: the job table
+// Owns: the jobs of one aic process: handed over by commands, watched while
+// they run, reported in every tool result, listed and killed by the person, and
+// stopped when aic exits.
+// ════════════════════════════════════════════════════════════════════════════
 
 /**
  * The jobs of one aic process. Commands hand over what they leave running;
@@ -12564,10 +12645,412 @@ class ChangeWatch {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: what git does not record
+// Owns: a snapshot's manifest (permission bits a checkout would not give,
+// empty directories) and the stamps of the directories it looked at, which
+// tell a later snapshot whether any directory gained or lost a subdirectory.
+// ════════════════════════════════════════════════════════════════════════════
+
+/**
+ * The manifest of the shadow repository's snapshots. It reads the index
+ * `add -A` left and the start directory through the held descriptor, and
+ * remembers what it looked at so an unchanged tree's manifest costs no walk.
+ */
+class SnapshotManifest {
+  /** The manifest stopped at its limits: a directory past them is not watched, so the watch is not trusted. */
+  cut = false;
+
+  /**
+   * The directories the last manifest looked at (relative to the start directory): each one's stamp and
+   * the names of its subdirectories, which are all an empty directory's coming or going can change.
+   */
+  stamps: Map<string, [stamp: string, subdirs: string]> | undefined;
+
+  /**
+   * Whether no directory the last manifest looked at gained, lost or renamed a subdirectory. A stamp as
+   * recorded answers at once; another (a file came or went: aic's own session file does each step) is
+   * settled by listing that directory again.
+   */
+  dirsUnchanged(): boolean {
+    if (!this.stamps) return false;
+    for (const [rel, [stamp, subdirs]] of this.stamps) {
+      const now = this.dirStamp(rel);
+      if (now !== undefined && now === stamp) continue;
+      const listed = this.subdirsOf(rel);
+      if (listed === undefined || listed !== subdirs) return false;
+      if (now !== undefined) this.stamps.set(rel, [now, subdirs]);
+    }
+    return true;
+  }
+
+  /** A directory's inode and change times; undefined when it is gone, or changed too recently to be sure of. */
+  private dirStamp(rel: string): string | undefined {
+    const st = fs.lstatSync(this.project.at(rel), { bigint: true, throwIfNoEntry: false });
+    if (!st?.isDirectory()) return undefined;
+    const now = BigInt(Date.now()) * 1_000_000n;
+    if (st.ctimeNs + LISTING_RACY_NS >= now || st.mtimeNs + LISTING_RACY_NS >= now) return undefined;
+    return `${st.ino}:${st.mtimeNs}:${st.ctimeNs}`;
+  }
+
+  /** The names of a directory's subdirectories, in order; undefined when it cannot be read. */
+  private subdirsOf(rel: string): string | undefined {
+    try {
+      const names = fs.readdirSync(this.project.at(rel), { withFileTypes: true });
+      return names
+        .filter((e) => e.isDirectory())
+        .map((e) => e.name)
+        .sort()
+        .join("\0");
+    } catch {
+      return undefined;
+    }
+  }
+
+  /** Stamps and subdirectories of `dirs` (a stamp too recent to trust is left empty: it never matches). */
+  private stampsOf(dirs: Iterable<string>): Map<string, [string, string]> | undefined {
+    const stamps = new Map<string, [string, string]>();
+    for (const rel of dirs) {
+      const subdirs = this.subdirsOf(rel);
+      if (subdirs === undefined) return undefined;
+      stamps.set(rel, [this.dirStamp(rel) ?? "", subdirs]);
+    }
+    return stamps;
+  }
+
+  constructor(
+    private readonly project: HeldDirectory,
+    private readonly gitDir: string,
+    /** A path git printed as one relative to the start directory (undefined outside it). */
+    private readonly relative: (gitPath: string) => string | undefined,
+  ) {}
+
+  /**
+   * What git does not record, as lines for the checkpoint's message (`untrackedDirs`: what `git ls-files -o --directory`
+   * lists after add -A): files
+   * whose permission bits are not what a checkout would give them (git
+   * keeps only the executable bit), and empty directories.
+   */
+  async make(unchangedSince: Snapshot | undefined, untrackedDirs: () => Promise<string>): Promise<string> {
+    const lines: string[] = [];
+    /** Every directory holding a tracked file, and each one the empty-directory search entered. */
+    const dirs = new Set<string>([""]);
+    const parentsOf = (rel: string) => {
+      for (let at = rel.lastIndexOf("/"); at > 0; at = rel.lastIndexOf("/", at - 1)) {
+        const dir = rel.slice(0, at);
+        if (dirs.has(dir)) break;
+        dirs.add(dir);
+      }
+    };
+    // The index as `add -A` left it, read here rather than listed by `git ls-files -s` (a process a step).
+    const entries: [name: string, mode: number][] = [];
+    const index = readOwnFile(path.join(this.gitDir, "index"), MAX_OWN_FILE_BYTES);
+    if (!indexEntries(index, (name, mode) => entries.push([name.toString("utf8"), mode])))
+      throw new Error("the checkpoint index cannot be read");
+    for (const [name, kind] of entries) {
+      const inside = this.relative(name);
+      if (inside !== undefined) parentsOf(inside);
+      const rel = kind === 0o100644 || kind === 0o100755 ? inside : undefined;
+      if (rel === undefined) continue;
+      const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
+      const mode = st?.isFile() ? st.mode & 0o7777 : undefined;
+      if (mode !== undefined && mode !== checkoutMode(kind === 0o100755))
+        lines.push(`mode ${mode.toString(8)} ${JSON.stringify(rel)}`);
+    }
+    // With no directory changed since the last snapshot, its empty directories are this one's too.
+    if (unchangedSince && this.stamps) {
+      for (const line of unchangedSince.manifest.split("\n")) if (line.startsWith("dir ")) lines.push(line);
+      return lines.join("\n");
+    }
+    // After add -A every file git would keep is staged: what it still lists as untracked directories holds
+    // only empty directories (and ignored files), whose empty leaves are recorded.
+    const empty: string[] = [];
+    this.cut = false;
+    for (const entry of (await untrackedDirs()).split("\0")) {
+      const rel = entry.endsWith("/") ? this.relative(entry.slice(0, -1)) : undefined;
+      if (rel !== undefined) this.emptyLeaves(rel, empty, 0, dirs);
+    }
+    for (const rel of empty) lines.push(`dir ${JSON.stringify(rel)}`);
+    this.stamps = this.stampsOf(dirs);
+    return lines.join("\n");
+  }
+
+  /** The empty directories at or below `rel` (a directory git tracks nothing in), walked without following links. */
+  private emptyLeaves(rel: string, out: string[], depth: number, seen: Set<string>): void {
+    if (depth > MANIFEST_DIR_DEPTH || out.length >= MANIFEST_DIR_LIMIT) return void (this.cut = true);
+    let entries: fs.Dirent[];
+    try {
+      entries = fs.readdirSync(this.project.at(rel), { withFileTypes: true });
+    } catch {
+      return; // gone meanwhile
+    }
+    seen.add(rel);
+    if (entries.length === 0) out.push(rel);
+    for (const e of entries) if (e.isDirectory()) this.emptyLeaves(`${rel}/${e.name}`, out, depth + 1, seen);
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: the shadow repository's own files
+// Owns: the files of aic's checkpoint store that are not git objects: made
+// once, its settings put back before each git run should anyone change them,
+// the excludes written at each start, its lock, the state the next run resumes
+// from, and the note that checkpoints gave up on this tree, kept for a day.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** Writes one of aic's own small files whole: a regular file only, never through a link. */
+function writeOwnFile(file: string, text: string): void {
+  const fd = openRegular(file, O.O_WRONLY | O.O_CREAT | O.O_TRUNC);
+  try {
+    fs.ftruncateSync(fd, 0);
+    fs.writeSync(fd, text);
+  } finally {
+    fs.closeSync(fd);
+  }
+}
+
+/** Nothing of the person's git environment or config reaches the shadow git; what remains is fixed here. */
+function shadowGitEnvironment(gitDir: string, workTree: string): Record<string, string> {
+  const env: Record<string, string> = {};
+  for (const [name, value] of Object.entries(process.env))
+    if (value !== undefined && !name.startsWith("GIT_") && !["PAGER", "EDITOR", "VISUAL", "SSH_ASKPASS"].includes(name))
+      env[name] = value;
+  return Object.assign(env, {
+    GIT_DIR: gitDir,
+    GIT_WORK_TREE: workTree,
+    GIT_CONFIG_NOSYSTEM: "1",
+    GIT_CONFIG_SYSTEM: "/dev/null",
+    GIT_CONFIG_GLOBAL: "/dev/null",
+    GIT_ATTR_NOSYSTEM: "1",
+    GIT_NO_REPLACE_OBJECTS: "1",
+    GIT_TERMINAL_PROMPT: "0",
+    GIT_ASKPASS: "/bin/false",
+    GIT_PAGER: "cat",
+    GIT_EDITOR: "false",
+    GIT_AUTHOR_NAME: "aic",
+    GIT_AUTHOR_EMAIL: "aic@localhost",
+    GIT_COMMITTER_NAME: "aic",
+    GIT_COMMITTER_EMAIL: "aic@localhost",
+    LC_ALL: "C",
+    LANG: "C",
+  });
+}
+
+/** What a snapshot knew that lets the next run's first snapshot be one `git add`. */
+interface LastSnapshotState {
+  commit: string;
+  index: string | undefined;
+  /** The manifest's directory stamps (SnapshotManifest.stamps), or null when it had none. */
+  dirs: [string, [string, string]][] | null;
+}
+
+/** The settings and notes of one shadow repository (ShadowRepository runs git on it). */
+class ShadowStoreFiles {
+  constructor(
+    private readonly project: HeldDirectory,
+    private readonly gitDir: string,
+    private readonly home: string,
+    private readonly workTree: string,
+    /** The start directory relative to the work tree, "" or "a/b/". */
+    private readonly prefix: string,
+    private readonly ownFiles: string[],
+    private readonly env: Record<string, string>,
+    private readonly gitOk: (args: string[], opts?: GitOptions) => Promise<string>,
+  ) {}
+
+  /** Where a tree checkpoints gave up on is remembered (see Checkpoints.start). */
+  givenUpFile: string | undefined;
+
+  /** Why an earlier run gave up on checkpoints for this tree, and when; undefined when none did within a day. */
+  givenUpBefore(): { why: string; at: number } | undefined {
+    if (!this.givenUpFile) return undefined;
+    try {
+      const o = JSON.parse(readOwnFile(this.givenUpFile, 64 * 1024).toString("utf8")) as {
+        why?: unknown;
+        at?: unknown;
+      };
+      if (typeof o.why !== "string" || typeof o.at !== "number") return undefined;
+      return Date.now() - o.at < GIVEN_UP_REMEMBERED_MS ? { why: o.why, at: o.at } : undefined;
+    } catch {
+      return undefined;
+    }
+  }
+
+  rememberGivenUp(why: string | undefined): void {
+    if (!this.givenUpFile) return;
+    try {
+      if (why === undefined) fs.rmSync(this.givenUpFile, { force: true });
+      else {
+        fs.mkdirSync(path.dirname(this.givenUpFile), { recursive: true, mode: 0o700 });
+        writeOwnFile(this.givenUpFile, JSON.stringify({ why, at: Date.now() }));
+      }
+    } catch {
+      /* the next run finds out again */
+    }
+  }
+
+  get exists(): boolean {
+    return fs.existsSync(path.join(this.gitDir, "HEAD"));
+  }
+
+  /** The identity of the store's config when it was last found to be aic's own. */
+  private settingsChecked: string | undefined;
+
+  /**
+   * The store's config, attributes and commondir as aic wrote them (or absent), before each git run: where
+   * aic's state directory lies among what commands may write (Landlock alone, a HOME under /tmp), a command
+   * could add a core.fsmonitor there, which aic's own git would run outside the sandbox. Put back, and said.
+   */
+  ensureOwnSettings(): void {
+    const config = path.join(this.gitDir, "config");
+    const now = identityOf(config);
+    const extra = ["commondir", "config.worktree"].filter((f) => fs.existsSync(path.join(this.gitDir, f)));
+    if (now !== undefined && now === this.settingsChecked && !extra.length) return;
+    let text = "";
+    try {
+      text = readOwnFile(config, 1024 * 1024).toString("utf8");
+    } catch {
+      /* missing or planted: written again below */
+    }
+    const attributes = path.join(this.gitDir, "info", "attributes");
+    let attrs = "";
+    try {
+      attrs = readOwnFile(attributes, 1024 * 1024).toString("utf8");
+    } catch {
+      /* written again below */
+    }
+    if (text !== SHADOW_CONFIG || attrs !== SHADOW_ATTRIBUTES || extra.length) {
+      for (const f of extra) fs.rmSync(path.join(this.gitDir, f), { force: true, recursive: true });
+      for (const f of [config, attributes]) fs.rmSync(f, { force: true, recursive: true });
+      writeOwnFile(config, SHADOW_CONFIG);
+      fs.mkdirSync(path.dirname(attributes), { recursive: true });
+      writeOwnFile(attributes, SHADOW_ATTRIBUTES);
+      if (this.settingsChecked !== undefined || text)
+        this.tampered?.(
+          `the checkpoint store's settings (${this.gitDir}) were changed by someone else; aic put its own back`,
+        );
+    }
+    this.settingsChecked = identityOf(config);
+  }
+
+  /** Told when the store's settings had to be put back (see ensureOwnSettings). */
+  tampered: ((text: string) => void) | undefined;
+
+  /** Creates the repository (once) and writes what it must ignore (every time: the session's name may differ). */
+  async prepare(): Promise<void> {
+    if (!this.exists) {
+      fs.mkdirSync(this.home, { recursive: true, mode: 0o700 });
+      const { GIT_DIR: _dir, GIT_WORK_TREE: _tree, ...env } = this.env;
+      // --template= : no sample hooks and no template directory from anyone's config.
+      await this.gitOk(["init", "--quiet", "--bare", "--template=", "--initial-branch=aic", this.gitDir], { env });
+      writeOwnFile(path.join(this.gitDir, "config"), SHADOW_CONFIG);
+      fs.mkdirSync(path.join(this.gitDir, "info"), { recursive: true });
+      writeOwnFile(path.join(this.gitDir, "info", "attributes"), SHADOW_ATTRIBUTES);
+      writeOwnFile(path.join(this.home, "directory"), `${this.project.path}\n${this.workTree}\n`);
+    }
+    this.writeExcludes();
+  }
+
+  /**
+   * aic's own files in the start directory (anchored there: an unanchored
+   * `*.lock` would lose yarn.lock), the shadow repository itself when it lies
+   * inside the tree, the project's .git/info/exclude and the person's global
+   * ignore file (editor swap files).
+   */
+  private writeExcludes(): void {
+    const anchored = (p: string) => `/${this.prefix}${p}`;
+    const lines = ["# aic's own files", ...this.ownFiles.map(anchored)];
+    // aic's whole state directory (this store, locks, saved outputs), should it lie inside the tree.
+    const inside = path.relative(this.workTree, aicStateDir() ?? this.home);
+    if (inside && !inside.startsWith("..") && !path.isAbsolute(inside)) lines.push(`/${inside}/`);
+    const read = (file: string) => {
+      try {
+        return readOwnFile(file, 1024 * 1024).toString("utf8");
+      } catch {
+        return "";
+      }
+    };
+    lines.push("# the project's .git/info/exclude", read(path.join(this.workTree, ".git", "info", "exclude")));
+    const config = process.env.XDG_CONFIG_HOME || path.join(os.homedir(), ".config");
+    lines.push("# the person's global ignore file", read(path.join(config, "git", "ignore")));
+    fs.mkdirSync(path.join(this.gitDir, "info"), { recursive: true });
+    writeOwnFile(path.join(this.gitDir, "info", "exclude"), `${lines.join("\n")}\n`);
+  }
+
+  private get lastStateFile(): string {
+    return path.join(this.home, "last-state.json");
+  }
+
+  /**
+   * What the last snapshot knew (its commit, the index's identity, the directories' stamps), for the next
+   * run: its first snapshot of an unchanged tree is then one `git add`, as every later one is.
+   */
+  keepLastState(state: LastSnapshotState): void {
+    const text = JSON.stringify(state);
+    if (text === this.lastStateWritten) return;
+    try {
+      writeOwnFile(this.lastStateFile, text);
+      this.lastStateWritten = text;
+    } catch {
+      /* the next run takes the long way once more */
+    }
+  }
+  private lastStateWritten: string | undefined;
+
+  /** What the last run's last snapshot knew, every field checked; undefined when there is none to trust. */
+  lastState(): (LastSnapshotState & { index: string }) | undefined {
+    let state: { commit?: unknown; index?: unknown; dirs?: unknown };
+    try {
+      state = JSON.parse(readOwnFile(this.lastStateFile, 64 * 1024 * 1024).toString("utf8")) as typeof state;
+    } catch {
+      return undefined;
+    }
+    if (typeof state.commit !== "string" || typeof state.index !== "string") return undefined;
+    const entry = (d: unknown) =>
+      Array.isArray(d) && d.length === 2 && typeof d[0] === "string" && Array.isArray(d[1]) && d[1].length === 2;
+    const dirs =
+      Array.isArray(state.dirs) && state.dirs.every(entry) ? (state.dirs as LastSnapshotState["dirs"]) : null;
+    return { commit: state.commit, index: state.index, dirs };
+  }
+
+  /** Whether a run before this one left its state: the tree was counted and snapshotted then. */
+  get snapshottedBefore(): boolean {
+    return fs.existsSync(this.lastStateFile);
+  }
+
+  /**
+   * Holds the repository for one operation: two aic processes in the same
+   * directory take turns. Holding it, an index.lock or a half-written pack
+   * can only be what a killed git left behind (a first snapshot stopped at
+   * its time limit leaves a pack as big as what it had read of the tree,
+   * every time aic starts there), and is removed.
+   */
+  lock(): () => void {
+    const fd = openRegular(path.join(this.home, "aic.lock"), O.O_WRONLY | O.O_CREAT | O.O_APPEND);
+    libc()?.symbols.flock(fd, LOCK_EX);
+    fs.rmSync(path.join(this.gitDir, "index.lock"), { force: true });
+    // Listed through a descriptor opened without following a link, like every path aic opens (the state
+    // directory may be under /tmp); removing a name never follows one.
+    const packs = path.join(this.gitDir, "objects", "pack");
+    let dir = -1;
+    try {
+      dir = fs.openSync(packs, O.O_RDONLY | O.O_DIRECTORY | O.O_NOFOLLOW);
+      for (const name of fs.readdirSync(`/proc/self/fd/${dir}`))
+        if (name.startsWith("tmp_pack_") || name.startsWith("tmp_idx_"))
+          fs.rmSync(path.join(packs, name), { force: true });
+    } catch {
+      /* no pack directory yet */
+    } finally {
+      if (dir >= 0) fs.closeSync(dir);
+    }
+    return () => fs.closeSync(fd);
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // Checkpoints: the shadow repository
-// Owns: the git repository of aic's own that snapshots the start directory:
-// made once, its excludes, a snapshot (add, write-tree, commit only when the
-// tree changed), pruning, and reading a checkpoint back.
+// Owns: the git repository of aic's own that snapshots the start directory: a
+// snapshot (only where something was written, add, write-tree, a commit only
+// when the tree changed), its size and pruning, and reading a checkpoint back.
 // ════════════════════════════════════════════════════════════════════════════
 
 /**
@@ -12595,7 +13078,7 @@ class ShadowRepository {
     readonly project: HeldDirectory,
     readonly workTree: string,
     readonly home: string,
-    private readonly ownFiles: string[],
+    ownFiles: string[],
   ) {
     this.gitDir = path.join(home, "git");
     const directory = project.path;
@@ -12603,7 +13086,17 @@ class ShadowRepository {
     this.env = shadowGitEnvironment(this.gitDir, workTree);
     this.runner = new ShadowGit(workTree, home, this.env);
     this.watch = new ChangeWatch(directory, ownFiles.map(writePattern));
+    this.manifests = new SnapshotManifest(project, this.gitDir, (gitPath) => this.relative(gitPath));
+    this.files = new ShadowStoreFiles(project, this.gitDir, home, workTree, this.prefix, ownFiles, this.env, (a, o) =>
+      this.gitOk(a, o),
+    );
   }
+
+  /** The store's settings, excludes and notes. */
+  readonly files: ShadowStoreFiles;
+
+  /** What git does not record of each snapshot, and the directories it looked at. */
+  private readonly manifests: SnapshotManifest;
 
   /** What was written under the start directory since the last snapshot began: nothing, and git need not be asked. */
   private readonly watch: ChangeWatch;
@@ -12658,39 +13151,8 @@ class ShadowRepository {
     if (recorded && (recorded === real || isBeneath(real, recorded))) top = recorded;
     const shadow = new ShadowRepository(project, top ?? real, home, ownFiles);
     // Kept where a run's own store is not: the next run, with a session or without, learns of it.
-    shadow.givenUpFile = path.join(state, "checkpoints", `${hash}.given-up`);
+    shadow.files.givenUpFile = path.join(state, "checkpoints", `${hash}.given-up`);
     return shadow;
-  }
-
-  /** Where a tree checkpoints gave up on is remembered (see Checkpoints.start). */
-  givenUpFile: string | undefined;
-
-  /** Why an earlier run gave up on checkpoints for this tree, and when; undefined when none did within a day. */
-  givenUpBefore(): { why: string; at: number } | undefined {
-    if (!this.givenUpFile) return undefined;
-    try {
-      const o = JSON.parse(readOwnFile(this.givenUpFile, 64 * 1024).toString("utf8")) as {
-        why?: unknown;
-        at?: unknown;
-      };
-      if (typeof o.why !== "string" || typeof o.at !== "number") return undefined;
-      return Date.now() - o.at < GIVEN_UP_REMEMBERED_MS ? { why: o.why, at: o.at } : undefined;
-    } catch {
-      return undefined;
-    }
-  }
-
-  rememberGivenUp(why: string | undefined): void {
-    if (!this.givenUpFile) return;
-    try {
-      if (why === undefined) fs.rmSync(this.givenUpFile, { force: true });
-      else {
-        fs.mkdirSync(path.dirname(this.givenUpFile), { recursive: true, mode: 0o700 });
-        writeOwnFile(this.givenUpFile, JSON.stringify({ why, at: Date.now() }));
-      }
-    } catch {
-      /* the next run finds out again */
-    }
   }
 
   /** `git` with the shut-out environment, stdin closed (or fed), in the work tree, under a time limit. */
@@ -12711,94 +13173,6 @@ class ShadowRepository {
   /** Limits a command to the start directory (nothing when it is the work tree's top). */
   get pathspec(): string[] {
     return this.prefix ? ["--", `:(top,literal)${this.prefix}`] : [];
-  }
-
-  get exists(): boolean {
-    return fs.existsSync(path.join(this.gitDir, "HEAD"));
-  }
-
-  /** Creates the repository (once) and writes what it must ignore (every time: the session's name may differ). */
-  /** The identity of the store's config when it was last found to be aic's own. */
-  private settingsChecked: string | undefined;
-
-  /**
-   * The store's config, attributes and commondir as aic wrote them (or absent), before each git run: where
-   * aic's state directory lies among what commands may write (Landlock alone, a HOME under /tmp), a command
-   * could add a core.fsmonitor there, which aic's own git would run outside the sandbox. Put back, and said.
-   */
-  private ensureOwnSettings(): void {
-    const config = path.join(this.gitDir, "config");
-    const now = identityOf(config);
-    const extra = ["commondir", "config.worktree"].filter((f) => fs.existsSync(path.join(this.gitDir, f)));
-    if (now !== undefined && now === this.settingsChecked && !extra.length) return;
-    let text = "";
-    try {
-      text = readOwnFile(config, 1024 * 1024).toString("utf8");
-    } catch {
-      /* missing or planted: written again below */
-    }
-    const attributes = path.join(this.gitDir, "info", "attributes");
-    let attrs = "";
-    try {
-      attrs = readOwnFile(attributes, 1024 * 1024).toString("utf8");
-    } catch {
-      /* written again below */
-    }
-    if (text !== SHADOW_CONFIG || attrs !== SHADOW_ATTRIBUTES || extra.length) {
-      for (const f of extra) fs.rmSync(path.join(this.gitDir, f), { force: true, recursive: true });
-      for (const f of [config, attributes]) fs.rmSync(f, { force: true, recursive: true });
-      writeOwnFile(config, SHADOW_CONFIG);
-      fs.mkdirSync(path.dirname(attributes), { recursive: true });
-      writeOwnFile(attributes, SHADOW_ATTRIBUTES);
-      if (this.settingsChecked !== undefined || text)
-        this.tampered?.(
-          `the checkpoint store's settings (${this.gitDir}) were changed by someone else; aic put its own back`,
-        );
-    }
-    this.settingsChecked = identityOf(config);
-  }
-
-  /** Told when the store's settings had to be put back (see ensureOwnSettings). */
-  tampered: ((text: string) => void) | undefined;
-
-  async prepare(): Promise<void> {
-    if (!this.exists) {
-      fs.mkdirSync(this.home, { recursive: true, mode: 0o700 });
-      const { GIT_DIR: _dir, GIT_WORK_TREE: _tree, ...env } = this.env;
-      // --template= : no sample hooks and no template directory from anyone's config.
-      await this.gitOk(["init", "--quiet", "--bare", "--template=", "--initial-branch=aic", this.gitDir], { env });
-      writeOwnFile(path.join(this.gitDir, "config"), SHADOW_CONFIG);
-      fs.mkdirSync(path.join(this.gitDir, "info"), { recursive: true });
-      writeOwnFile(path.join(this.gitDir, "info", "attributes"), SHADOW_ATTRIBUTES);
-      writeOwnFile(path.join(this.home, "directory"), `${this.directory}\n${this.workTree}\n`);
-    }
-    this.writeExcludes();
-  }
-
-  /**
-   * aic's own files in the start directory (anchored there: an unanchored
-   * `*.lock` would lose yarn.lock), the shadow repository itself when it lies
-   * inside the tree, the project's .git/info/exclude and the person's global
-   * ignore file (editor swap files).
-   */
-  private writeExcludes(): void {
-    const anchored = (p: string) => `/${this.prefix}${p}`;
-    const lines = ["# aic's own files", ...this.ownFiles.map(anchored)];
-    // aic's whole state directory (this store, locks, saved outputs), should it lie inside the tree.
-    const inside = path.relative(this.workTree, aicStateDir() ?? this.home);
-    if (inside && !inside.startsWith("..") && !path.isAbsolute(inside)) lines.push(`/${inside}/`);
-    const read = (file: string) => {
-      try {
-        return readOwnFile(file, 1024 * 1024).toString("utf8");
-      } catch {
-        return "";
-      }
-    };
-    lines.push("# the project's .git/info/exclude", read(path.join(this.workTree, ".git", "info", "exclude")));
-    const config = process.env.XDG_CONFIG_HOME || path.join(os.homedir(), ".config");
-    lines.push("# the person's global ignore file", read(path.join(config, "git", "ignore")));
-    fs.mkdirSync(path.join(this.gitDir, "info"), { recursive: true });
-    writeOwnFile(path.join(this.gitDir, "info", "exclude"), `${lines.join("\n")}\n`);
   }
 
   /**
@@ -12889,7 +13263,7 @@ class ShadowRepository {
     bulkCheckIn: string[],
     scope?: string[],
   ): Promise<Snapshot> {
-    this.ensureOwnSettings();
+    this.files.ensureOwnSettings();
     const add = await this.git(
       [...bulkCheckIn, "add", "-A", "--ignore-errors", "--verbose", ...(scope ?? this.pathspec)],
       {
@@ -12901,7 +13275,7 @@ class ShadowRepository {
     if (add.code !== 0 || add.stderr) await this.includeNestedRepositories();
     // git rewrites the index whenever a file's content, mode or directory changed: the same index, and the
     // same directories (an empty one made or removed leaves the index as it was), are the same checkpoint.
-    const dirsAsBefore = this.dirsUnchanged();
+    const dirsAsBefore = this.manifests.dirsUnchanged();
     if (this.last && this.indexAtLast !== undefined && this.indexIdentity() === this.indexAtLast && dirsAsBefore) {
       await this.confirmInPlace(undefined);
       this.coverWatch();
@@ -12910,7 +13284,9 @@ class ShadowRepository {
     const tree = (await this.gitOk(["write-tree"])).trim();
     // A changed .gitignore may show or hide empty directories whose parents did not change.
     const ignoresChanged = /\.gitignore'?\s*$/m.test(add.stdout.toString("utf8"));
-    const manifest = await this.manifest(dirsAsBefore && !ignoresChanged ? this.last : undefined);
+    const manifest = await this.manifests.make(dirsAsBefore && !ignoresChanged ? this.last : undefined, () =>
+      this.gitOk(["ls-files", "-z", "-o", "--directory", "--exclude-standard", ...this.pathspec]),
+    );
     if (!this.last) {
       const head = await this.git(["rev-parse", "--verify", "-q", `${LAST_CHECKPOINT_REF}^{commit}`]);
       const commit = head.code === 0 ? head.stdout.toString().trim() : "";
@@ -12926,14 +13302,11 @@ class ShadowRepository {
     return made;
   }
 
-  /** The manifest stopped at its limits: a directory past them is not watched, so the watch is not trusted. */
-  private manifestCut = false;
-
   /** The watch covers every directory the manifest knows: each holding a file of the index, and the empty ones. */
   private coverWatch(): void {
-    if (this.manifestCut) return this.watch.restart(true);
+    if (this.manifests.cut) return this.watch.restart(true);
     // The manifest's directories: every one holding a file of the index, and each the empty-directory search entered.
-    if (this.dirStamps) this.watch.cover(this.dirStamps.keys());
+    if (this.manifests.stamps) this.watch.cover(this.manifests.stamps.keys());
     // In a repository above the start directory, git reads the .gitignore files of every directory between.
     const up = this.prefix
       .split("/")
@@ -12946,106 +13319,21 @@ class ShadowRepository {
     this.watch.cover(up);
   }
 
-  /**
-   * The directories the last manifest looked at (relative to the start directory): each one's stamp and
-   * the names of its subdirectories, which are all an empty directory's coming or going can change.
-   */
-  private dirStamps: Map<string, [stamp: string, subdirs: string]> | undefined;
-
-  /**
-   * Whether no directory the last manifest looked at gained, lost or renamed a subdirectory. A stamp as
-   * recorded answers at once; another (a file came or went: aic's own session file does each step) is
-   * settled by listing that directory again.
-   */
-  private dirsUnchanged(): boolean {
-    if (!this.dirStamps) return false;
-    for (const [rel, [stamp, subdirs]] of this.dirStamps) {
-      const now = this.dirStamp(rel);
-      if (now !== undefined && now === stamp) continue;
-      const listed = this.subdirsOf(rel);
-      if (listed === undefined || listed !== subdirs) return false;
-      if (now !== undefined) this.dirStamps.set(rel, [now, subdirs]);
-    }
-    return true;
-  }
-
-  /** A directory's inode and change times; undefined when it is gone, or changed too recently to be sure of. */
-  private dirStamp(rel: string): string | undefined {
-    const st = fs.lstatSync(this.project.at(rel), { bigint: true, throwIfNoEntry: false });
-    if (!st?.isDirectory()) return undefined;
-    const now = BigInt(Date.now()) * 1_000_000n;
-    if (st.ctimeNs + LISTING_RACY_NS >= now || st.mtimeNs + LISTING_RACY_NS >= now) return undefined;
-    return `${st.ino}:${st.mtimeNs}:${st.ctimeNs}`;
-  }
-
-  /** The names of a directory's subdirectories, in order; undefined when it cannot be read. */
-  private subdirsOf(rel: string): string | undefined {
-    try {
-      const names = fs.readdirSync(this.project.at(rel), { withFileTypes: true });
-      return names
-        .filter((e) => e.isDirectory())
-        .map((e) => e.name)
-        .sort()
-        .join("\0");
-    } catch {
-      return undefined;
-    }
-  }
-
-  /** Stamps and subdirectories of `dirs` (a stamp too recent to trust is left empty: it never matches). */
-  private stampsOf(dirs: Iterable<string>): Map<string, [string, string]> | undefined {
-    const stamps = new Map<string, [string, string]>();
-    for (const rel of dirs) {
-      const subdirs = this.subdirsOf(rel);
-      if (subdirs === undefined) return undefined;
-      stamps.set(rel, [this.dirStamp(rel) ?? "", subdirs]);
-    }
-    return stamps;
-  }
-
-  private get lastStateFile(): string {
-    return path.join(this.home, "last-state.json");
-  }
-
-  /**
-   * What the last snapshot knew (its commit, the index's identity, the directories' stamps), for the next
-   * run: its first snapshot of an unchanged tree is then one `git add`, as every later one is.
-   */
+  /** The state the next run resumes from (see ShadowStoreFiles.keepLastState). */
   private keepLastState(made: Snapshot): void {
-    const state = { commit: made.commit, index: this.indexAtLast, dirs: this.dirStamps ? [...this.dirStamps] : null };
-    const text = JSON.stringify(state);
-    if (text === this.lastStateWritten) return;
-    try {
-      writeOwnFile(this.lastStateFile, text);
-      this.lastStateWritten = text;
-    } catch {
-      /* the next run takes the long way once more */
-    }
+    const dirs = this.manifests.stamps ? [...this.manifests.stamps] : null;
+    this.files.keepLastState({ commit: made.commit, index: this.indexAtLast, dirs });
   }
-  private lastStateWritten: string | undefined;
 
   /** A run's first snapshot: the last one's state, when the store's newest checkpoint is still the one it names. */
   private async resumeLastState(): Promise<void> {
-    let state: { commit?: unknown; index?: unknown; dirs?: unknown };
-    try {
-      state = JSON.parse(readOwnFile(this.lastStateFile, 64 * 1024 * 1024).toString("utf8")) as typeof state;
-    } catch {
-      return;
-    }
-    if (typeof state.commit !== "string" || typeof state.index !== "string") return;
+    const state = this.files.lastState();
+    if (!state) return;
     const head = await this.git(["rev-parse", "--verify", "-q", `${LAST_CHECKPOINT_REF}^{commit}`]);
     if (head.code !== 0 || head.stdout.toString().trim() !== state.commit) return;
     this.last = await this.snapshotOf(state.commit);
     this.indexAtLast = state.index;
-    const entry = (d: unknown) =>
-      Array.isArray(d) && d.length === 2 && typeof d[0] === "string" && Array.isArray(d[1]) && d[1].length === 2;
-    if (Array.isArray(state.dirs) && state.dirs.every(entry))
-      this.dirStamps = new Map(state.dirs as [string, [string, string]][]);
-  }
-
-  /** Whether a run before this one left its state: the tree was counted and snapshotted then. */
-  get snapshottedBefore(): boolean {
-    return fs.existsSync(this.lastStateFile);
+    if (state.dirs) this.manifests.stamps = new Map(state.dirs);
   }
 
   /** Throws ProjectMoved when the start directory's path no longer leads to the directory aic holds. */
@@ -13086,70 +13374,6 @@ class ShadowRepository {
     if (!gitPath.startsWith(this.prefix)) return undefined;
     const rel = gitPath.slice(this.prefix.length);
     return safeRelativePath(rel) ? rel : undefined;
-  }
-
-  /**
-   * What git does not record, as lines for the checkpoint's message: files
-   * whose permission bits are not what a checkout would give them (git
-   * keeps only the executable bit), and empty directories.
-   */
-  private async manifest(unchangedSince?: Snapshot): Promise<string> {
-    const lines: string[] = [];
-    /** Every directory holding a tracked file, and each one the empty-directory search entered. */
-    const dirs = new Set<string>([""]);
-    const parentsOf = (rel: string) => {
-      for (let at = rel.lastIndexOf("/"); at > 0; at = rel.lastIndexOf("/", at - 1)) {
-        const dir = rel.slice(0, at);
-        if (dirs.has(dir)) break;
-        dirs.add(dir);
-      }
-    };
-    // The index as `add -A` left it, read here rather than listed by `git ls-files -s` (a process a step).
-    const entries: [name: string, mode: number][] = [];
-    const index = readOwnFile(path.join(this.gitDir, "index"), MAX_OWN_FILE_BYTES);
-    if (!indexEntries(index, (name, mode) => entries.push([name.toString("utf8"), mode])))
-      throw new Error("the checkpoint index cannot be read");
-    for (const [name, kind] of entries) {
-      const inside = this.relative(name);
-      if (inside !== undefined) parentsOf(inside);
-      const rel = kind === 0o100644 || kind === 0o100755 ? inside : undefined;
-      if (rel === undefined) continue;
-      const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
-      const mode = st?.isFile() ? st.mode & 0o7777 : undefined;
-      if (mode !== undefined && mode !== checkoutMode(kind === 0o100755))
-        lines.push(`mode ${mode.toString(8)} ${JSON.stringify(rel)}`);
-    }
-    // With no directory changed since the last snapshot, its empty directories are this one's too.
-    if (unchangedSince && this.dirStamps) {
-      for (const line of unchangedSince.manifest.split("\n")) if (line.startsWith("dir ")) lines.push(line);
-      return lines.join("\n");
-    }
-    // After add -A every file git would keep is staged: what it still lists as untracked directories holds
-    // only empty directories (and ignored files), whose empty leaves are recorded.
-    const others = ["ls-files", "-z", "-o", "--directory", "--exclude-standard", ...this.pathspec];
-    const empty: string[] = [];
-    this.manifestCut = false;
-    for (const entry of (await this.gitOk(others)).split("\0")) {
-      const rel = entry.endsWith("/") ? this.relative(entry.slice(0, -1)) : undefined;
-      if (rel !== undefined) this.emptyLeaves(rel, empty, 0, dirs);
-    }
-    for (const rel of empty) lines.push(`dir ${JSON.stringify(rel)}`);
-    this.dirStamps = this.stampsOf(dirs);
-    return lines.join("\n");
-  }
-
-  /** The empty directories at or below `rel` (a directory git tracks nothing in), walked without following links. */
-  private emptyLeaves(rel: string, out: string[], depth: number, seen: Set<string>): void {
-    if (depth > MANIFEST_DIR_DEPTH || out.length >= MANIFEST_DIR_LIMIT) return void (this.manifestCut = true);
-    let entries: fs.Dirent[];
-    try {
-      entries = fs.readdirSync(this.project.at(rel), { withFileTypes: true });
-    } catch {
-      return; // gone meanwhile
-    }
-    seen.add(rel);
-    if (entries.length === 0) out.push(rel);
-    for (const e of entries) if (e.isDirectory()) this.emptyLeaves(`${rel}/${e.name}`, out, depth + 1, seen);
   }
 
   /** A checkpoint commit as a snapshot: its tree and the manifest in its message. */
@@ -13265,81 +13489,13 @@ class ShadowRepository {
     });
     await this.gitOk(["gc", "--quiet", "--prune=now"]);
   }
-
-  /**
-   * Holds the repository for one operation: two aic processes in the same
-   * directory take turns. Holding it, an index.lock or a half-written pack
-   * can only be what a killed git left behind (a first snapshot stopped at
-   * its time limit leaves a pack as big as what it had read of the tree,
-   * every time aic starts there), and is removed.
-   */
-  lock(): () => void {
-    const fd = openRegular(path.join(this.home, "aic.lock"), O.O_WRONLY | O.O_CREAT | O.O_APPEND);
-    libc()?.symbols.flock(fd, LOCK_EX);
-    fs.rmSync(path.join(this.gitDir, "index.lock"), { force: true });
-    // Listed through a descriptor opened without following a link, like every path aic opens (the state
-    // directory may be under /tmp); removing a name never follows one.
-    const packs = path.join(this.gitDir, "objects", "pack");
-    let dir = -1;
-    try {
-      dir = fs.openSync(packs, O.O_RDONLY | O.O_DIRECTORY | O.O_NOFOLLOW);
-      for (const name of fs.readdirSync(`/proc/self/fd/${dir}`))
-        if (name.startsWith("tmp_pack_") || name.startsWith("tmp_idx_"))
-          fs.rmSync(path.join(packs, name), { force: true });
-    } catch {
-      /* no pack directory yet */
-    } finally {
-      if (dir >= 0) fs.closeSync(dir);
-    }
-    return () => fs.closeSync(fd);
-  }
-}
-
-/** Writes one of aic's own small files whole: a regular file only, never through a link. */
-function writeOwnFile(file: string, text: string): void {
-  const fd = openRegular(file, O.O_WRONLY | O.O_CREAT | O.O_TRUNC);
-  try {
-    fs.ftruncateSync(fd, 0);
-    fs.writeSync(fd, text);
-  } finally {
-    fs.closeSync(fd);
-  }
-}
-
-/** Nothing of the person's git environment or config reaches the shadow git; what remains is fixed here. */
-function shadowGitEnvironment(gitDir: string, workTree: string): Record<string, string> {
-  const env: Record<string, string> = {};
-  for (const [name, value] of Object.entries(process.env))
-    if (value !== undefined && !name.startsWith("GIT_") && !["PAGER", "EDITOR", "VISUAL", "SSH_ASKPASS"].includes(name))
-      env[name] = value;
-  return Object.assign(env, {
-    GIT_DIR: gitDir,
-    GIT_WORK_TREE: workTree,
-    GIT_CONFIG_NOSYSTEM: "1",
-    GIT_CONFIG_SYSTEM: "/dev/null",
-    GIT_CONFIG_GLOBAL: "/dev/null",
-    GIT_ATTR_NOSYSTEM: "1",
-    GIT_NO_REPLACE_OBJECTS: "1",
-    GIT_TERMINAL_PROMPT: "0",
-    GIT_ASKPASS: "/bin/false",
-    GIT_PAGER: "cat",
-    GIT_EDITOR: "false",
-    GIT_AUTHOR_NAME: "aic",
-    GIT_AUTHOR_EMAIL: "aic@localhost",
-    GIT_COMMITTER_NAME: "aic",
-    GIT_COMMITTER_EMAIL: "aic@localhost",
-    LC_ALL: "C",
-    LANG: "C",
-  });
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// Checkpoints: undo and redo
-// Owns: a checkpoint before each command that runs, the list of them the
-// session keeps (so undo works after a resume or a kill -9), putting the
-// files back to a checkpoint (only what a snapshot saw is ever removed), and
-// the conversation cut that makes the model forget what was undone. Used by
-// the TUI's /undo and /redo and by `aic undo` / `aic redo`.
+// Checkpoints: what a session records of them
+// Owns: the list of checkpoints the session keeps (so undo works after a
+// resume or a kill -9), read back with every field checked, and the limits of
+// an undo. Used by the TUI's /undo and /redo and by `aic undo` / `aic redo`.
 // ════════════════════════════════════════════════════════════════════════════
 
 /** One command that ran, and the checkpoint of the files just before it. */
@@ -13428,6 +13584,13 @@ interface RestoreReport {
 const undoLimits = (directory: string) =>
   `Not covered: files outside ${directory}, ignored files (node_modules/, …), and effects beyond files (network calls, databases, the project's git history).`;
 
+// ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: undo and redo
+// Owns: one conversation's checkpoints of one start directory: taken before and
+// after each command, undone and redone by whole commands, and off, with the
+// reason said once, when they cannot work.
+// ════════════════════════════════════════════════════════════════════════════
+
 /**
  * The checkpoints of one start directory for one conversation: taken
  * before and after each command, undone and redone by whole commands. Off
@@ -13456,7 +13619,7 @@ class Checkpoints {
     readonly shadow: ShadowRepository,
     private readonly warn: (text: string) => void,
   ) {
-    shadow.tampered = warn;
+    shadow.files.tampered = warn;
   }
 
   /** The checkpoints of the held start directory; aic's own files there (the session, its locks and backups) are never in them. */
@@ -13505,19 +13668,19 @@ class Checkpoints {
     if (!gitProgram())
       return (this.turnOff("git was not found on PATH, outside the directories commands may write"), false);
     this.shadow.ensureInPlace();
-    const earlier = this.shadow.givenUpBefore();
+    const earlier = this.shadow.files.givenUpBefore();
     if (earlier) {
       const when = new Date(earlier.at).toISOString().slice(0, 16).replace("T", " ");
       return (
         this.turnOff(
-          `${earlier.why} (found by an earlier run, ${when} UTC; tried again a day later, or at once if you delete ${this.shadow.givenUpFile})`,
+          `${earlier.why} (found by an earlier run, ${when} UTC; tried again a day later, or at once if you delete ${this.shadow.files.givenUpFile})`,
         ),
         false
       );
     }
-    await this.shadow.prepare();
+    await this.shadow.files.prepare();
     // A tree an earlier run snapshotted was counted then: its next first step is one `git add`, not a count.
-    if (this.shadow.snapshottedBefore) return (this.ready = true);
+    if (this.shadow.files.snapshottedBefore) return (this.ready = true);
     const counted = await this.shadow.countFiles(MAX_CHECKPOINT_FILES, FIRST_SNAPSHOT_LIMIT_MS);
     this.counted = counted;
     if (counted.tooBig) {
@@ -13546,7 +13709,7 @@ class Checkpoints {
     const first = !this.firstTaken;
     try {
       if (!(await this.start())) return undefined;
-      const release = this.shadow.lock();
+      const release = this.shadow.files.lock();
       const thaw = this.freeze();
       let handedOver = false;
       try {
@@ -13626,7 +13789,7 @@ class Checkpoints {
    */
   private async keepUnderCap(): Promise<void> {
     const cap = checkpointStoreCap();
-    const lock = this.shadow.lock();
+    const lock = this.shadow.files.lock();
     try {
       if ((await this.shadow.storeBytes()) <= cap) return;
       await this.shadow.pruneAllBut(this.keptCommits());
@@ -13775,7 +13938,7 @@ class Checkpoints {
 
   /** Checkpoints off for this tree, and remembered for a day so later runs do not pay for finding out again. */
   private giveUp(why: string): void {
-    this.shadow.rememberGivenUp(why);
+    this.shadow.files.rememberGivenUp(why);
     this.turnOff(why);
   }
 
@@ -13830,7 +13993,7 @@ class Checkpoints {
   ): Promise<{ report: RestoreReport; before: string; left: string }> {
     if (!(await this.start())) throw new Error(`checkpoints are off: ${this.off}`);
     const s = this.shadow;
-    const release = s.lock();
+    const release = s.files.lock();
     try {
       const now = await s.snapshot("before an undo");
       const goal = await s.snapshotOf(target);
@@ -13855,8 +14018,7 @@ class Checkpoints {
 // ════════════════════════════════════════════════════════════════════════════
 // Checkpoints: putting files back
 // Owns: restoring a checkpoint's tree through the held start directory (no
-// link followed, modes and empty directories as recorded), and the
-// command-line undo, redo and diff.
+// link followed, modes and empty directories as recorded).
 // ════════════════════════════════════════════════════════════════════════════
 
 /** One entry of `git diff-tree --raw`: modes and blobs on each side, and the path relative to the start directory. */
@@ -14140,6 +14302,13 @@ function copyOwnRange(from: number, start: number, to: number, length: number): 
     at += n;
   }
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: aic undo, redo and diff
+// Owns: undoing and redoing commands with the conversation cut back to the turn
+// that proposed them, and the aic undo, aic redo and aic diff subcommands run
+// from a shell.
+// ════════════════════════════════════════════════════════════════════════════
 
 /** Where the conversation is cut for an undo: the assistant turn that proposed `call`, or -1 when it is gone (compressed). */
 function turnOfCall(messages: readonly Message[], call: string): number {
@@ -15173,12 +15342,10 @@ function hiddenInBuiltin(name: string, words: ShellWord[]): CommandPart[] {
 
 // ════════════════════════════════════════════════════════════════════════════
 // Command rules: programs that run programs, and scripts a line runs
-// Owns: seeing through the programs that run other programs from their
-// arguments (git's global options and its `-c` settings that run code, find's
-// actions and -delete, awk's system() and pipes, sed's e, sort's compressor,
-// watch, script, flock), the files they write (tee, sort -o, sed -i and w,
-// find -fprint, uniq's output), and the shell scripts a line runs by name
-// (`./s.sh`, `sh s.sh`, `. s.sh`), read from disk as they are now.
+// Owns: seeing through git's global options and its `-c` settings that run
+// code, and the shell scripts a line runs by name (`./s.sh`, `sh s.sh`,
+// `. s.sh`), read from disk as they are now. The next section takes the other
+// programs that run programs from their arguments.
 // ════════════════════════════════════════════════════════════════════════════
 
 /** Scripts are read for judging up to this size; a bigger one (a generated configure) cannot be seen through. */
@@ -15377,6 +15544,12 @@ function gitRunsWhatItIsGiven(sub: string, args: ShellWord[]): string | undefine
   }
   return undefined;
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// Command rules: find, sort, watch, flock, awk and sed
+// Owns: the programs whose options or scripts name a command to run or a file
+// to write: what each of them runs and writes, as parts the verdict judges.
+// ════════════════════════════════════════════════════════════════════════════
 
 /** find's actions that run a command (up to `;` or `+`), and those that write a file they name. */
 const FIND_RUNS = new Set(["-exec", "-execdir", "-ok", "-okdir"]);
@@ -18793,11 +18966,10 @@ async function runSearch(query: string, maxResults: number): Promise<number> {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// TUI parts: prompt history, figures, footer and banner
+// TUI parts: prompt history
 // Owns: the prompt history file shared by every aic of the person (locked,
-// merged, replaced atomically), walking it with Up/Down and Ctrl+R (and the
-// search line that shows it), and the footer and banner: which figures they
-// show and what gives way when the terminal is narrow. Loaded only by the TUI.
+// merged, replaced atomically, saved in typing order), and walking it with
+// Up/Down and Ctrl+R. Loaded only by the TUI.
 // ════════════════════════════════════════════════════════════════════════════
 
 const HISTORY_LIMIT = 1000;
@@ -18932,6 +19104,12 @@ class ReverseSearch {
   }
 }
 
+// ════════════════════════════════════════════════════════════════════════════
+// TUI parts: figures, footer and banner
+// Owns: the footer's figures as events move them, its fields fitted to the
+// width, the history search line, the status bar and the start banner.
+// ════════════════════════════════════════════════════════════════════════════
+
 /** Tokens per second over the last second of streaming; 0 once the stream has been idle for 2 s. */
 class TokenRate {
   private static readonly WINDOW_MS = 1000;
@@ -19020,6 +19198,22 @@ function activityField(a: Activity, now: number): FooterField {
 
 /** The figures the TUI keeps itself; the rest (rate, state, auto-approve) are read when the footer is drawn. */
 type TuiFigures = Omit<FooterFigures, "rate" | "state" | "autoApprove">;
+
+/** The status line's figures before anything ran. */
+function initialFigures(config: Config, prepared: PreparedRun): TuiFigures {
+  return {
+    sandboxOn: prepared.sandbox.enabled,
+    step: 0,
+    maxSteps: config.maxSteps,
+    context: 0,
+    budget: promptBudget(config),
+    tokens: 0,
+    spending: config.maxTokens === undefined ? undefined : { spent: 0, max: config.maxTokens },
+    jobs: 0,
+    model: config.model,
+    session: "no session",
+  };
+}
 
 /** What an agent event changes in the footer's figures; true when it changed something. */
 function updateFigures(f: TuiFigures, e: AgentEvent, now = Date.now()): boolean {
@@ -21110,22 +21304,6 @@ const WARM_UP_DELAY_MS = 50;
 const CTRL_C_QUIT_WINDOW_MS = 2000;
 const SHELL_TAB_PLACEHOLDER = "The Shell tab has your keys: it is your own shell. Tab goes back to the console.";
 
-/** The status line's figures before anything ran. */
-function initialFigures(config: Config, prepared: PreparedRun): TuiFigures {
-  return {
-    sandboxOn: prepared.sandbox.enabled,
-    step: 0,
-    maxSteps: config.maxSteps,
-    context: 0,
-    budget: promptBudget(config),
-    tokens: 0,
-    spending: config.maxTokens === undefined ? undefined : { spent: 0, max: config.maxTokens },
-    jobs: 0,
-    model: config.model,
-    session: "no session",
-  };
-}
-
 /**
  * The split-pane interface: agent output on the left, the commands' console
  * and the person's own shell on the right, a prompt and a status footer
@@ -21747,9 +21925,9 @@ class TuiKeys {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
-// TUI keys, slash commands and start-up
+// TUI keys and slash commands
 // Owns: the tables of what the person can type (keys handled by the TUI
-// itself, slash commands), and starting the TUI on a real terminal.
+// itself, slash commands) and what each slash command does.
 // ════════════════════════════════════════════════════════════════════════════
 
 interface SlashCommand {
@@ -22031,6 +22209,13 @@ function exitLine(session: SessionStore | undefined, config: Config): string {
       : `aic --session ${shellQuoted(session.path)}`;
   return `aic: the conversation is saved in ${session.path} (session ${session.sessionId}); to continue it: ${how}\n`;
 }
+
+// ════════════════════════════════════════════════════════════════════════════
+// TUI start-up
+// Owns: what a TUI is started with, loading OpenTUI (its native library from a
+// place commands cannot write), the renderer, and runTui, which hands the
+// terminal back on every way out.
+// ════════════════════════════════════════════════════════════════════════════
 
 interface TuiOptions {
   config: Config;
