@@ -7076,12 +7076,17 @@ interface ExecCall {
 /** What the supervisor judges with: the rules, the programs they name, and how to know those programs under any name. */
 interface ExecJudge {
   rules: CommandRule[];
+  /** dev:ino of the supervisor's root directory: paths are resolved there, so a caller must share it. */
+  root: string;
   programs: Set<string>;
   /** dev:ino of each file of a named program: links under another name are that program. */
   inodes: Map<string, string>;
   /** dev:ino of the dynamic loaders: `ld.so PROGRAM` runs PROGRAM without another execve. */
   loaders: Set<string>;
-  /** Size → hash of the first megabyte → program: a plain copy of a named program's file is that program. */
+  /**
+   * Size → hash of the first megabyte → program: a plain copy of a named program's file is that program, and
+   * a plain copy of a loader (the program "") a loader.
+   */
   copies: Map<number, Map<string, string>>;
 }
 
@@ -7096,7 +7101,9 @@ const COPY_HASH_BYTES = 1 << 20;
 function execJudgeOf(ruleLines: readonly string[]): ExecJudge {
   const rules = parseRuleLines(ruleLines.join("\n")).rules;
   const programs = new Set(rules.map((r) => baseName(r.words[0] ?? "")).filter(Boolean));
-  const judge: ExecJudge = { rules, programs, inodes: new Map(), loaders: new Set(), copies: new Map() };
+  const top = fs.statSync("/");
+  const root = `${top.dev}:${top.ino}`;
+  const judge: ExecJudge = { rules, programs, root, inodes: new Map(), loaders: new Set(), copies: new Map() };
   for (const name of programs)
     for (const file of programFiles(name)) {
       const st = fs.statSync(file, { throwIfNoEntry: false });
@@ -7107,7 +7114,10 @@ function execJudgeOf(ruleLines: readonly string[]): ExecJudge {
     }
   for (const file of LOADER_FILES) {
     const st = fs.statSync(file, { throwIfNoEntry: false });
-    if (st?.isFile()) judge.loaders.add(`${st.dev}:${st.ino}`);
+    if (!st?.isFile()) continue;
+    judge.loaders.add(`${st.dev}:${st.ino}`);
+    const hash = headHash(fs.realpathSync(file), false);
+    if (hash) judge.copies.set(st.size, (judge.copies.get(st.size) ?? new Map()).set(hash, ""));
   }
   return judge;
 }
@@ -7213,6 +7223,7 @@ function programOf(
   if (judge.loaders.has(key)) return "loader";
   const sameSize = judge.copies.get(st.size);
   const copied = sameSize ? sameSize.get(headHash(file, magic) ?? "") : undefined;
+  if (copied === "") return "loader";
   if (copied) return { program: copied, by: "file" };
   if (judge.programs.has(name)) return { program: name, by: "name" };
   const dashed = [...judge.programs].find((p) => name.startsWith(`${p}-`) && name.length > p.length + 1);
@@ -7313,6 +7324,16 @@ function tellRefusedCaller(tid: number, line: string): void {
 function judgeExec(judge: ExecJudge, call: ExecCall | undefined): string | undefined {
   if (!call)
     return "aic: refused at exec: the program it starts cannot be read (a process that made itself non-dumpable?)";
+  // A caller that changed its root (chroot after unshare(CLONE_NEWUSER)) names files the judge would look up in
+  // another tree: its `/usr/bin/true` may be git.
+  let root: fs.Stats | undefined;
+  try {
+    root = fs.statSync(`/proc/${call.tid}/root`, { throwIfNoEntry: false });
+  } catch {
+    root = undefined;
+  }
+  if (!root || `${root.dev}:${root.ino}` !== judge.root)
+    return `aic: refused at exec: ${oneLine(call.given, 200)}: a process whose root directory is not the sandbox's (chroot), while a deny rule names a program by its arguments`;
   let line: string | undefined | "weird";
   try {
     line = judgedLine(judge, call);
@@ -15404,7 +15425,9 @@ const GIT_GLOBAL_VALUE = new Set([
   "--list-cmds",
 ]);
 const GIT_GLOBAL_FLAG =
-  /^(-p|-P|--paginate|--no-pager|--bare|--no-replace-objects|--literal-pathspecs|--glob-pathspecs|--noglob-pathspecs|--icase-pathspecs|--no-optional-locks|--no-advice|--no-lazy-fetch)$/;
+  /^(-p|-P|--paginate|--no-pager|--bare|--no-replace-objects|--literal-pathspecs|--no-literal-pathspecs|--glob-pathspecs|--noglob-pathspecs|--icase-pathspecs|--no-optional-locks|--no-advice|--no-lazy-fetch)$/;
+/** git's global options that print something and end: what follows them is not a command git runs. */
+const GIT_INFO_OPTION = /^(-h|--help|--version|--html-path|--man-path|--info-path)$/;
 /** `git -c` settings that make git run a program or read more settings. */
 const GIT_CODE_SETTING =
   /^(alias\.|core\.(fsmonitor|pager|editor|sshcommand|hookspath|askpass|gitproxy|attributesfile|excludesfile)$|diff\.|difftool\.|merge\.|mergetool\.|filter\.|credential\.|sequence\.editor|gpg\.|uploadpack\.|receivepack\.|include\.|includeif\.|remote\..*\.(uploadpack|receivepack|proxy)$|http\..*proxy|protocol\.|pager\.|web\.browser|browser\.|instaweb\.|ssh\.|hook\.|init\.templatedir|safe\.)/i;
@@ -15473,6 +15496,10 @@ function gitParts(words: ShellWord[]): CommandPart[] {
       parts.push([dynamic(`git ${option} ${value.value} (makes git run a program)`)]);
   }
   const sub = valueOf(words[i]);
+  // A global option this list does not know (git gains some in every release) may take the next word as its value:
+  // what git then runs cannot be told, so it is judged as unknown, never as the words after it.
+  if (sub?.startsWith("-") && !GIT_INFO_OPTION.test(sub))
+    parts.push([dynamic(`git ${sub} (a global option aic does not know: what git runs after it cannot be told)`)]);
   if (sub && GIT_PUSHES.has(sub)) parts.push([words[0]!, known("push"), ...words.slice(i + 1)]);
   else if (sub && !sub.startsWith("-") && !GIT_COMMANDS.has(sub) && !gitExternalCommand(sub))
     parts.push([dynamic(`git ${sub} (not one of git's own commands: an alias, which can stand for anything)`)]);

@@ -229,6 +229,22 @@ const ROUTES: Route[] = [
     calls: () => [bash(`c=pu; ${LOADER} ${GIT} ${PUSH_WORD}; echo rc=$?`, "route")],
   },
   {
+    name: "a plain copy of the dynamic loader, running git",
+    skip: !LOADER && "needs the dynamic loader under /lib64 or /lib/x86_64-linux-gnu",
+    calls: (p) => {
+      const x = join(p.base, "x");
+      return [
+        bash(`mkdir -p ${x} && cp ${LOADER} ${x}/ld && c=pu && ${x}/ld ${GIT} ${PUSH_WORD}; echo rc=$?`, "route"),
+      ];
+    },
+  },
+  {
+    name: "git --no-literal-pathspecs, a global option before the subcommand",
+    skip: false,
+    calls: () => [bash(`c=pu; git --no-literal-pathspecs ${PUSH_WORD}; echo rc=$?`, "route")],
+    refused: () => 'aic: refused at exec: git --no-literal-pathspecs push origin master — the rule "deny git push *"',
+  },
+  {
     name: "a symbolic link to git under another name",
     skip: false,
     calls: () => [bash(`ln -s ${GIT} ./g && c=pu && ./g ${PUSH_WORD}; echo rc=$?`, "route")],
@@ -407,6 +423,70 @@ describe.skipIf(!has.git)("control: each route pushes when no rule holds it", ()
 // every later exec of the command with it (ENOSYS: no listener), and in the jail the command itself. execvp walks
 // PATH by trying each directory in turn, so one such entry before the program's own (a PATH kept from root's,
 // as through sudo or setpriv) is enough: man-db's helpers, env, xargs, find -exec.
+// A command can give itself another root directory without privileges: unshare(CLONE_NEWUSER), then chroot. A path
+// it then executes names a file of that tree, which the supervisor, resolving in its own root, would misjudge (the
+// tree's /usr/bin/true may be git). Such an exec is refused while a deny rule holds; without one it runs.
+const CHROOT_C = `#define _GNU_SOURCE
+#include <sched.h>
+#include <unistd.h>
+#include <stdio.h>
+#include <errno.h>
+#include <string.h>
+int main(int argc, char **argv) {
+  if (unshare(CLONE_NEWUSER) != 0) { printf("unshare: %s\\n", strerror(errno)); return 3; }
+  if (chroot(argv[1]) != 0) { printf("chroot: %s\\n", strerror(errno)); return 4; }
+  if (chdir("/") != 0) return 6;
+  execv(argv[2], argv + 2);
+  printf("exec: %s\\n", strerror(errno));
+  return 5;
+}
+`;
+const HELLO_C = '#include <stdio.h>\nint main(void) { puts("hello from the other root"); return 0; }\n';
+
+describe.skipIf(!has.git || !execJudgeHere || !onPath("cc"))("an exec from another root directory", () => {
+  const route: Route = {
+    name: "unshare(CLONE_NEWUSER) and chroot, then an exec inside",
+    skip: false,
+    prepare: (p) => {
+      const tree = join(p.base, "tree");
+      mkdirSync(tree);
+      writeFileSync(join(p.base, "chroot.c"), CHROOT_C);
+      writeFileSync(join(p.base, "hello.c"), HELLO_C);
+      for (const [out, src, flags] of [
+        [join(p.base, "into"), "chroot.c", []],
+        [join(tree, "hello"), "hello.c", ["-static"]],
+      ] as const) {
+        const cc = Bun.spawnSync(["cc", "-O0", ...flags, "-o", out, join(p.base, src)], { stderr: "pipe" });
+        if (cc.exitCode !== 0) throw new Error(`cc ${src}: ${cc.stderr.toString()}`);
+      }
+    },
+    calls: (p) => [bash(`${join(p.base, "into")} ${join(p.base, "tree")} /hello; echo rc=$?`, "route")],
+  };
+  for (const mode of MODES)
+    for (const user of USERS) {
+      test.skipIf(mode.skip || user.skip)(
+        `${mode.label}, ${user.label}: refused under deny git push *`,
+        async () => {
+          const { run, resultOf, report } = await runRoute(route, user, mode.env, "deny git push *\n");
+          expect(run.code, report()).toBe(0);
+          expect(resultOf("route"), report()).toContain("a process whose root directory is not the sandbox's (chroot)");
+          expect(resultOf("route")).not.toContain("hello from the other root");
+          expect(resultOf("harmless"), report()).toContain("fetch-ok");
+        },
+        120_000,
+      );
+      test.skipIf(mode.skip || user.skip)(
+        `${mode.label}, ${user.label}: runs without a rules file`,
+        async () => {
+          const { run, resultOf, report } = await runRoute(route, user, mode.env, undefined);
+          expect(run.code, report()).toBe(0);
+          expect(resultOf("route"), report()).toContain("hello from the other root");
+        },
+        120_000,
+      );
+    }
+});
+
 describe.skipIf(!has.git || !execJudgeHere)("the supervisor survives execs of paths it cannot look at", () => {
   /** `unprivileged`: only a user other than root meets the error (root may search any directory). */
   const CASES: { name: string; line: string; expect: RegExp; unprivileged?: boolean }[] = [

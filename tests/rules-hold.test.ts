@@ -451,3 +451,15 @@ test("git subcommand options that run a program are never taken at face value", 
   }
   expect(judgeCommand(rules, "git rebase main").unsure).toBeUndefined();
 });
+
+// git gains global options in every release; one the parser does not know may take the next word as its value,
+// so the words after it are not the subcommand (found by the fourth red team with --no-literal-pathspecs).
+test("a git global option the parser does not know makes the line unsure; the ones that only print do not", () => {
+  const { rules } = parseRuleLines("deny git push *\n");
+  expect(judgeCommand(rules, "git --no-literal-pathspecs push origin master").verdict).toBe("deny");
+  const unknown = judgeCommand(rules, "git --some-future-option push origin master");
+  expect(unknown.verdict === "deny" || unknown.unsure !== undefined).toBe(true);
+  expect(unknown.unsure ?? "").toContain("--some-future-option");
+  for (const line of ["git --version", "git --help", "git -h", "git --no-pager log"])
+    expect([line, judgeCommand(rules, line).unsure]).toEqual([line, undefined]);
+});
