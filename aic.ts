@@ -9433,19 +9433,38 @@ function descendantsOf(pid: number): number[] {
  * launcher, aic's git), nor what the person started in the Shell tab.
  */
 function killAdoptedOrphans(): void {
+  // A process that forks, lets its parent exit and calls setsid, over and over, is a new orphan of aic's a few
+  // hundred microseconds later, outside every group aic knew: passes repeat until one finds none (bounded, so
+  // leaving never hangs). Each orphan is killed as soon as it is seen, before it can fork again.
+  const deadline = Date.now() + ORPHAN_HUNT_MS;
+  for (let quiet = 0; quiet < 3 && Date.now() < deadline;) {
+    if (killOrphansOnce()) quiet = 0;
+    else if (++quiet < 3) Bun.sleepSync(1);
+  }
+  reapAdoptedZombies();
+}
+
+/** One pass of killAdoptedOrphans; whether it found any. */
+function killOrphansOnce(): boolean {
   const ours = `${process.pid}.`;
+  let found = false;
   for (const pid of ownChildren()) {
     // A command's process carries the marker, unless it cleared its environment (`env -i`); under Landlock it also
     // carries no_new_privs, which nothing can clear (the person's own Shell tab has neither).
     if (bunChildren.has(pid) || !(jobMarkerOf(pid)?.startsWith(ours) || noNewPrivs(pid))) continue;
     const info = processInfo(pid);
     if (!info || info.zombie) continue;
+    found = true;
+    signalProcess(pid, "SIGKILL");
     for (const d of descendantsOf(pid)) signalProcess(d, "SIGKILL");
     if (info.pgid > 1 && info.pgid !== process.pid) signalGroup(info.pgid, "SIGKILL");
-    signalProcess(pid, "SIGKILL");
   }
   reapAdoptedZombies();
+  return found;
 }
+
+/** How long leaving aic keeps hunting orphans that keep making new ones. */
+const ORPHAN_HUNT_MS = 2000;
 
 /** Whether a process runs with no_new_privs (every process the sandbox confines does). */
 function noNewPrivs(pid: number): boolean {

@@ -126,6 +126,57 @@ describe("Landlock alone: what a command leaves for later", () => {
     },
   );
 
+  // A process that forks, lets its parent exit and calls setsid every few hundred microseconds is a new orphan of
+  // aic's each time, in a session of its own: one pass over aic's children missed the next one (the fourth red team:
+  // it planted core.fsmonitor after the final sweep).
+  test.skipIf(!has.git || kernelLandlockAbi() < 1 || !Bun.which("cc"))(
+    "a process that keeps changing its pid and session does not outlive aic",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q");
+      const mark = `aic-hop-${process.pid}-${Date.now()}`;
+      const hop = join(dir, "..", "hop");
+      writeFileSync(
+        `${hop}.c`,
+        `#include <signal.h>\n#include <unistd.h>\n#include <time.h>\n` +
+          `int main(int argc, char **argv) { (void)argc; signal(SIGTERM, SIG_IGN); signal(SIGHUP, SIG_IGN); signal(SIGINT, SIG_IGN);\n` +
+          `  time_t end = time(0) + 30; while (time(0) < end) { if (fork() != 0) _exit(0); setsid(); usleep(HOP_US); }\n` +
+          `  (void)argv; return 0; }\n`,
+      );
+      // No pause between generations: each lives only as long as its fork takes.
+      const cc = Bun.spawnSync(["cc", "-O2", "-DHOP_US=0", "-o", hop, `${hop}.c`], { stderr: "pipe" });
+      expect(cc.stderr.toString()).toBe("");
+      const survivors = () =>
+        readdirSync("/proc")
+          .filter((p) => /^\d+$/.test(p))
+          .filter((p) => {
+            try {
+              return readFileSync(`/proc/${p}/cmdline`, "utf8").includes(mark);
+            } catch {
+              return false;
+            }
+          });
+      const srv = fixtures.serve([
+        bash(`env -i ${hop} ${mark}; sleep 1; pgrep -f ${mark} >/dev/null && echo hopping`, "h"),
+        done,
+      ]);
+      try {
+        const run = await runAic([...headless(srv.url), "--auto-approve", "go"], {
+          cwd: dir,
+          env: { ...env, AIC_NO_NAMESPACES: "1" },
+        });
+        expect(run.code).toBe(0);
+        expect(toolAnswer(srv.requests.at(-1), "h")).toContain("hopping");
+        await waitFor("the hopping process to be gone", () => survivors().length === 0, 10_000);
+        expect(survivors()).toEqual([]);
+      } finally {
+        // A failed hunt leaves it hopping: stopped here by pid, as often as it takes.
+        for (let i = 0; i < 2000 && survivors().length; i++)
+          for (const pid of survivors()) Bun.spawnSync(["kill", "-9", pid]);
+      }
+    },
+  );
+
   test.skipIf(!has.git || kernelLandlockAbi() < 1)(
     "a command that plants core.fsmonitor in aic's own checkpoint store (state inside the writable tree) runs nothing",
     async () => {
