@@ -8539,11 +8539,14 @@ function realOrAsIs(p: string, written?: string): string {
 class FoundGit {
   readonly dirs: HeldDirectory[] = [];
   readonly pointers: GitPointer[] = [];
+  /** FIFOs and devices where git reads a work tree's rules (see WORK_TREE_GIT_FILES), in their held directories. */
+  readonly special: { parent: HeldDirectory; name: string }[] = [];
   /** The search stopped at its limit of directories: a git dir beyond it was not seen. */
   exhausted = false;
 
   close(): void {
-    for (const held of [...this.dirs, ...this.pointers.map((p) => p.parent)]) held.close();
+    for (const held of [...this.dirs, ...this.pointers.map((p) => p.parent), ...this.special.map((f) => f.parent)])
+      held.close();
   }
 }
 
@@ -8555,7 +8558,16 @@ interface GitListing {
   pointer: boolean;
   /** It holds HEAD, objects/ and refs/: a git dir (a bare repository). */
   gitLike: boolean;
+  /** Files git reads in a work tree's directories (`.gitignore`, `.mailmap`…) that are FIFOs or devices here. */
+  special: string[];
 }
+
+/** What git reads in any directory of a work tree, and at its top: a FIFO there holds the person's git forever. */
+const WORK_TREE_GIT_FILES = new Set([".gitignore", ".gitattributes", ".mailmap", ".gitmodules"]);
+
+/** Whether a directory entry (or a stat) is something no read of git's may open: a FIFO, a socket or a device. */
+const isSpecialFile = (e: fs.Dirent | fs.Stats) =>
+  e.isFIFO() || e.isSocket() || e.isCharacterDevice() || e.isBlockDevice();
 
 /** How many directories' listings a search remembers; past it, it starts again. */
 const LISTING_MEMO_LIMIT = 100_000;
@@ -8600,6 +8612,7 @@ function gitListingOf(entries: readonly fs.Dirent[]): GitListing {
     subdirs: entries.filter((e) => e.isDirectory()).map((e) => e.name),
     pointer: entries.some((e) => e.name === ".git" && !e.isDirectory()),
     gitLike: looksLikeGitDir(entries),
+    special: entries.filter((e) => WORK_TREE_GIT_FILES.has(e.name) && isSpecialFile(e)).map((e) => e.name),
   };
 }
 
@@ -8641,6 +8654,10 @@ function searchGitDirs(root: HeldDirectory, depth: number, limit: number, memo =
     if (listing.pointer) {
       const parent = dir.child(".");
       if (parent) found.pointers.push({ parent, at: parent.at(".git"), display: parent.display(".git") });
+    }
+    for (const name of listing.special) {
+      const parent = dir.child(".");
+      if (parent) found.special.push({ parent, name });
     }
     // A `.git` here is looked at whatever the budget: a command cannot hide one behind many directories.
     const ordered = listing.subdirs.includes(".git")
@@ -8774,6 +8791,53 @@ interface GitDirBaseline {
 }
 
 /** The hooks of a git dir (samples aside), with their signatures. */
+/** Files a git dir holds that git reads for a plain `git status` or `git log`, with the directory each is in. */
+const GIT_DIR_READ_FILES: readonly [dir: string, names: readonly string[]][] = [
+  ["", ["index", "HEAD", "packed-refs", "shallow", "commondir", "ORIG_HEAD", "MERGE_HEAD", "FETCH_HEAD"]],
+  ["info", ["exclude", "attributes", "grafts", "sparse-checkout"]],
+  ["objects/info", ["alternates", "http-alternates"]],
+];
+/** How many entries under refs/ are looked at for FIFOs (a repository's loose refs; packed ones are one file). */
+const GIT_REFS_LOOKED_AT = 5000;
+
+/**
+ * The files of GIT_DIR_READ_FILES, and every loose ref (up to GIT_REFS_LOOKED_AT), each as its held directory and
+ * name: reached without following a link on the way (a link in the last place is for the caller to judge).
+ */
+function gitReadFiles(gitDir: HeldDirectory): { files: [HeldDirectory, string][]; close(): void } {
+  const held: HeldDirectory[] = [];
+  const files: [HeldDirectory, string][] = [];
+  const open = (from: HeldDirectory, rel: string) => {
+    let at: HeldDirectory | undefined = from;
+    for (const part of rel.split("/").filter(Boolean)) {
+      at = at.child(part);
+      if (!at) return undefined;
+      held.push(at);
+    }
+    return at;
+  };
+  for (const [rel, names] of GIT_DIR_READ_FILES) {
+    const d = open(gitDir, rel);
+    if (d) for (const name of names) files.push([d, name]);
+  }
+  let budget = GIT_REFS_LOOKED_AT;
+  const refs = (d: HeldDirectory) => {
+    for (const e of d.entries()) {
+      if (budget-- <= 0) return;
+      // One aic took out already stays as it is (a later audit would move it again).
+      if (!e.isDirectory()) {
+        if (!e.name.endsWith(".aic-disabled")) files.push([d, e.name]);
+      } else {
+        const sub = open(d, e.name);
+        if (sub) refs(sub);
+      }
+    }
+  };
+  const top = open(gitDir, "refs");
+  if (top) refs(top);
+  return { files, close: () => held.forEach((d) => d.close()) };
+}
+
 function hooksOf(gitDir: HeldDirectory): Map<string, string> {
   const hooks = new Map<string, string>();
   const dir = gitDir.child("hooks");
@@ -8898,6 +8962,8 @@ class GitGuard {
     try {
       const known = [...this.dirs.keys(), ...found.dirs.map((d) => d.path)];
       for (const p of found.pointers) done.push(...this.auditPointer(p, known));
+      for (const { parent, name } of found.special)
+        done.push(...moveAside(parent.at(name), parent.display(name), `${parent.display(name)} (a FIFO or device)`));
       for (const dir of found.dirs.filter(notAicsOwn)) {
         const judged: Judged = {};
         done.push(...this.disarm(dir, this.dirs.get(dir.path), judged));
@@ -8920,6 +8986,7 @@ class GitGuard {
         : searchGitDirs(root, GIT_SEARCH_DEPTH, GIT_SEARCH_LIMIT, this.listings);
       all.dirs.push(...found.dirs);
       all.pointers.push(...found.pointers);
+      all.special.push(...found.special);
       all.exhausted ||= found.exhausted;
     }
     const enclosing = this.enclosing && HeldDirectory.tryOpen(this.enclosing.gitDir);
@@ -9066,19 +9133,19 @@ class GitGuard {
           ),
         );
     }
-    // A FIFO (or a link to one, or a device) where git reads ignore rules or attributes stalls the person's git.
-    const info = dir.child("info");
-    for (const name of ["exclude", "attributes"]) {
+    // A FIFO (or a link to one, or a device) where git reads its index, refs or rules stalls the person's git.
+    const reads = gitReadFiles(dir);
+    for (const [holder, name] of reads.files) {
       let st: fs.Stats | undefined;
       try {
-        st = info ? fs.statSync(info.at(name), { throwIfNoEntry: false }) : undefined; // through a link too
+        st = fs.statSync(holder.at(name), { throwIfNoEntry: false }); // through a link too
       } catch {
         st = undefined;
       }
-      if (st && (st.isFIFO() || st.isSocket() || st.isCharacterDevice() || st.isBlockDevice()))
-        done.push(...moveAside(info!.at(name), info!.display(name), `${info!.display(name)} (a FIFO or device)`));
+      if (st && isSpecialFile(st))
+        done.push(...moveAside(holder.at(name), holder.display(name), `${holder.display(name)} (a FIFO or device)`));
     }
-    info?.close();
+    reads.close();
     const hooks = dir.child("hooks");
     for (const [name, sig] of hooksOf(dir))
       if (before?.hooks.get(name) !== sig)

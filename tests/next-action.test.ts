@@ -285,6 +285,34 @@ describe("what git reads besides its config", () => {
     },
   );
 
+  // Everything git opens for a plain status or log is a place a FIFO holds the person's git forever (the fourth
+  // red team: the index, HEAD, a loose ref, the alternates, a .gitignore below the top, the .mailmap).
+  for (const [where, plant, person] of [
+    [".git/index", "rm -f .git/index && mkfifo .git/index", ["status", "--short"]],
+    [".git/HEAD", "rm -f .git/HEAD && mkfifo .git/HEAD", ["status", "--short"]],
+    [".git/refs/heads/master", "rm -f .git/refs/heads/master && mkfifo .git/refs/heads/master", ["status", "--short"]],
+    [".git/packed-refs", "mkfifo .git/packed-refs", ["status", "--short"]],
+    [".git/objects/info/alternates", "mkdir -p .git/objects/info && mkfifo .git/objects/info/alternates", ["status"]],
+    ["d1/.gitignore", "mkdir -p d1 && mkfifo d1/.gitignore", ["status", "--short"]],
+    [".mailmap", "mkfifo .mailmap", ["log", "-1", "--format=%aN"]],
+  ] as const)
+    test.skipIf(!has.git || !Bun.which("mkfifo") || !Bun.which("timeout"))(
+      `a FIFO put at ${where} is taken out: the person's git ${person[0]} does not hang`,
+      async () => {
+        const { dir, env } = project();
+        git(dir, "init", "-q", "-b", "master");
+        git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+        const srv = fixtures.serve([bash(`${plant} && echo planted`, "p"), done]);
+        const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+        expect(run.code).toBe(0);
+        expect(toolAnswer(srv.requests.at(-1), "p")).toContain("planted");
+        expect(toolAnswer(srv.requests.at(-1), "p")).toContain(`${where} (a FIFO or device)`);
+        const st = Bun.spawnSync(["timeout", "10", "git", ...person], { cwd: dir, stdout: "pipe", stderr: "pipe" });
+        expect(st.exitCode).not.toBe(124);
+        expect(existsSync(join(dir, `${where}.aic-disabled`))).toBe(true);
+      },
+    );
+
   test.skipIf(!has.git)(
     "a config the repository includes, replaced by a link to one that runs a program: the person's git runs nothing",
     async () => {
