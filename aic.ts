@@ -6301,6 +6301,40 @@ const SECRET_STORES = [
   ".node_repl_history",
   ".irb_history",
   ".lesshst",
+  // Found readable by the fourth red team: tokens of hosting, cloud and model services, mail and database clients,
+  // and more of what a person typed.
+  ".cache/huggingface/token",
+  ".huggingface",
+  ".yarnrc.yml",
+  ".kaggle",
+  ".config/glab-cli",
+  ".config/tea",
+  ".config/doctl",
+  ".config/hcloud",
+  ".fly",
+  ".wrangler",
+  ".config/netlify",
+  ".local/share/com.vercel.cli",
+  ".local/share/containers/auth.json",
+  ".config/containers/auth.json",
+  ".config/configstore",
+  ".config/ngrok",
+  ".databrickscfg",
+  ".terraformrc",
+  ".sentryclirc",
+  ".my.cnf",
+  ".msmtprc",
+  ".fetchmailrc",
+  ".gitlab-runner",
+  ".bundle/config",
+  ".local/share/atuin",
+  ".histfile",
+  ".zhistory",
+  ".ipython",
+  ".viminfo",
+  ".dbshell",
+  ".local/state/nvim/shada",
+  ".local/share/nvim/shada",
 ];
 
 /** A file or directory whose name says it holds a credential: unreadable too, wherever it is in the home directory. */
@@ -6310,7 +6344,7 @@ const CREDENTIAL_SEARCH_LIMIT = 20_000;
 
 /**
  * Files and directories in the home directory (two levels down) and in
- * ~/.config/* (two levels below each) whose names say they hold a
+ * ~/.config/* and ~/.local/share/* (two levels below each) whose names say they hold a
  * credential; caches and writable trees are not searched. Read at start:
  * one created later is not covered (the README says so).
  */
@@ -6334,13 +6368,15 @@ function credentialShapedPaths(home: string, skip: (p: string) => boolean): stri
     }
   };
   walk(home, 2);
-  let configs: fs.Dirent[] = [];
-  try {
-    configs = fs.readdirSync(path.join(home, ".config"), { withFileTypes: true });
-  } catch {
-    /* no ~/.config */
+  for (const base of [".config", ".local/share"]) {
+    let configs: fs.Dirent[] = [];
+    try {
+      configs = fs.readdirSync(path.join(home, base), { withFileTypes: true });
+    } catch {
+      /* no such directory */
+    }
+    for (const c of configs) if (c.isDirectory()) walk(path.join(home, base, c.name), 2);
   }
-  for (const c of configs) if (c.isDirectory()) walk(path.join(home, ".config", c.name), 2);
   return [...new Set(found)];
 }
 
@@ -7524,6 +7560,8 @@ interface SandboxPaths {
   caches: string[];
   writable: string[];
   secrets: string[];
+  /** Secret stores inside a package cache: hidden by the jail, readable under Landlock alone. */
+  inCaches: string[];
   /** Secret stores inside a writable tree: said at start instead of half-protected. */
   exposed: string[];
   /** Programs deny rules forbid outright whose files commands cannot execute or read. */
@@ -7553,8 +7591,14 @@ function sandboxPaths(
   const stores = liftAllowedReads([...named, ...shaped], config.allowRead);
   // A secret store inside a writable tree (aic started in ~) cannot be kept unreadable: commands may rewrite it
   // anyway, and files they create there later must be readable.
-  const exposed = stores.filter(inWritable);
-  const secrets = stores.filter((s) => !exposed.includes(s));
+  const inCache = (p: string) =>
+    caches.some((c) => isBeneath(p, real(c))) &&
+    !writable.some((w) => !caches.includes(w) && (p === w || isBeneath(p, w)));
+  // A store inside a package cache (~/.cache/huggingface/token) the jail covers with a file of its own; Landlock,
+  // which only grants, cannot take one file out of a tree it lets commands write.
+  const inCaches = stores.filter((s) => inWritable(s) && inCache(s));
+  const exposed = stores.filter((s) => inWritable(s) && !inCaches.includes(s));
+  const secrets = stores.filter((s) => !inWritable(s));
   // A program a deny rule forbids outright cannot be executed, nor read (so it cannot be copied and run).
   const binaries = deniedPrograms.flatMap(programFiles).filter((f) => !writable.some((w) => isBeneath(f, w)));
   // aic's own state is unreadable under Landlock alone too, where it is not in a writable tree (the jail hides it all).
@@ -7564,7 +7608,7 @@ function sandboxPaths(
   // What the kernel cannot refuse by file (a subcommand, arguments, a program where commands write) is judged at exec.
   const judged = denyRules.filter((r) => r.words.length !== 1 || !enforced.includes(r.words[0]!));
   if (judged.length && !execJudgeMissing()) plan.judgeExec = judged.map((r) => r.written);
-  return { caches: caches.map(real), writable, secrets, exposed, enforced, plan };
+  return { caches: caches.map(real), writable, secrets, inCaches, exposed, enforced, plan };
 }
 
 /** The sandbox of a run: its facts for the start line and the JSON, and the launcher started once the session is claimed. */
@@ -7573,9 +7617,10 @@ function liveSandbox(
   o: { abi: number; home: string | undefined; paths: SandboxPaths; self: string[]; jail: JailChoice },
 ): Sandbox {
   const { abi, home, self, jail } = o;
-  const { caches, writable, secrets, exposed, enforced, plan } = o.paths;
+  const { caches, writable, secrets, inCaches, exposed, enforced, plan } = o.paths;
   const heldAtExec = plan.judgeExec ?? [];
-  const status = sandboxStatus({ abi, home, writable, caches, secrets, exposed, enforced, heldAtExec, jail, config });
+  const seen = { abi, home, writable, caches, secrets, inCaches, exposed, enforced, heldAtExec, jail, config };
+  const status = sandboxStatus(seen);
   let commands: SandboxLauncher | undefined;
   let guard: GitGuard | undefined;
   const facts = {
@@ -7615,7 +7660,7 @@ function liveSandbox(
         jail,
         own,
         home,
-        secrets,
+        secrets: [...secrets, ...inCaches],
         gitDirs,
         onRefused: (why) => (jail.refused = why),
       });
@@ -7689,6 +7734,8 @@ function sandboxStatus(o: {
   writable: string[];
   caches: string[];
   secrets: string[];
+  /** Secret stores inside a package cache: hidden by the jail, readable under Landlock alone. */
+  inCaches: string[];
   exposed: string[];
   enforced: string[];
   heldAtExec: readonly string[];
@@ -7701,12 +7748,18 @@ function sandboxStatus(o: {
     list.length <= n + 1 ? shown(list) : `${shown(list.slice(0, n))} and ${list.length - n} more`;
   const caches = o.writable.filter((w) => o.caches.includes(w));
   const writes = `${shown(o.writable.filter((w) => !caches.includes(w)))}${caches.length ? ` and the package caches (${few(caches, 2)})` : ""}`;
-  const notes =
-    (o.secrets.length
-      ? `; secret stores unreadable (${few(o.secrets)})`
+  const cached = (jailed: boolean) =>
+    o.inCaches.length && !jailed
+      ? `; ${shown(o.inCaches)} stay readable (in a package cache commands may write: only the jail covers one file there)`
+      : "";
+  const unreadable = (jailed: boolean) => [...o.secrets, ...(jailed ? o.inCaches : [])];
+  const notes = (jailed: boolean) =>
+    (unreadable(jailed).length
+      ? `; secret stores unreadable (${few(unreadable(jailed))})`
       : o.config.allowReadSecrets
         ? "; secret stores readable (--allow-read-secrets)"
         : "") +
+    cached(jailed) +
     (o.exposed.length
       ? `; ${shown(o.exposed)} stay readable and writable, since aic started in a directory that holds them`
       : "") +
@@ -7716,7 +7769,7 @@ function sandboxStatus(o: {
     const jail = o.jail.refused
       ? `Landlock alone, no jail: ${o.jail.refused}; commands can reach Unix sockets and the terminal, see other processes, write .git/config and hooks, and leave processes running after aic exits`
       : `jail: own PID, mount and IPC namespaces (your processes, sockets and terminal out of reach; .git/config and hooks read-only; nothing outlives aic)${o.jail.net ? "; network: loopback only" : ""}${o.jail.allowSshAgent ? "; ssh-agent passed through (--allow-ssh-agent)" : ""}`;
-    return `on (Landlock ABI ${o.abi}; ${jail}; writes only under ${writes}${notes})`;
+    return `on (Landlock ABI ${o.abi}; ${jail}; writes only under ${writes}${notes(!o.jail.refused)})`;
   };
 }
 

@@ -632,6 +632,13 @@ describe.skipIf(!has.landlock)("the wider secret stores are unreadable unless th
     ".config/foo/api_token",
     "mykey.pem",
     ".config/bar/credentials.json",
+    // The fourth red team's: a token inside a cache commands may write, and a credential-shaped name three levels down.
+    ".cache/huggingface/token",
+    ".local/share/com.vercel.cli/auth.json",
+    ".local/share/someapp/sub/auth.json",
+    ".kaggle/kaggle.json",
+    ".my.cnf",
+    ".zhistory",
   ];
   /** A home (outside the writable set) holding each file, each with a secret of its own; a project under /tmp. */
   function world() {
@@ -663,6 +670,20 @@ describe.skipIf(!has.landlock)("the wider secret stores are unreadable unless th
     expect(run.code).toBe(0);
     expect(toolAnswer(srv.requests[1], "probe")).toContain("probed");
     expect(leaked(srv, secrets)).toEqual([]);
+  });
+
+  // Landlock only grants: it cannot take one file out of a cache commands may write. The start line says so.
+  test("under Landlock alone, a store inside a package cache is said to stay readable", async () => {
+    const { home, cwd } = world();
+    const srv = fixtures.serve([done]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--json", "read"], {
+      cwd,
+      env: { HOME: home, AIC_NO_NAMESPACES: "1" },
+    });
+    expect(run.code).toBe(0);
+    const status = String(jsonLines(run.stdout).find((e) => e.type === "start")?.sandbox?.status ?? "");
+    expect(status).toContain("~/.cache/huggingface/token stay readable (in a package cache");
+    expect(status).toContain("secret stores unreadable");
   });
 
   test("--allow-read PATH lifts it for that path only", async () => {
