@@ -13927,6 +13927,25 @@ class Checkpoints {
     return changed;
   }
 
+  /**
+   * The rules files (named `name`) the command of `call` created, changed or deleted, each with the text it held
+   * before the command ("" when there was none): what the person's rules there were.
+   */
+  async rulesWritten(call: string, changed: ChangedFiles, name: string): Promise<{ file: string; before: string }[]> {
+    const step = this.done.findLast((s) => s.call === call);
+    const out: { file: string; before: string }[] = [];
+    for (const rel of [...changed.created, ...changed.modified, ...changed.deleted]) {
+      if (path.basename(rel) !== name) continue;
+      let before = "";
+      if (step && !changed.created.includes(rel))
+        before = await this.shadow
+          .gitOk(["cat-file", "blob", `${step.commit}:${this.shadow.prefix}${rel}`])
+          .catch(() => "");
+      out.push({ file: path.join(this.shadow.directory, rel), before: before.slice(0, MAX_RULES_BYTES) });
+    }
+    return out;
+  }
+
   /** What commands wrote since the store's size was last asked (a git process): asked again past a megabyte, or every 32 changes. */
   private grownBytes = 0;
   private grownSteps = 0;
@@ -16660,10 +16679,11 @@ class RulesTrust {
     RulesTrust.save(rules, { trusted: text });
   }
 
-  static commandWrote(rules: string, now: RulesOnDisk): void {
+  /** A command left `now` in `rules`; `before`: the person's text there, when aic knows it and has no record yet. */
+  static commandWrote(rules: string, now: RulesOnDisk, before?: string): void {
     const known = RulesTrust.of(rules);
     const marker = now.kind === "text" ? sha256(now.text) : `unreadable:${now.identity}`;
-    RulesTrust.save(rules, { trusted: known?.trustedText ?? "", by_command: marker });
+    RulesTrust.save(rules, { trusted: known?.trustedText ?? before ?? "", by_command: marker });
   }
 
   private static save(rules: string, doc: { trusted: string; by_command?: string }): void {
@@ -17249,7 +17269,29 @@ async function finishObservation(
   });
   const notice = o.rules.changeNotice();
   if (notice) ctx.emit({ type: "warning", text: notice });
+  if (changed && o.checkpoints) await noteOtherRulesWritten(o.checkpoints, id, changed, o.rules.path, ctx);
   return { kind: "done", content };
+}
+
+/**
+ * A rules file other than this run's own (a subdirectory's `.aicrules`, which a run started there reads) written
+ * by a command: at a start there it is not in force until the person accepts it, as this run's own would be.
+ */
+async function noteOtherRulesWritten(
+  checkpoints: Checkpoints,
+  call: string,
+  changed: ChangedFiles,
+  own: string,
+  ctx: ToolCallContext,
+): Promise<void> {
+  for (const { file, before } of await checkpoints.rulesWritten(call, changed, RULES_FILE_NAME)) {
+    if (path.resolve(file) === path.resolve(own)) continue;
+    RulesTrust.commandWrote(file, rulesOnDisk(file), before);
+    ctx.emit({
+      type: "warning",
+      text: `${file} was written by a command: a run started there keeps the rules it held before until you accept the change (aic rules accept)`,
+    });
+  }
 }
 
 /** Whether the command may run (and whether a person approved it by hand), or the answer the model gets instead and why. */
