@@ -14083,7 +14083,7 @@ class Checkpoints {
     const started = Date.now();
     this.firstRun = run;
     this.notice(
-      `checkpoints: the first snapshot of ${this.shadow.directory} takes a while${this.bigDirectories()}; commands run without checkpoints until it is done, and later runs start from it`,
+      `checkpoints: the first snapshot of ${this.shadow.directory} takes a while${this.bigDirectories()}; commands run without checkpoints until it is done, and later runs start from it (a run that ends first stops it, and the next run takes it again)`,
     );
     run
       .then(
@@ -14180,10 +14180,16 @@ class Checkpoints {
       const report = await new TreeRestore(s, now, goal, theirs).run();
       s.ensureInPlace();
       const after = await s.snapshot(`restored ${target}`);
-      if (after.tree !== goal.tree && !report.skipped.length)
+      if (after.tree !== goal.tree && !report.skipped.length) {
+        // What was kept aside is new beside the checkpoint's files by design; anything else changed meanwhile.
+        const aside = new Set((report.keptAside ?? []).map((k) => k.split(" → ")[1]));
+        const differ = [...(await s.changedPaths(goal.commit, after.commit))].filter((p) => !aside.has(p));
         report.skipped.push(
-          "(the files differ from the checkpoint after the restore; a job may have changed them meanwhile)",
+          ...differ.map(
+            (p) => `${p} (differs from the checkpoint after the restore: a job may have changed it meanwhile)`,
+          ),
         );
+      }
       return { report, before: now.commit, left: after.commit };
     } catch (error) {
       if (error instanceof ProjectMoved) throw new Error(`${error.message}; undo puts nothing back there`);
@@ -14347,8 +14353,10 @@ class TreeRestore {
     if (!at || !st || !(st.isFile() || st.isSymbolicLink())) return;
     if (this.theirs.has(c.rel)) {
       if (!this.keepAside(c.rel, at)) return;
-    } else fs.unlinkSync(at);
-    if (!isGitFile(c.toMode)) this.report.removed.push(c.rel);
+    } else {
+      fs.unlinkSync(at);
+      if (!isGitFile(c.toMode)) this.report.removed.push(c.rel);
+    }
     const keep = parseManifest(this.goal.manifest).dirs;
     for (let dir = parentOf(c.rel); dir !== "" && !keep.has(dir); dir = parentOf(dir))
       if (!this.removeDirIfEmpty(dir)) break;
@@ -18325,10 +18333,11 @@ class Agent {
 
   /** The run's last words: a warning for a limit, and the `end` event with its exit code. */
   private finishRun(status: RunStatus, steps: number, durationMs: number): RunOutcome {
+    const saved = this.o.session ? " and the session saved" : "";
     const limits: Partial<Record<RunStatus, string>> = {
       step_limit: `stopped after ${this.o.config.maxSteps} steps (--max-steps) without the task being marked complete`,
-      time_budget: `the time budget is spent (--max-time ${this.o.config.maxTime} s): the run was stopped and the session saved`,
-      stalled: `the model is going round in circles (${this.stall.reason}): the run was stopped and the session saved`,
+      time_budget: `the time budget is spent (--max-time ${this.o.config.maxTime} s): the run was stopped${saved}`,
+      stalled: `the model is going round in circles (${this.stall.reason}): the run was stopped${saved}`,
     };
     const limit = limits[status];
     if (limit) this.emit({ type: "warning", text: limit });
@@ -21321,6 +21330,11 @@ function transcriptLines(e: AgentEvent): { tone: Tone; text: string }[] {
       return [
         { tone: e.exit_code === 0 ? "dim" : e.exit_code === null ? "info" : "bad", text: `  ${commandStatusLine(e)}` },
       ];
+    case "approval":
+      // What the person said instead of running it belongs under the command it answered.
+      return e.decision === "suggestion" && e.suggestion
+        ? [{ tone: "info", text: visibleControls(`  your suggestion instead: ${oneLine(e.suggestion, 300)}`) }]
+        : [];
     // The answer and the reasoning stream into the pane by themselves; the rest are figures, or the Console's.
     case "assistant":
     case "assistant_delta":
@@ -22412,7 +22426,7 @@ function stoppedJobLine(job: Job): string {
 function exitLine(session: SessionStore | undefined, config: Config): string {
   if (!session) return "aic: nothing was saved (--no-session).\n";
   const how =
-    config.session === undefined
+    config.session === undefined && session.instanceNumber === 1
       ? `cd ${shellQuoted(process.cwd())} && aic`
       : `aic --session ${shellQuoted(session.path)}`;
   return `aic: the conversation is saved in ${session.path} (session ${session.sessionId}); to continue it: ${how}\n`;
@@ -23036,6 +23050,7 @@ if (import.meta.main) {
 }
 
 export {
+  exitLine,
   Agent,
   classifyForeground,
   COMMAND_ENV,

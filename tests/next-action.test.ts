@@ -65,6 +65,32 @@ describe("undo keeps what a checkpoint never held", () => {
   );
 });
 
+// The undo report a new user and the fourth red team read: a version kept aside is said once, under "kept aside"
+// (not also under "removed"), and the name kept aside is not reported as a file the restore missed.
+test("undo after the person's own edits: what is kept aside is said once, and nothing is 'not put back'", async () => {
+  const { dir, env } = project();
+  writeFileSync(join(dir, "a.txt"), "v1\n");
+  const srv = fixtures.serve([
+    bash("echo v2 > a.txt && mkdir newdir && echo x > newdir/f", "w"),
+    bash("ls", "l"),
+    done,
+  ]);
+  const session = join(dir, "s.json");
+  const run = await runAic([...headless(srv.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env });
+  expect(run.code).toBe(0);
+  writeFileSync(join(dir, "a.txt"), "the person's edit\n");
+  writeFileSync(join(dir, "newdir", "mine.txt"), "mine\n");
+  const undo = await runAic(["undo", "2", "--session", session], { cwd: dir, env });
+  expect(undo.code).toBe(0);
+  expect(undo.stdout).not.toContain("not put back");
+  expect(undo.stdout).toContain("kept aside, as no snapshot held them");
+  expect(undo.stdout).toContain("newdir/mine.txt → newdir/mine.txt.aic-kept-1");
+  const removed = undo.stdout.split("\n").find((l) => l.startsWith("removed")) ?? "";
+  expect(removed).not.toContain("mine.txt");
+  expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("v1\n");
+  expect(readFileSync(join(dir, "a.txt.aic-kept-1"), "utf8")).toBe("the person's edit\n");
+});
+
 describe("aic in a git worktree", () => {
   test.skipIf(!has.git)(
     "the start directory's .git is a file: the run works and its command's changes are seen",

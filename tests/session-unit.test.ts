@@ -15,6 +15,7 @@ import {
   OutputStore,
   JobTable,
   SessionStore,
+  exitLine,
   parseArgs,
   sandboxOff,
   repairMessages,
@@ -679,4 +680,24 @@ describe("fuzzed session files (loading)", () => {
     );
     expect(failures).toEqual([]);
   }, 180_000);
+});
+
+// The line left on the terminal after the TUI closes names how to continue: a second instance (.aicsession2)
+// is not what a plain `aic` in that directory opens, so it is named by path (a new user was sent to the first).
+test("the quit line of a second instance names its session file", () => {
+  const dir = scratch("aic-exit-line-");
+  const process_ = { cwd: process.cwd() };
+  process.chdir(dir);
+  try {
+    const parsed = parseArgs(["--api-base", META.apiBase, "--model", META.model, "task"], {});
+    if (parsed.kind !== "run") throw new Error(`parseArgs gave ${parsed.kind}`);
+    const first = claim(join(dir, ".aicsession"));
+    const second = claim(join(dir, ".aicsession"));
+    expect(first.instanceNumber).toBe(1);
+    expect(second.instanceNumber).toBe(2);
+    expect(exitLine(first, parsed.config)).toContain("to continue it: cd ");
+    expect(exitLine(second, parsed.config)).toContain(`to continue it: aic --session ${join(dir, ".aicsession2")}`);
+  } finally {
+    process.chdir(process_.cwd);
+  }
 });

@@ -348,6 +348,8 @@ describe("approval gate in the TUI", () => {
       { role: "user", content: "I suggest you use ls instead" },
     ]);
     expect(await h.frame()).not.toContain("suggested-9");
+    // The transcript says what the person said instead, under the command it answered (not only "rejected").
+    expect(unwrapped(await h.frame(), "left")).toContain("your suggestion instead: use ls instead");
   });
 
   // /aa turns auto-approve on (shown in the footer): the next command runs without a dialog.
