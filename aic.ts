@@ -4443,6 +4443,63 @@ class HeldDirectory {
     }
   }
 
+  /**
+   * The subdirectory `name` although aic may not read it (a command made it 0311 after putting a repository
+   * inside: git finds a `.git` there by its name, which takes only search permission). One of aic's own user is
+   * opened by giving its owner read and search for the moment of the open, its mode put back at once; another
+   * user's, or a link, is undefined.
+   */
+  childDespiteMode(name: string): HeldDirectory | undefined {
+    let pinned: number;
+    try {
+      pinned = fs.openSync(this.at(name), O_PATH | O.O_NOFOLLOW | O.O_DIRECTORY | O_CLOEXEC);
+    } catch {
+      return undefined;
+    }
+    try {
+      const st = fs.fstatSync(pinned);
+      if (!st.isDirectory() || st.uid !== process.getuid?.()) return undefined;
+      const mode = st.mode & 0o7777;
+      // Through the descriptor: the mode changes on the directory opened, never on a link swapped in by name.
+      const self = `/proc/self/fd/${pinned}`;
+      fs.chmodSync(self, mode | 0o500);
+      try {
+        return new HeldDirectory(path.join(this.path, name), fs.openSync(self, O.O_RDONLY | O.O_DIRECTORY));
+      } finally {
+        fs.chmodSync(self, mode);
+      }
+    } catch {
+      return undefined;
+    } finally {
+      fs.closeSync(pinned);
+    }
+  }
+
+  /**
+   * `entries`, also of a directory of aic's own user that aic may not read (see childDespiteMode): its owner is
+   * given read for the moment of the listing, its mode put back at once.
+   */
+  entriesDespiteMode(): fs.Dirent[] {
+    try {
+      return fs.readdirSync(this.at(), { withFileTypes: true });
+    } catch (error) {
+      if ((error as NodeJS.ErrnoException).code !== "EACCES") return [];
+    }
+    try {
+      const st = fs.fstatSync(this.fd);
+      if (!st.isDirectory() || st.uid !== process.getuid?.()) return [];
+      const mode = st.mode & 0o7777;
+      fs.chmodSync(this.at(), mode | 0o500);
+      try {
+        return fs.readdirSync(this.at(), { withFileTypes: true });
+      } finally {
+        fs.chmodSync(this.at(), mode);
+      }
+    } catch {
+      return [];
+    }
+  }
+
   /** What the held directory holds now (empty when it cannot be read). */
   entries(): fs.Dirent[] {
     try {
@@ -8644,14 +8701,14 @@ class ListingMemo {
     try {
       st = fs.fstatSync(dir.descriptor, { bigint: true });
     } catch {
-      return gitListingOf(dir.entries());
+      return gitListingOf(dir.entriesDespiteMode());
     }
     const key = `${st.dev}:${st.ino}`;
     const stamp = `${st.mtimeNs}:${st.ctimeNs}`;
     const known = this.seen.get(key);
     if (known?.stamp === stamp) return known.listing;
     const now = BigInt(Date.now()) * 1_000_000n;
-    const listing = gitListingOf(dir.entries());
+    const listing = gitListingOf(dir.entriesDespiteMode());
     if (st.ctimeNs + LISTING_RACY_NS < now && st.mtimeNs + LISTING_RACY_NS < now) {
       if (this.seen.size >= LISTING_MEMO_LIMIT) this.seen.clear();
       this.seen.set(key, { stamp, listing });
@@ -8723,7 +8780,7 @@ function searchGitDirs(root: HeldDirectory, depth: number, limit: number, memo =
         continue;
       }
       if (name !== ".git" && left <= 1) continue;
-      const sub = dir.child(name);
+      const sub = dir.child(name) ?? dir.childDespiteMode(name);
       if (!sub) continue;
       if (name === ".git" || memo.listing(sub).gitLike) take(sub);
       else {

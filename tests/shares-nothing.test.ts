@@ -580,6 +580,31 @@ describe("a job's stop command names the process group the command sees", () => 
 });
 
 // ---------------------------------------------------------------------------------------------------------------
+// A repository behind a directory aic may not read
+
+// A command hides a repository inside a directory it then makes unreadable (0311): git still finds its .git by
+// name, so the person's `git status` in it ran the planted fsmonitor (the third red team, as uid 65534). The
+// guard looks inside such a directory of the person's own and puts its mode back.
+describe.skipIf(!has.git)("a repository inside a directory made unreadable", () => {
+  for (const user of USERS)
+    test.skipIf(user.skip)(`${user.label}: the person's git status there runs nothing`, async () => {
+      const where = place(user);
+      const plant =
+        `mkdir -p hide/sub && git -C hide/sub init -q && git -C hide/sub config core.fsmonitor ${touching(where, "PWN-hidden")} ` +
+        "&& chmod 0311 hide && echo planted";
+      const srv = fixtures.serve([bash(plant, "plant"), done]);
+      const run = await aicAs(user, where, srv.url, ["--auto-approve", "--no-session", "plant"]);
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests[1], "plant")).toContain("planted");
+      expect(statSync(join(where.cwd, "hide")).mode & 0o7777).toBe(0o311);
+      const status = person(user, where, join(where.cwd, "hide", "sub"), ["git", "status", "--short"]);
+      expect(status.code).toBe(0);
+      expect(marks(where)).toEqual([]);
+      expect(existsSync(join(where.cwd, "hide", "sub", ".git", "config.aic-disabled"))).toBe(true);
+    });
+});
+
+// ---------------------------------------------------------------------------------------------------------------
 // Special files never stall a snapshot
 
 describe.skipIf(!has.git)("special files in the project never stall a snapshot", () => {
