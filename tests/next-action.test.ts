@@ -25,6 +25,19 @@ const fixtures = perTestFixtures();
 const done = { content: "TASKCOMPLETE" };
 const git = harnessGit;
 
+/** The pids whose command line holds `mark` (processes a test's command started, wherever they went). */
+function processesMarked(mark: string): string[] {
+  return readdirSync("/proc")
+    .filter((p) => /^\d+$/.test(p))
+    .filter((p) => {
+      try {
+        return readFileSync(`/proc/${p}/cmdline`, "utf8").includes(mark);
+      } catch {
+        return false;
+      }
+    });
+}
+
 function project(): { dir: string; env: Record<string, string> } {
   const root = fixtures.disposable(scratch("aic-next-"));
   const dir = join(root, "proj");
@@ -137,16 +150,7 @@ describe("Landlock alone: what a command leaves for later", () => {
       expect(run.code).toBe(0);
       expect(run.stdout + run.stderr).toContain("Landlock alone");
       expect(toolAnswer(srv.requests.at(-1), "d")).toContain("running");
-      const survivors = () =>
-        readdirSync("/proc")
-          .filter((p) => /^\d+$/.test(p))
-          .filter((p) => {
-            try {
-              return readFileSync(`/proc/${p}/cmdline`, "utf8").includes(mark);
-            } catch {
-              return false;
-            }
-          });
+      const survivors = () => processesMarked(mark);
       await waitFor("the daemon to be gone", () => survivors().length === 0, 10_000);
       expect(survivors()).toEqual([]);
     },
@@ -172,16 +176,7 @@ describe("Landlock alone: what a command leaves for later", () => {
       // No pause between generations: each lives only as long as its fork takes.
       const cc = Bun.spawnSync(["cc", "-O2", "-DHOP_US=0", "-o", hop, `${hop}.c`], { stderr: "pipe" });
       expect(cc.stderr.toString()).toBe("");
-      const survivors = () =>
-        readdirSync("/proc")
-          .filter((p) => /^\d+$/.test(p))
-          .filter((p) => {
-            try {
-              return readFileSync(`/proc/${p}/cmdline`, "utf8").includes(mark);
-            } catch {
-              return false;
-            }
-          });
+      const survivors = () => processesMarked(mark);
       const srv = fixtures.serve([
         bash(`env -i ${hop} ${mark}; sleep 1; pgrep -f ${mark} >/dev/null && echo hopping`, "h"),
         done,
