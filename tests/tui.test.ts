@@ -1007,7 +1007,12 @@ const unwrapped = (frame: string, column: "left" | "right") => {
   const split = (rows[0] ?? "").indexOf("┐┌") + 1;
   return rows
     .map((row) => (split > 0 ? (column === "left" ? row.slice(0, split) : row.slice(split)) : row))
-    .map((row) => row.replace(/^[│┌└]/, "").replace(/[│┐┘]\s*$/, "").trim())
+    .map((row) =>
+      row
+        .replace(/^[│┌└]/, "")
+        .replace(/[│┐┘]\s*$/, "")
+        .trim(),
+    )
     .filter(Boolean)
     .join(" ");
 };
