@@ -575,18 +575,53 @@ void everyFieldHasAFlag;
 
 class UsageError extends Error {}
 
+/** --help fits a terminal 80 columns wide: longer lines wrap at a space, under their own column. */
+const HELP_WIDTH = 80;
+const HELP_COLUMN = 29;
+
+function wrapHelpLine(head: string, text: string, indent: number): string[] {
+  const lines: string[] = [];
+  let line = head;
+  let empty = true;
+  for (const word of text.split(" ")) {
+    const joined = empty ? `${line}${word}` : `${line} ${word}`;
+    if (empty || joined.length <= HELP_WIDTH) line = joined;
+    else {
+      lines.push(line);
+      line = `${" ".repeat(indent)}${word}`;
+    }
+    empty = false;
+  }
+  return [...lines, line];
+}
+
+/** An entry of --help: its name in the first column, its meaning beside it (or under it, when the name is long). */
+function helpEntry(name: string, meaning: string): string[] {
+  const head = `  ${name}`;
+  if (head.length < HELP_COLUMN - 1) return wrapHelpLine(head.padEnd(HELP_COLUMN), meaning, HELP_COLUMN);
+  return [head, ...wrapHelpLine(" ".repeat(HELP_COLUMN), meaning, HELP_COLUMN)];
+}
+
+const HELP_USAGE: [string, string][] = [
+  ["aic [options] [request…]", "TUI (default); a lone - reads the request from stdin"],
+  ["aic --nogui [options] request…", "plain output, for scripts and CI"],
+  ["aic search QUERY [--max-results N]", "web search, prints a JSON array"],
+  ["aic undo [N] [--session PATH]", "put the files back as before the last N commands (default 1)"],
+  ["aic redo [--session PATH]", "undo the last undo"],
+  ["aic diff [N] [--session PATH]", "show what the N-th last command changed (default 1)"],
+  ["aic export --format atif [--session PATH]", "the session as an ATIF trajectory (JSON on stdout)"],
+];
+
 function helpText(): string {
   const lines = [
-    `aic ${VERSION} — a shell agent: a language model runs one command at a time until the task is done.`,
+    ...wrapHelpLine(
+      "",
+      `aic ${VERSION} — a shell agent: a language model runs one command at a time until the task is done.`,
+      2,
+    ),
     "",
     "Usage:",
-    "  aic [options] [request…]           TUI (default); a lone - reads the request from stdin",
-    "  aic --nogui [options] request…     plain output, for scripts and CI",
-    "  aic search QUERY [--max-results N] web search, prints a JSON array",
-    "  aic undo [N] [--session PATH]      put the files back as before the last N commands (default 1)",
-    "  aic redo [--session PATH]          undo the last undo",
-    "  aic diff [N] [--session PATH]      show what the N-th last command changed (default 1)",
-    "  aic export --format atif [--session PATH]  the session as an ATIF trajectory (JSON on stdout)",
+    ...HELP_USAGE.flatMap(([form, meaning]) => helpEntry(form, meaning)),
     "  A request that starts with a dash goes after --.",
     "",
     "Options:",
@@ -603,16 +638,19 @@ function helpText(): string {
     const extras = [f.default ? `default ${f.default}` : "", f.env ? `env ${f.env.join(", then ")}` : ""].filter(
       Boolean,
     );
-    lines.push(`  ${(f.name + arg).padEnd(26)} ${f.help}${extras.length ? ` (${extras.join("; ")})` : ""}`);
+    lines.push(...helpEntry(f.name + arg, `${f.help}${extras.length ? ` (${extras.join("; ")})` : ""}`));
   }
   lines.push(
-    "  -V, --version              Print the version and exit.",
-    "  -h, --help                 Print this help and exit.",
+    ...helpEntry("-V, --version", "Print the version and exit."),
+    ...helpEntry("-h, --help", "Print this help and exit."),
   );
   lines.push(
     "",
-    "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 5 token or time",
-    "  budget spent, 6 completion refused 5 times by --done-when, 7 stalled, 129/130/143 signals.",
+    ...wrapHelpLine(
+      "",
+      "Exit codes: 0 done, 1 failure, 2 usage, 3 step limit, 4 approval needed without input, 5 token or time budget spent, 6 completion refused 5 times (--done-when), 7 stalled, 129/130/143 signals.",
+      2,
+    ),
   );
   return lines.join("\n");
 }
@@ -16220,6 +16258,11 @@ interface RuleVerdict {
   /** Provably read-only: no write, no delete, no command run from data, no network (see READ_ONLY). */
   readOnly?: boolean;
   /**
+   * The allow rule that lets every part run once read-only parts are let run unasked too
+   * (`npm test 2>&1 | tail -20` under `allow npm test *`); undefined when some part is neither.
+   */
+  allowedBesideReads?: CommandRule;
+  /**
    * What the judgement cannot see through: a program named only as it runs, code on the command line, a
    * script that cannot be read, a deny rule a word known only at run time could match. Undefined when
    * every part is known.
@@ -16369,7 +16412,23 @@ function judgeCommand(rules: readonly CommandRule[], command: string, ctx: Verdi
   const verdict = decide(strictest.find((v) => v.rule) ?? strictest[0]);
   if (RULE_KINDS[verdict.verdict].gate === "refuse") return verdict;
   const unsure = unsureAbout(judged);
-  return { ...verdict, unsure, readOnly: parts.length > 0 && parts.every(isReadOnlyPart) && !gitElsewhere(parts) };
+  const elsewhere = gitElsewhere(parts);
+  const readOnly = parts.length > 0 && parts.every(isReadOnlyPart) && !elsewhere;
+  return {
+    ...verdict,
+    unsure,
+    readOnly,
+    allowedBesideReads: unsure || elsewhere ? undefined : allowedBesideReads(judged),
+  };
+}
+
+/** The allow rule of a line whose every other part only reads: what the person allowed, piped through `tail`. */
+function allowedBesideReads(
+  judged: { part: CommandPart; verdict: RuleAction; rule?: CommandRule }[],
+): CommandRule | undefined {
+  const allowed = judged.find((v) => v.rule && RULE_KINDS[v.verdict].gate === "run")?.rule;
+  const rest = judged.every((v) => RULE_KINDS[v.verdict].gate === "run" || (!v.rule && isReadOnlyPart(v.part)));
+  return allowed && rest ? allowed : undefined;
 }
 
 /**
@@ -17389,9 +17448,18 @@ async function passApprovalGate(
   // Without a person, what the judgement cannot see through never runs while a deny rule it could hide holds
   // (one the kernel cannot enforce by refusing to execute a program).
   const unseen = ruled.unsure !== undefined && o.rules.hasDenyBeyond(o.sandbox.deniedPrograms, o.sandbox.heldAtExec);
-  if (ruling === "run" || (ruled.readOnly && !o.config.askEveryCommand) || (ctx.autoApprove && !unseen)) {
-    const decision = ruling === "run" ? "allowed" : ruled.readOnly && !o.config.askEveryCommand ? "read_only" : "auto";
-    emit({ type: "approval", id, decision, rule: decision === "allowed" ? ruled.rule?.text : undefined });
+  // Read-only parts beside allowed ones run unasked too, unless the person asked to see every command.
+  const besideReads = o.config.askEveryCommand ? undefined : ruled.allowedBesideReads;
+  if (
+    ruling === "run" ||
+    besideReads ||
+    (ruled.readOnly && !o.config.askEveryCommand) ||
+    (ctx.autoApprove && !unseen)
+  ) {
+    const decision =
+      ruling === "run" || besideReads ? "allowed" : ruled.readOnly && !o.config.askEveryCommand ? "read_only" : "auto";
+    const rule = ruling === "run" ? ruled.rule : besideReads;
+    emit({ type: "approval", id, decision, rule: decision === "allowed" ? rule?.text : undefined });
     return { run: true, byHand: false };
   }
   if (ctx.autoApprove) {

@@ -153,7 +153,15 @@ describe("--version and --help", () => {
     expect(flags.length).toBeGreaterThanOrEqual(21);
     for (const flag of flags) expect(help).toMatch(new RegExp(`(^|\\s)${flag}(\\s|=|,|$)`, "m"));
 
-    const lineOf = (flag: string) => help.split("\n").find((l) => new RegExp(`^\\s*${flag}(\\s|=)`).test(l)) ?? "";
+    // A flag's entry: its line and the lines under it that continue its meaning (indented to the second column).
+    const lines = help.split("\n");
+    const lineOf = (flag: string) => {
+      const at = lines.findIndex((l) => new RegExp(`^\\s*${flag}(\\s|=|$)`).test(l));
+      if (at < 0) return "";
+      const entry = [lines[at]!];
+      for (let i = at + 1; i < lines.length && /^ {29}\S/.test(lines[i]!); i++) entry.push(lines[i]!);
+      return entry.join(" ");
+    };
     const defaults: Record<string, string> = {
       "--timeout": "120",
       "--max-prompt-len": "80000",
@@ -164,6 +172,19 @@ describe("--version and --help", () => {
     for (const [flag, value] of Object.entries(defaults)) {
       expect(lineOf(flag)).toMatch(new RegExp(`\\b${value.replace(".", "\\.")}\\b`));
     }
+  });
+});
+
+describe("--help in a terminal 80 columns wide", () => {
+  // Each line fits, so nothing wraps in the middle of a word; a wrapped meaning stays under its own column.
+  test("no line of --help is longer than 80 characters, and every flag still starts a line", async () => {
+    const run = await runAic(["--help"]);
+    expect(run.code).toBe(0);
+    const lines = run.stdout.trimEnd().split("\n");
+    expect(lines.filter((l) => [...l].length > 80)).toEqual([]);
+    for (const flag of documentedOptions())
+      expect(lines.some((l) => new RegExp(`^  (-\\w, )?${flag}(\\s|,|$)`).test(l)), flag).toBe(true);
+    expect(lines.filter((l) => /^ +\S/.test(l) && !/^  \S/.test(l) && !/^ {29}\S/.test(l))).toEqual([]);
   });
 });
 

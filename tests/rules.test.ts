@@ -137,6 +137,38 @@ describe("rules in a run", () => {
     });
   });
 
+  // An allowed command piped through a program that only reads (`| tail`, `| grep`) runs unasked as well: the
+  // person allowed `npm test *`, and the output's last lines change nothing. A pipe into a write is still asked.
+  test("an allowed command piped into tail or grep runs without asking; piped into tee it is still asked", async () => {
+    const { dir, env } = project();
+    const srv = fixtures.serve([
+      bash("npm test 2>&1 | tail -n 1", "tail"),
+      bash("npm test | grep -c npm-ran", "grep"),
+      bash("npm test | tee out.log", "tee"),
+      { content: "TASKCOMPLETE" },
+    ]);
+    const result = await runAic([...headless(srv.url), "--json", "test it"], { cwd: dir, env });
+    expect(result.code).toBe(0);
+    expect(toolAnswer(srv.requests[1], "tail")).toContain("npm-ran:");
+    expect(toolAnswer(srv.requests[2], "grep")).toContain("1");
+    expect(toolAnswer(srv.requests[3], "tee")).toStartWith("Command not run: it needs a person's approval");
+    expect(existsSync(join(dir, "out.log"))).toBe(false);
+    const approvals = jsonLines(result.stdout).filter((e) => e.type === "approval");
+    expect(approvals.map((e) => [e.id, e.decision, e.rule])).toEqual([
+      ["tail", "allowed", "allow npm test *"],
+      ["grep", "allowed", "allow npm test *"],
+      ["tee", "no_input", undefined],
+    ]);
+  });
+
+  // --ask-every-command asks for read-only commands too, so a read-only part beside an allowed one is asked.
+  test("with --ask-every-command an allowed command piped into tail is asked", async () => {
+    const { dir, env } = project();
+    const srv = fixtures.serve([bash("npm test 2>&1 | tail -n 1", "tail"), { content: "TASKCOMPLETE" }]);
+    const result = await runAic([...headless(srv.url), "--ask-every-command", "--json", "test it"], { cwd: dir, env });
+    expect(toolAnswer(srv.requests[1], "tail")).toStartWith("Command not run: it needs a person's approval");
+  });
+
   // An ask with nobody to answer: refused with an explanation naming the allowed commands, and the run goes on
   // to complete with allowed commands (exit 0, not 4).
   test("an ask command is refused when nobody can answer, and the run goes on", async () => {
