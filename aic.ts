@@ -30,24 +30,24 @@
  *   terminal → Background jobs: the job table → Checkpoints: snapshot settings
  *   and manifests → Checkpoints: what changed since the last snapshot →
  *   Checkpoints: what git does not record → Checkpoints: the shadow
- *   repository's own files → Checkpoints: the shadow repository → Checkpoints:
- *   what a session records of them → Checkpoints: undo and redo → Checkpoints:
- *   putting files back → Checkpoints: aic undo, redo and diff → Command rules:
- *   reading a command line → Command rules: what a command line runs → Command
- *   rules: wrappers and interpreters → Command rules: programs that run
- *   programs, and scripts a line runs → Command rules: find, sort, watch,
- *   flock, awk and sed → Command rules: the verdict → Command rules: read-only
- *   programs and always-allow → Command rules: the rules file → Tool calls: the
- *   approval gate and the command → Tool calls: keys for a waiting command →
- *   Model calls and their tokens → Agent loop: stalls → Agent loop: the
- *   conversation and its checkpoints → Agent loop: the agent → Run wiring →
- *   Headless front end → Web search → TUI parts: prompt history → TUI parts:
- *   figures, footer and banner → TUI parts: log panes → TUI parts: the shell's
- *   screen and its keys → TUI parts: the approval dialog and the Shell tab →
- *   TUI parts: how events look, the prompt, and the layout → TUI parts: the
- *   transcript, keys typed ahead, a program's screen → TUI parts: pacing → TUI
- *   app → TUI app: where keys go → TUI keys and slash commands → TUI start-up →
- *   Export: ATIF trajectories → Main
+ *   repository's own files → Checkpoints: files too big to keep → Checkpoints:
+ *   the shadow repository → Checkpoints: what a session records of them →
+ *   Checkpoints: undo and redo → Checkpoints: putting files back → Checkpoints:
+ *   aic undo, redo and diff → Command rules: reading a command line → Command
+ *   rules: what a command line runs → Command rules: wrappers and interpreters
+ *   → Command rules: programs that run programs, and scripts a line runs →
+ *   Command rules: find, sort, watch, flock, awk and sed → Command rules: the
+ *   verdict → Command rules: read-only programs and always-allow → Command
+ *   rules: the rules file → Tool calls: the approval gate and the command →
+ *   Tool calls: keys for a waiting command → Model calls and their tokens →
+ *   Agent loop: stalls → Agent loop: the conversation and its checkpoints →
+ *   Agent loop: the agent → Run wiring → Headless front end → Web search → TUI
+ *   parts: prompt history → TUI parts: figures, footer and banner → TUI parts:
+ *   log panes → TUI parts: the shell's screen and its keys → TUI parts: the
+ *   approval dialog and the Shell tab → TUI parts: how events look, the prompt,
+ *   and the layout → TUI parts: the transcript, keys typed ahead, a program's
+ *   screen → TUI parts: pacing → TUI app → TUI app: where keys go → TUI keys
+ *   and slash commands → TUI start-up → Export: ATIF trajectories → Main
  *
  * The agent core never touches the terminal: it emits typed events to a sink
  * and awaits an approval function. Plain text, JSON Lines and the TUI are
@@ -12789,6 +12789,9 @@ class ChangeWatch {
   /** The directories changes were seen in since `restart()`, unless one could not be placed (`whole`). */
   private readonly dirty = new Set<string>();
   private whole = true;
+  /** Each entry (relative to the start directory) a change was seen at since `restart()`, unless one could not be placed. */
+  private readonly names = new Set<string>();
+  private namesWhole = true;
   private readonly buffer = Buffer.alloc(64 * 1024);
 
   constructor(
@@ -12811,6 +12814,15 @@ class ChangeWatch {
     this.changed = failed;
     this.whole = failed;
     this.dirty.clear();
+    this.names.clear();
+    this.namesWhole = failed;
+  }
+
+  /** The entries written since `restart()` (files, or directories made), for a look at their size; undefined: unknown. */
+  written(): string[] | undefined {
+    if (this.fd < 0) return undefined;
+    this.drain();
+    return this.namesWhole ? undefined : [...this.names];
   }
 
   /** The directories (relative to the start directory) every change since `restart()` lies beneath; undefined: anywhere. */
@@ -12858,6 +12870,7 @@ class ChangeWatch {
     this.close();
     this.changed = true;
     this.whole = true;
+    this.namesWhole = true;
   }
 
   private drain(): void {
@@ -12875,7 +12888,7 @@ class ChangeWatch {
         const length = this.buffer.readUInt32LE(at + 12);
         const name = this.buffer.toString("utf8", at + 16, at + 16 + length).replace(/\0+$/, "");
         at += 16 + length;
-        if (mask & IN_Q_OVERFLOW) this.changed = this.whole = true;
+        if (mask & IN_Q_OVERFLOW) this.changed = this.whole = this.namesWhole = true;
         const rel = this.watched.get(wd);
         if (mask & IN_IGNORED) {
           if (rel !== undefined && this.byPath.get(rel)?.wd === wd) this.byPath.delete(rel);
@@ -12892,8 +12905,9 @@ class ChangeWatch {
         const inTree = rel ? `${rel}/${name}` : name;
         if (name && this.own.some((re) => re.test(inTree))) continue;
         this.changed = true;
-        if (rel === undefined) this.whole = true;
+        if (rel === undefined) this.whole = this.namesWhole = true;
         else this.dirty.add(rel);
+        if (rel !== undefined && name) this.names.add(inTree);
       }
     }
   }
@@ -13302,6 +13316,118 @@ class ShadowStoreFiles {
 }
 
 // ════════════════════════════════════════════════════════════════════════════
+// Checkpoints: files too big to keep
+// Owns: the files a snapshot leaves out because one alone passes the per-file
+// cap, found among the entries the kernel saw written, and said once each.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** One file bigger than this (MB) is left out of checkpoints, unless AIC_CHECKPOINT_FILE_MAX_MB says otherwise. */
+const CHECKPOINT_FILE_MAX_MB = 256;
+/** A directory a command made is looked into for big files up to this many entries. */
+const OVERSIZE_LOOK_LIMIT = 5_000;
+
+function checkpointFileCap(): number {
+  const given = Number(process.env.AIC_CHECKPOINT_FILE_MAX_MB);
+  return (Number.isFinite(given) && given > 0 ? given : CHECKPOINT_FILE_MAX_MB) * 1e6;
+}
+
+/**
+ * Files no snapshot takes: git reads every byte of a file it adds, so one
+ * 30 GB sparse file (`truncate -s 30G`) would hold a snapshot for minutes,
+ * past its time limit, and turn checkpoints off for the run. Such a file is
+ * left out (an exclude pathspec, so no name can escape it) and said once; a
+ * tracked file that grows past the cap leaves the index, so an undo keeps
+ * its big version aside rather than overwrite it. Only what the kernel saw
+ * written is looked at: a first snapshot, or one after the record
+ * overflowed, reads every file as before. The list is kept in the store, so
+ * a later run (`aic undo`) leaves out the same files.
+ */
+class OversizedFiles {
+  /** Each file left out (relative to the start directory), with its size when last seen. */
+  private readonly left = new Map<string, number>();
+  private loaded = false;
+  warn: (text: string) => void = () => {};
+
+  constructor(
+    private readonly project: HeldDirectory,
+    /** Where the list is kept, in the store. */
+    private readonly file: string,
+  ) {}
+
+  /** Looks at what was written and at what was left out before; the files newly left out. */
+  update(written: readonly string[]): string[] {
+    this.load();
+    const cap = checkpointFileCap();
+    const fresh: string[] = [];
+    const before = this.left.size;
+    for (const rel of this.left.keys()) if ((this.sizeOf(rel) ?? 0) <= cap) this.left.delete(rel);
+    let budget = OVERSIZE_LOOK_LIMIT;
+    const look = (rel: string, depth: number) => {
+      if (budget-- <= 0) return;
+      const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
+      if (st?.isDirectory() && depth < 32) {
+        for (const name of readDirectoryQuietly(this.project.at(rel))) look(`${rel}/${name}`, depth + 1);
+      } else if (st?.isFile() && st.size > cap && !this.left.has(rel)) {
+        this.left.set(rel, st.size);
+        fresh.push(rel);
+      }
+    };
+    for (const rel of written) look(rel, 0);
+    if (fresh.length) this.warn(this.said(fresh, cap));
+    if (fresh.length || this.left.size !== before) this.save();
+    return fresh;
+  }
+
+  /** `:(exclude)` pathspecs for the files left out, as git names them (`prefix`: the start directory in the work tree). */
+  excludes(prefix: string): string[] {
+    this.load();
+    return [...this.left.keys()].map((rel) => `:(top,literal,exclude)${prefix}${rel}`);
+  }
+
+  private load(): void {
+    if (this.loaded) return;
+    this.loaded = true;
+    try {
+      const kept: unknown = JSON.parse(readOwnFile(this.file, 1 << 20).toString("utf8"));
+      for (const e of Array.isArray(kept) ? kept : [])
+        if (Array.isArray(e) && typeof e[0] === "string" && typeof e[1] === "number") this.left.set(e[0], e[1]);
+    } catch {
+      /* none kept yet */
+    }
+  }
+
+  private save(): void {
+    try {
+      if (this.left.size) writeOwnFile(this.file, JSON.stringify([...this.left]));
+      else fs.rmSync(this.file, { force: true });
+    } catch {
+      /* a later run reads these files once more */
+    }
+  }
+
+  private sizeOf(rel: string): number | undefined {
+    const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
+    return st?.isFile() ? st.size : undefined;
+  }
+
+  private said(files: string[], cap: number): string {
+    const gb = (bytes: number) => (bytes >= 1e9 ? `${(bytes / 1e9).toFixed(1)} GB` : `${Math.round(bytes / 1e6)} MB`);
+    const named = files.slice(0, 5).map((rel) => `${this.project.display(rel)} (${gb(this.left.get(rel) ?? 0)})`);
+    const more = files.length > 5 ? ` and ${files.length - 5} more` : "";
+    return `left out of checkpoints, each over ${gb(cap)} (AIC_CHECKPOINT_FILE_MAX_MB): ${named.join(", ")}${more}; undo neither removes nor brings back these files`;
+  }
+}
+
+/** The names in a directory, none when it cannot be read. */
+function readDirectoryQuietly(dir: string): string[] {
+  try {
+    return fs.readdirSync(dir);
+  } catch {
+    return [];
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
 // Checkpoints: the shadow repository
 // Owns: the git repository of aic's own that snapshots the start directory: a
 // snapshot (only where something was written, add, write-tree, a commit only
@@ -13342,6 +13468,7 @@ class ShadowRepository {
     this.runner = new ShadowGit(workTree, home, this.env);
     this.watch = new ChangeWatch(directory, ownFiles.map(writePattern));
     this.manifests = new SnapshotManifest(project, this.gitDir, (gitPath) => this.relative(gitPath));
+    this.oversized = new OversizedFiles(project, path.join(home, "left-out.json"));
     this.files = new ShadowStoreFiles(project, this.gitDir, home, workTree, this.prefix, ownFiles, this.env, (a, o) =>
       this.gitOk(a, o),
     );
@@ -13355,6 +13482,9 @@ class ShadowRepository {
 
   /** What was written under the start directory since the last snapshot began: nothing, and git need not be asked. */
   private readonly watch: ChangeWatch;
+
+  /** Files no snapshot takes, each over the per-file cap. */
+  readonly oversized: OversizedFiles;
 
   private readonly runner: ShadowGit;
 
@@ -13427,7 +13557,9 @@ class ShadowRepository {
 
   /** Limits a command to the start directory (nothing when it is the work tree's top). */
   get pathspec(): string[] {
-    return this.prefix ? ["--", `:(top,literal)${this.prefix}`] : [];
+    const excludes = this.oversized.excludes(this.prefix);
+    if (!this.prefix && !excludes.length) return [];
+    return ["--", ...(this.prefix ? [`:(top,literal)${this.prefix}`] : []), ...excludes];
   }
 
   /**
@@ -13493,6 +13625,7 @@ class ShadowRepository {
       await this.confirmInPlace(undefined);
       return this.last;
     }
+    await this.leaveOutOversized();
     // Only where something was written is looked at again (a directory's pathspec takes its whole subtree).
     const scope = this.last ? this.scopedPathspec(this.watch.scope()) : undefined;
     this.watch.restart();
@@ -13509,7 +13642,21 @@ class ShadowRepository {
     const present = (dirs ?? []).filter((rel) =>
       fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false })?.isDirectory(),
     );
-    return present.length ? ["--", ...present.map((rel) => `:(top,literal)${this.prefix}${rel}`)] : undefined;
+    if (!present.length) return undefined;
+    return [
+      "--",
+      ...present.map((rel) => `:(top,literal)${this.prefix}${rel}`),
+      ...this.oversized.excludes(this.prefix),
+    ];
+  }
+
+  /** Files written past the per-file cap are left out from now on; a tracked one leaves the index too. */
+  private async leaveOutOversized(): Promise<void> {
+    const fresh = this.oversized.update(this.watch.written() ?? []);
+    if (fresh.length)
+      await this.gitOk(["update-index", "-z", "--force-remove", "--stdin"], {
+        input: `${fresh.map((rel) => `${this.prefix}${rel}`).join("\0")}\0`,
+      });
   }
 
   private async snapshotWithGit(
@@ -13875,6 +14022,7 @@ class Checkpoints {
     private readonly warn: (text: string) => void,
   ) {
     shadow.files.tampered = warn;
+    shadow.oversized.warn = warn;
   }
 
   /** The checkpoints of the held start directory; aic's own files there (the session, its locks and backups) are never in them. */

@@ -393,3 +393,74 @@ describe("the checkpoint store has a cap", () => {
     expect(statSync(join(dir, "big3")).size).toBe(12_000_000);
   });
 });
+
+describe("one file over the per-file cap is left out of checkpoints", () => {
+  const warningsOf = (stdout: string) =>
+    jsonLines(stdout)
+      .filter((e) => e.type === "warning")
+      .map((e) => String(e.text));
+
+  // git reads every byte it adds: a 30 GB sparse file held the snapshot past its time limit and turned
+  // checkpoints off for the run. Left out and said, every other file keeps its checkpoints.
+  test.skipIf(!has.git)("a 30 GB sparse file: named once, checkpoints stay on, undo leaves it alone", async () => {
+    const { dir, env } = project();
+    const session = join(dir, "s.json");
+    const srv = fixtures.serve([
+      bash("truncate -s 30000000000 huge.img && echo kept > small.txt", "a"),
+      bash("echo two > two.txt", "b"),
+      done,
+    ]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--json", "--session", session, "go"], {
+      cwd: dir,
+      env,
+    });
+    expect(run.code).toBe(0);
+    const warnings = warningsOf(run.stdout);
+    expect(warnings.filter((w) => w.startsWith("left out of checkpoints"))).toEqual([
+      expect.stringContaining(`${join(dir, "huge.img")} (30.0 GB)`),
+    ]);
+    expect(warnings.filter((w) => w.includes("checkpoints are off"))).toEqual([]);
+    for (const expected of [["two.txt"], ["small.txt"]]) {
+      const undo = await runAic(["undo", "--session", session], { cwd: dir, env });
+      expect(undo.code).toBe(0);
+      for (const gone of expected) expect(existsSync(join(dir, gone))).toBe(false);
+    }
+    expect(statSync(join(dir, "huge.img")).size).toBe(30_000_000_000);
+  });
+
+  // A tracked file that grows past the cap leaves the checkpoint, so undoing the command that grew it puts the
+  // small version back and keeps the big one aside instead of overwriting it.
+  test.skipIf(!has.git)(
+    "a file that grows past the cap: undo brings back the small one, the big one kept aside",
+    async () => {
+      const { dir, env } = project();
+      const session = join(dir, "s.json");
+      const srv = fixtures.serve([
+        bash("printf small > data.bin", "a"),
+        bash(
+          "head -c 3000000 /dev/zero > data.bin && mkdir -p out/deep && head -c 2000000 /dev/zero > out/deep/x.bin && echo y > out/y.txt",
+          "b",
+        ),
+        done,
+      ]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--json", "--session", session, "go"], {
+        cwd: dir,
+        env: { ...env, AIC_CHECKPOINT_FILE_MAX_MB: "1" },
+      });
+      expect(run.code).toBe(0);
+      const left = warningsOf(run.stdout).filter((w) => w.startsWith("left out of checkpoints"));
+      expect(left).toEqual([expect.stringContaining("each over 1 MB")]);
+      expect(left[0]).toContain(`${join(dir, "data.bin")} (3 MB)`);
+      expect(left[0]).toContain(`${join(dir, "out/deep/x.bin")} (2 MB)`);
+      const undo = await runAic(["undo", "--session", session], {
+        cwd: dir,
+        env: { ...env, AIC_CHECKPOINT_FILE_MAX_MB: "1" },
+      });
+      expect(undo.code).toBe(0);
+      expect(readFileSync(join(dir, "data.bin"), "utf8")).toBe("small");
+      expect(statSync(join(dir, "data.bin.aic-kept-1")).size).toBe(3_000_000);
+      expect(existsSync(join(dir, "out", "y.txt"))).toBe(false);
+      expect(statSync(join(dir, "out", "deep", "x.bin")).size).toBe(2_000_000);
+    },
+  );
+});

@@ -166,6 +166,7 @@ describe("rules in a run", () => {
     const { dir, env } = project();
     const srv = fixtures.serve([bash("npm test 2>&1 | tail -n 1", "tail"), { content: "TASKCOMPLETE" }]);
     const result = await runAic([...headless(srv.url), "--ask-every-command", "--json", "test it"], { cwd: dir, env });
+    expect(result.code).toBe(0);
     expect(toolAnswer(srv.requests[1], "tail")).toStartWith("Command not run: it needs a person's approval");
   });
 
