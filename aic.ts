@@ -16575,7 +16575,11 @@ function allowedBesideReads(
   judged: { part: CommandPart; verdict: RuleAction; rule?: CommandRule }[],
 ): CommandRule | undefined {
   const allowed = judged.find((v) => v.rule && RULE_KINDS[v.verdict].gate === "run")?.rule;
-  const rest = judged.every((v) => RULE_KINDS[v.verdict].gate === "run" || (!v.rule && isReadOnlyPart(v.part)));
+  // A change of directory is no mere read here: it would run the allowed command in another project.
+  const moves = (part: CommandPart) => part[0]?.known && ["cd", "pushd", "popd"].includes(part[0].value);
+  const rest = judged.every(
+    (v) => RULE_KINDS[v.verdict].gate === "run" || (!v.rule && isReadOnlyPart(v.part) && !moves(v.part)),
+  );
   return allowed && rest ? allowed : undefined;
 }
 

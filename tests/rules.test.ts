@@ -138,13 +138,15 @@ describe("rules in a run", () => {
   });
 
   // An allowed command piped through a program that only reads (`| tail`, `| grep`) runs unasked as well: the
-  // person allowed `npm test *`, and the output's last lines change nothing. A pipe into a write is still asked.
-  test("an allowed command piped into tail or grep runs without asking; piped into tee it is still asked", async () => {
+  // person allowed `npm test *`, and the output's last lines change nothing. A pipe into a write is still asked,
+  // and so is a change of directory before it.
+  test("an allowed command piped into tail or grep runs without asking; piped into tee, or after a cd, it is still asked", async () => {
     const { dir, env } = project();
     const srv = fixtures.serve([
       bash("npm test 2>&1 | tail -n 1", "tail"),
       bash("npm test | grep -c npm-ran", "grep"),
       bash("npm test | tee out.log", "tee"),
+      bash("cd /tmp && npm test | tail -n 1", "cd"),
       { content: "TASKCOMPLETE" },
     ]);
     const result = await runAic([...headless(srv.url), "--json", "test it"], { cwd: dir, env });
@@ -152,12 +154,15 @@ describe("rules in a run", () => {
     expect(toolAnswer(srv.requests[1], "tail")).toContain("npm-ran:");
     expect(toolAnswer(srv.requests[2], "grep")).toContain("1");
     expect(toolAnswer(srv.requests[3], "tee")).toStartWith("Command not run: it needs a person's approval");
+    // A cd first would run the allowed command in another project: asked.
+    expect(toolAnswer(srv.requests[4], "cd")).toStartWith("Command not run: it needs a person's approval");
     expect(existsSync(join(dir, "out.log"))).toBe(false);
     const approvals = jsonLines(result.stdout).filter((e) => e.type === "approval");
     expect(approvals.map((e) => [e.id, e.decision, e.rule])).toEqual([
       ["tail", "allowed", "allow npm test *"],
       ["grep", "allowed", "allow npm test *"],
       ["tee", "no_input", undefined],
+      ["cd", "no_input", undefined],
     ]);
   });
 

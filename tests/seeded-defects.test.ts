@@ -16,6 +16,10 @@
  * - The head of a long output is cut on a character boundary, and the tail
  *   keeps the end of a line longer than the cap, alone or with other lines
  *   after it.
+ * - The second review's escapes: git after a change of directory is never
+ *   read-only; a session's checkpoint whose commit is not a bare object id is
+ *   dropped; undo keeps aside a file the person wrote where a command had
+ *   deleted one and git-ignored its name.
  */
 import { afterEach, describe, expect, spyOn, test } from "bun:test";
 import { createHash } from "node:crypto";
@@ -39,8 +43,11 @@ import {
   Checkpoints,
   type FrontEnd,
   HeldDirectory,
+  SessionStore,
   createRun,
+  judgeCommand,
   parseArgs,
+  parseRuleLines,
   prepareParts,
   undoCommands,
 } from "../aic.ts";
@@ -482,4 +489,64 @@ describe("a line longer than the cap keeps its tail", () => {
     expect(shown).toBeLessThanOrEqual(2000);
     expect(shown).toBeGreaterThanOrEqual(1990);
   });
+});
+
+describe("the second review's seeded defects", () => {
+  // Fails when judgeCommand drops `&& !gitElsewhere(parts)`: the repository after the cd may be one whose config a
+  // command wrote (core.fsmonitor runs a program), and the line would run unasked.
+  test("git after a change of directory is not read-only; git alone, or a cd alone, is", () => {
+    const { rules } = parseRuleLines("");
+    const readOnly = (line: string) => judgeCommand(rules, line).readOnly;
+    expect(readOnly("cd /tmp/other && git status")).toBe(false);
+    expect(readOnly("pushd .. && git log")).toBe(false);
+    expect(readOnly("cd /tmp/other; ls && git diff")).toBe(false);
+    expect(readOnly("git status")).toBe(true);
+    expect(readOnly("cd /tmp/other && ls")).toBe(true);
+  });
+
+  // Fails when checkpointRecordFrom's commit check loses its anchors (`/[0-9a-f]{40,64}/`): a hand-edited session
+  // would hand git an option (`--output=…`) where aic passes a commit.
+  test("a session checkpoint whose commit is not a bare object id is dropped, and said", () => {
+    const dir = fixtures.disposable(scratch("aic-seeded-commit-"));
+    const file = join(dir, "s.json");
+    const done = (commit: string) => ({ commit, call: "c", command: "ls" });
+    writeFileSync(
+      file,
+      JSON.stringify({
+        messages: [{ role: "system", content: "s" }],
+        checkpoints: { directory: dir, done: [done(`--output=/tmp/x${"a".repeat(40)}`)], redo: [] },
+      }),
+    );
+    const store = SessionStore.claim(file, { model: "m", apiBase: "http://127.0.0.1:9/v1" }, { emit() {} });
+    try {
+      const loaded = store.load("s");
+      expect(loaded.checkpoints?.done ?? []).toEqual([]);
+      expect(loaded.reports.some((r) => r.includes("not what aic writes"))).toBe(true);
+    } finally {
+      store.release();
+    }
+  });
+
+  // Fails when TreeRestore.write keeps aside only what the person changed since aic left the files (drops
+  // `c.status === "A" ||`): the file the person wrote at a name the command deleted and git-ignored was in no
+  // snapshot, and undo overwrote it without a word.
+  test.skipIf(!has.git)(
+    "undo keeps aside a file the person wrote where a command deleted one and ignored its name",
+    async () => {
+      const root = fixtures.disposable(scratch("aic-seeded-aside-"));
+      const dir = join(root, "proj");
+      fs.mkdirSync(dir);
+      const env = { XDG_STATE_HOME: join(root, "state") };
+      writeFileSync(join(dir, "a.txt"), "v1\n");
+      const srv = fixtures.serve([bash("rm a.txt && echo a.txt > .gitignore", "w"), { content: "TASKCOMPLETE" }]);
+      const session = join(dir, "s.json");
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      writeFileSync(join(dir, "a.txt"), "newer\n");
+      const undo = await runAic(["undo", "--session", session], { cwd: dir, env });
+      expect(undo.code).toBe(0);
+      expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("v1\n");
+      expect(readFileSync(join(dir, "a.txt.aic-kept-1"), "utf8")).toBe("newer\n");
+    },
+  );
 });
