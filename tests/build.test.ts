@@ -183,7 +183,10 @@ describe("--help in a terminal 80 columns wide", () => {
     const lines = run.stdout.trimEnd().split("\n");
     expect(lines.filter((l) => [...l].length > 80)).toEqual([]);
     for (const flag of documentedOptions())
-      expect(lines.some((l) => new RegExp(`^  (-\\w, )?${flag}(\\s|,|$)`).test(l)), flag).toBe(true);
+      expect(
+        lines.some((l) => new RegExp(`^  (-\\w, )?${flag}(\\s|,|$)`).test(l)),
+        flag,
+      ).toBe(true);
     expect(lines.filter((l) => /^ +\S/.test(l) && !/^  \S/.test(l) && !/^ {29}\S/.test(l))).toEqual([]);
   });
 });
