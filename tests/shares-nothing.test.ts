@@ -240,6 +240,52 @@ describe.skipIf(!has.git)(
   },
 );
 
+describe.skipIf(!has.git)("a line that assigns a variable as it runs is not read-only", () => {
+  // `printf -v GIT_PAGER …` and `${GIT_ASKPASS:=…}` set a variable aic exports, for the git that runs next: the
+  // pager is any shell text (fifth red team). Each must be asked; run, the pager route does run the planted text.
+  const lines: [string, string][] = [
+    ["printf", "printf -v GIT_PAGER 'touch PWN-printf; cat'; git log -1"],
+    ["expand", ": ${GIT_PAGER:=x} ${PAGER:=x}; printf -vGIT_PAGER 'touch PWN-expand; cat'; git log -1"],
+    ["assign", "echo ${LESSOPEN:=x} && git log -1"],
+    ["date", "date 010100002000"],
+  ];
+  function repo(): string {
+    const dir = scratch("aic-shares-assign-");
+    Bun.spawnSync([GIT, "init", "-q", dir]);
+    writeFileSync(join(dir, "a.txt"), "a\n");
+    Bun.spawnSync([GIT, "-C", dir, "add", "a.txt"]);
+    Bun.spawnSync([GIT, "-C", dir, "-c", "user.name=n", "-c", "user.email=e@x", "commit", "-qm", "one"]);
+    return dir;
+  }
+  const pwned = (dir: string) => readdirSync(dir).filter((n) => n.startsWith("PWN-"));
+
+  test("nobody to approve: each is refused (no_input); plain git log -1 runs read-only; nothing planted ran", async () => {
+    const dir = repo();
+    const seen: Record<string, string | undefined> = {};
+    for (const [id, line] of [...lines, ["plain", "git log -1"] as [string, string]]) {
+      const srv = fixtures.serve([bash(line, id), done]);
+      const run = await runAic([...headless(srv.url), "--json", "look"], { cwd: dir });
+      seen[id] = approvals(run.stdout).find((a) => a.id === id)?.decision;
+    }
+    expect(seen).toEqual({
+      printf: "no_input",
+      expand: "no_input",
+      assign: "no_input",
+      date: "no_input",
+      plain: "read_only",
+    });
+    expect(pwned(dir)).toEqual([]);
+  });
+
+  test("the control: approved, the printf route does run the pager it set", async () => {
+    const dir = repo();
+    const srv = fixtures.serve([bash(lines[0]![1], "printf"), done]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--json", "look"], { cwd: dir });
+    expect(run.code).toBe(0);
+    expect(pwned(dir)).toEqual(["PWN-printf"]);
+  });
+});
+
 // ---------------------------------------------------------------------------------------------------------------
 // git's other config files, and a guard that sweeps before a job is gone
 
