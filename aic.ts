@@ -8939,54 +8939,36 @@ interface GitDirBaseline {
   commondir: string | undefined;
 }
 
-/** The hooks of a git dir (samples aside), with their signatures. */
-/** Files a git dir holds that git reads for a plain `git status` or `git log`, with the directory each is in. */
-const GIT_DIR_READ_FILES: readonly [dir: string, names: readonly string[]][] = [
-  ["", ["index", "HEAD", "packed-refs", "shallow", "commondir", "ORIG_HEAD", "MERGE_HEAD", "FETCH_HEAD"]],
-  ["info", ["exclude", "attributes", "grafts", "sparse-checkout"]],
-  ["objects/info", ["alternates", "http-alternates"]],
-];
-/** How many entries under refs/ are looked at for FIFOs (a repository's loose refs; packed ones are one file). */
-const GIT_REFS_LOOKED_AT = 5000;
+/** How many entries of a git dir are looked at for FIFOs and devices (its refs and loose objects among them). */
+const GIT_DIR_ENTRIES_LOOKED_AT = 20_000;
 
 /**
- * The files of GIT_DIR_READ_FILES, and every loose ref (up to GIT_REFS_LOOKED_AT), each as its held directory and
- * name: reached without following a link on the way (a link in the last place is for the caller to judge).
+ * Every FIFO, socket, device or link in a git dir (up to GIT_DIR_ENTRIES_LOOKED_AT entries), each as its held
+ * directory and name, reached without following a link on the way: git opens its index, refs, loose objects, a
+ * paused rebase's state and more for a plain `git status`, and one FIFO among them stalls it. The type comes from
+ * the directory listing, so a regular file costs no stat; a link is for the caller to follow and judge.
  */
 function gitReadFiles(gitDir: HeldDirectory): { files: [HeldDirectory, string][]; close(): void } {
   const held: HeldDirectory[] = [];
   const files: [HeldDirectory, string][] = [];
-  const open = (from: HeldDirectory, rel: string) => {
-    let at: HeldDirectory | undefined = from;
-    for (const part of rel.split("/").filter(Boolean)) {
-      at = at.child(part);
-      if (!at) return undefined;
-      held.push(at);
-    }
-    return at;
-  };
-  for (const [rel, names] of GIT_DIR_READ_FILES) {
-    const d = open(gitDir, rel);
-    if (d) for (const name of names) files.push([d, name]);
-  }
-  let budget = GIT_REFS_LOOKED_AT;
-  const refs = (d: HeldDirectory) => {
+  let budget = GIT_DIR_ENTRIES_LOOKED_AT;
+  const walk = (d: HeldDirectory, depth: number) => {
     for (const e of d.entries()) {
       if (budget-- <= 0) return;
-      // One aic took out already stays as it is (a later audit would move it again).
-      if (!e.isDirectory()) {
-        if (!e.name.endsWith(".aic-disabled")) files.push([d, e.name]);
-      } else {
-        const sub = open(d, e.name);
-        if (sub) refs(sub);
-      }
+      if (e.isDirectory()) {
+        const sub = depth < 16 ? d.child(e.name) : undefined;
+        if (sub) {
+          held.push(sub);
+          walk(sub, depth + 1);
+        }
+      } else if (!e.isFile() && !e.name.endsWith(".aic-disabled")) files.push([d, e.name]); // one aic took out stays
     }
   };
-  const top = open(gitDir, "refs");
-  if (top) refs(top);
+  walk(gitDir, 0);
   return { files, close: () => held.forEach((d) => d.close()) };
 }
 
+/** The hooks of a git dir (samples aside), with their signatures. */
 function hooksOf(gitDir: HeldDirectory): Map<string, string> {
   const hooks = new Map<string, string>();
   const dir = gitDir.child("hooks");
@@ -13126,19 +13108,29 @@ function writeCheckpointCommit(gitDir: string, tree: string, text: string, refs:
     if (!fs.existsSync(file)) {
       fs.mkdirSync(dir, { recursive: true });
       const temp = path.join(dir, `tmp_obj_${process.pid}_${randomName()}`);
-      fs.writeFileSync(temp, deflateSync(data, { level: 1 }), { mode: 0o444, flag: "wx" });
+      writeNewFile(temp, deflateSync(data, { level: 1 }), 0o444);
       fs.renameSync(temp, file);
     }
     // Each ref as git's files backend writes it: its lock file (a git at work on it makes this fail), then a rename.
     for (const ref of refs) {
       const at = path.join(gitDir, ref);
       fs.mkdirSync(path.dirname(at), { recursive: true });
-      fs.writeFileSync(`${at}.lock`, `${id}\n`, { flag: "wx", mode: 0o644 });
+      writeNewFile(`${at}.lock`, Buffer.from(`${id}\n`), 0o644);
       fs.renameSync(`${at}.lock`, at);
     }
     return id;
   } catch {
     return undefined;
+  }
+}
+
+/** A file made anew (never through a link, never over one that is there), with `data`. */
+function writeNewFile(file: string, data: Buffer, mode: number): void {
+  const fd = fs.openSync(file, O.O_WRONLY | O.O_CREAT | O.O_EXCL | O.O_NOFOLLOW, mode);
+  try {
+    for (let at = 0; at < data.length;) at += fs.writeSync(fd, data, at);
+  } finally {
+    fs.closeSync(fd);
   }
 }
 

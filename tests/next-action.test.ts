@@ -347,6 +347,8 @@ describe("what git reads besides its config", () => {
     [".git/objects/info/alternates", "mkdir -p .git/objects/info && mkfifo .git/objects/info/alternates", ["status"]],
     ["d1/.gitignore", "mkdir -p d1 && mkfifo d1/.gitignore", ["status", "--short"]],
     [".mailmap", "mkfifo .mailmap", ["log", "-1", "--format=%aN"]],
+    // The fifth red team: a paused rebase's state, read by every status.
+    [".git/rebase-merge/head-name", "mkdir -p .git/rebase-merge && mkfifo .git/rebase-merge/head-name", ["status"]],
   ] as const)
     test.skipIf(!has.git || !Bun.which("mkfifo") || !Bun.which("timeout"))(
       `a FIFO put at ${where} is taken out: the person's git ${person[0]} does not hang`,
@@ -364,6 +366,25 @@ describe("what git reads besides its config", () => {
         expect(existsSync(join(dir, `${where}.aic-disabled`))).toBe(true);
       },
     );
+
+  // The fifth red team: a FIFO in place of the loose object of the commit HEAD names.
+  test.skipIf(!has.git || !Bun.which("mkfifo") || !Bun.which("timeout"))(
+    "a FIFO put in place of HEAD's loose commit object is taken out: the person's git log does not hang",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q", "-b", "master");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      const head = Bun.spawnSync(["git", "rev-parse", "HEAD"], { cwd: dir }).stdout.toString().trim();
+      const where = `.git/objects/${head.slice(0, 2)}/${head.slice(2)}`;
+      const srv = fixtures.serve([bash(`rm -f ${where} && mkfifo ${where} && echo planted`, "p"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain(`${where} (a FIFO or device)`);
+      const log = Bun.spawnSync(["timeout", "10", "git", "log", "-1"], { cwd: dir, stdout: "pipe", stderr: "pipe" });
+      expect(log.exitCode).not.toBe(124);
+      expect(existsSync(join(dir, `${where}.aic-disabled`))).toBe(true);
+    },
+  );
 
   test.skipIf(!has.git)(
     "a config the repository includes, replaced by a link to one that runs a program: the person's git runs nothing",
