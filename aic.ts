@@ -6431,10 +6431,27 @@ const SECRET_STORES = [
   ".dbshell",
   ".local/state/nvim/shada",
   ".local/share/nvim/shada",
+  // Found readable by the fifth red team: package registries' tokens, service and model keys, editors' state.
+  ".yarnrc",
+  ".config/pnpm/rc",
+  ".bunfig.toml",
+  ".condarc",
+  ".nuget/NuGet/NuGet.Config",
+  ".config/helm/repositories.yaml",
+  ".config/stripe",
+  ".ngrok2",
+  ".config/io.datasette.llm",
+  ".local/share/io.datasette.llm",
+  ".config/aichat",
+  ".continue",
+  ".env",
+  ".config/Code/User/globalStorage",
+  ".config/Cursor/User/globalStorage",
 ];
 
 /** A file or directory whose name says it holds a credential: unreadable too, wherever it is in the home directory. */
-const CREDENTIAL_NAME = /credential|token|^auth\.json$|\.pem$|_rsa$|_ed25519$|_ecdsa$|\.key$|\.p12$|\.pfx$|secret/i;
+const CREDENTIAL_NAME =
+  /credential|token|^auth\.json$|\.pem$|_rsa$|_ed25519$|_ecdsa$|\.key$|\.p12$|\.pfx$|secret|api[_-]?keys?|passw(or)?d|^keys?\.(txt|json|ya?ml|toml)$|^\.env(\..+)?$/i;
 /** How many entries the search for credential-shaped names looks at, at most (a home of many files costs a bound). */
 const CREDENTIAL_SEARCH_LIMIT = 20_000;
 

@@ -710,6 +710,18 @@ describe.skipIf(!has.landlock)("the wider secret stores are unreadable unless th
     ".kaggle/kaggle.json",
     ".my.cnf",
     ".zhistory",
+    // The fifth red team's: registries' tokens, service and model keys, a home-wide .env, key-shaped names.
+    ".yarnrc",
+    ".config/pnpm/rc",
+    ".bunfig.toml",
+    ".nuget/NuGet/NuGet.Config",
+    ".config/stripe/config.toml",
+    ".ngrok2/ngrok.yml",
+    ".config/io.datasette.llm/keys.json",
+    ".continue/config.json",
+    ".env",
+    ".config/notes/api_key",
+    "keys.txt",
   ];
   /** A home (outside the writable set) holding each file, each with a secret of its own; a project under /tmp. */
   function world() {
