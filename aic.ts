@@ -12818,11 +12818,15 @@ class ChangeWatch {
     this.namesWhole = failed;
   }
 
-  /** The entries written since `restart()` (files, or directories made), for a look at their size; undefined: unknown. */
-  written(): string[] | undefined {
-    if (this.fd < 0) return undefined;
+  /**
+   * The entries written since `restart()` (files, or directories made), for a look at their size; "unknown"
+   * when the record lost track (an overflow, a watch given up); undefined before watching began.
+   */
+  written(): string[] | "unknown" | undefined {
+    if (this.fd === -1) return undefined;
+    if (this.fd < 0) return "unknown";
     this.drain();
-    return this.namesWhole ? undefined : [...this.names];
+    return this.namesWhole ? "unknown" : [...this.names];
   }
 
   /** The directories (relative to the start directory) every change since `restart()` lies beneath; undefined: anywhere. */
@@ -13370,8 +13374,10 @@ class ShadowStoreFiles {
 
 /** One file bigger than this (MB) is left out of checkpoints, unless AIC_CHECKPOINT_FILE_MAX_MB says otherwise. */
 const CHECKPOINT_FILE_MAX_MB = 256;
-/** A directory a command made is looked into for big files up to this many entries. */
+/** A directory a command made is looked into for big files up to this many entries; past it, git lists them. */
 const OVERSIZE_LOOK_LIMIT = 5_000;
+/** More files than this over the cap and checkpoints go off, said, rather than keep a list without end. */
+const MAX_LEFT_OUT = 10_000;
 
 function checkpointFileCap(): number {
   const given = Number(process.env.AIC_CHECKPOINT_FILE_MAX_MB);
@@ -13401,18 +13407,22 @@ class OversizedFiles {
     private readonly file: string,
   ) {}
 
-  /** Looks at what was written and at what was left out before; the files newly left out. */
-  update(written: readonly string[]): string[] {
+  /**
+   * Looks at what was written (up to `budget` entries, directories made looked into) and at what was left
+   * out before: the files newly left out, and whether the look covered everything it was given.
+   */
+  update(written: readonly string[], budget = OVERSIZE_LOOK_LIMIT): { fresh: string[]; complete: boolean } {
     this.load();
     const cap = checkpointFileCap();
     const fresh: string[] = [];
     const before = this.left.size;
     for (const rel of this.left.keys()) if ((this.sizeOf(rel) ?? 0) <= cap) this.left.delete(rel);
-    let budget = OVERSIZE_LOOK_LIMIT;
+    let complete = true;
     const look = (rel: string, depth: number) => {
-      if (budget-- <= 0) return;
+      if (budget-- <= 0) return void (complete = false);
       const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
-      if (st?.isDirectory() && depth < 32) {
+      if (st?.isDirectory()) {
+        if (depth >= 32) return void (complete = false);
         for (const name of readDirectoryQuietly(this.project.at(rel))) look(`${rel}/${name}`, depth + 1);
       } else if (st?.isFile() && st.size > cap && !this.left.has(rel)) {
         this.left.set(rel, st.size);
@@ -13420,9 +13430,13 @@ class OversizedFiles {
       }
     };
     for (const rel of written) look(rel, 0);
+    if (this.left.size > MAX_LEFT_OUT)
+      throw new Error(
+        `more than ${MAX_LEFT_OUT.toLocaleString("en-US")} files are over the per-file cap of ${Math.round(cap / 1e6)} MB (AIC_CHECKPOINT_FILE_MAX_MB)`,
+      );
     if (fresh.length) this.warn(this.said(fresh, cap));
     if (fresh.length || this.left.size !== before) this.save();
-    return fresh;
+    return { fresh, complete };
   }
 
   /** `:(exclude)` pathspecs for the files left out, as git names them (`prefix`: the start directory in the work tree). */
@@ -13435,7 +13449,7 @@ class OversizedFiles {
     if (this.loaded) return;
     this.loaded = true;
     try {
-      const kept: unknown = JSON.parse(readOwnFile(this.file, 1 << 20).toString("utf8"));
+      const kept: unknown = JSON.parse(readOwnFile(this.file, 64 << 20).toString("utf8"));
       for (const e of Array.isArray(kept) ? kept : [])
         if (Array.isArray(e) && typeof e[0] === "string" && typeof e[1] === "number") this.left.set(e[0], e[1]);
     } catch {
@@ -13699,7 +13713,14 @@ class ShadowRepository {
 
   /** Files written past the per-file cap are left out from now on; a tracked one leaves the index too. */
   private async leaveOutOversized(): Promise<void> {
-    const fresh = this.oversized.update(this.watch.written() ?? []);
+    const written = this.watch.written();
+    let { fresh, complete } = this.oversized.update(Array.isArray(written) ? written : []);
+    // The kernel's record lost track, or a command wrote more than a look covers: git lists what an add would read.
+    if (this.last && (written === "unknown" || !complete)) {
+      const listed = await this.gitOk(["ls-files", "-z", "-o", "-m", "--exclude-standard", ...this.pathspec]);
+      const rels = listed.split("\0").flatMap((p) => (p ? (this.relative(p) ?? []) : []));
+      fresh = [...fresh, ...this.oversized.update(rels, Infinity).fresh];
+    }
     if (fresh.length)
       await this.gitOk(["update-index", "-z", "--force-remove", "--stdin"], {
         input: `${fresh.map((rel) => `${this.prefix}${rel}`).join("\0")}\0`,
