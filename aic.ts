@@ -7765,7 +7765,12 @@ function liveSandbox(
     // command, so start-up never waits for it. It fails closed: when the kernel offers Landlock but the launcher
     // cannot confine itself, commands are refused with its reason.
     start(own) {
-      guard = new GitGuard({ workDir: own.workDir, allowWrite: config.allowWrite, writable });
+      guard = new GitGuard({
+        workDir: own.workDir,
+        allowWrite: config.allowWrite,
+        writable,
+        ownRules: config.rules ?? path.join(own.workDir.path, RULES_FILE_NAME),
+      });
       const gitDirs = guard.gitDirs;
       commands = startLauncher({
         self,
@@ -8707,11 +8712,18 @@ class FoundGit {
   readonly pointers: GitPointer[] = [];
   /** FIFOs and devices where git reads a work tree's rules (see WORK_TREE_GIT_FILES), in their held directories. */
   readonly special: { parent: HeldDirectory; name: string }[] = [];
+  /** Rules files (`.aicrules`) on the way, which a run started in their directory reads. */
+  readonly rules: { parent: HeldDirectory; name: string }[] = [];
   /** The search stopped at its limit of directories: a git dir beyond it was not seen. */
   exhausted = false;
 
   close(): void {
-    for (const held of [...this.dirs, ...this.pointers.map((p) => p.parent), ...this.special.map((f) => f.parent)])
+    for (const held of [
+      ...this.dirs,
+      ...this.pointers.map((p) => p.parent),
+      ...this.special.map((f) => f.parent),
+      ...this.rules.map((f) => f.parent),
+    ])
       held.close();
   }
 }
@@ -8726,6 +8738,8 @@ interface GitListing {
   gitLike: boolean;
   /** Files git reads in a work tree's directories (`.gitignore`, `.mailmap`…) that are FIFOs or devices here. */
   special: string[];
+  /** It holds a rules file. */
+  rules: boolean;
 }
 
 /** What git reads in any directory of a work tree, and at its top: a FIFO there holds the person's git forever. */
@@ -8779,6 +8793,7 @@ function gitListingOf(entries: readonly fs.Dirent[]): GitListing {
     pointer: entries.some((e) => e.name === ".git" && !e.isDirectory()),
     gitLike: looksLikeGitDir(entries),
     special: entries.filter((e) => WORK_TREE_GIT_FILES.has(e.name) && isSpecialFile(e)).map((e) => e.name),
+    rules: entries.some((e) => e.name === RULES_FILE_NAME),
   };
 }
 
@@ -8825,6 +8840,8 @@ function searchGitDirs(root: HeldDirectory, depth: number, limit: number, memo =
       const parent = dir.child(".");
       if (parent) found.special.push({ parent, name });
     }
+    const rulesHere = listing.rules ? dir.child(".") : undefined;
+    if (rulesHere) found.rules.push({ parent: rulesHere, name: RULES_FILE_NAME });
     // A `.git` here is looked at whatever the budget: a command cannot hide one behind many directories.
     const ordered = listing.subdirs.includes(".git")
       ? [".git", ...listing.subdirs.filter((n) => n !== ".git")]
@@ -9036,6 +9053,8 @@ interface GuardRoots {
   workDir: HeldDirectory;
   allowWrite: readonly string[];
   writable: readonly string[];
+  /** The run's own rules file, which the rules themselves watch. */
+  ownRules: string;
 }
 
 /** Whether `dir` holds a `.git`, or is itself laid out as a git dir (HEAD, objects/, refs/), by lstat alone. */
@@ -9045,6 +9064,61 @@ function gitFindsRepositoryAt(dir: string): boolean {
     return st !== undefined && (kind === "any" || st.isDirectory());
   };
   return is(".git", "any") || (is("HEAD", "any") && is("objects", "dir") && is("refs", "dir"));
+}
+
+/**
+ * The rules files other than the run's own (a subdirectory's `.aicrules`,
+ * read by a run started there) that a command made, changed or deleted: at
+ * such a start they are not in force until the person accepts them, as the
+ * run's own would not be. Seen by the guard's searches, so in an ignored
+ * directory and without checkpoints too; one first found after the start
+ * counts when it changed since the run began, and a deletion is known by
+ * the search of the whole tree at the end.
+ */
+class OtherRulesFiles {
+  private readonly seen = new Map<string, { mark: string; text: string }>();
+  private readonly startedMs = Date.now();
+
+  constructor(private readonly own: string) {}
+
+  /**
+   * Records what each found rules file holds; the lines saying which a command wrote since the last look
+   * (none at the first look, before any command ran: what is there then is the person's).
+   */
+  look(found: FoundGit, whole: boolean, first = false): string[] {
+    const lines: string[] = [];
+    const present = new Set<string>();
+    for (const { parent, name } of found.rules) {
+      const file = parent.display(name);
+      present.add(file);
+      if (path.resolve(file) === path.resolve(this.own)) continue;
+      const now = rulesOnDisk(parent.at(name));
+      const before = this.seen.get(file);
+      this.seen.set(file, { mark: rulesMarker(now), text: now.kind === "text" ? now.text : "" });
+      if (first || (before ? before.mark === rulesMarker(now) : !this.changedSinceStart(parent.at(name)))) continue;
+      lines.push(...this.commandWrote(file, now, before?.text));
+    }
+    if (whole)
+      for (const [file, before] of this.seen)
+        if (!present.has(file) && !somethingAt(file)) {
+          this.seen.delete(file);
+          lines.push(...this.commandWrote(file, { kind: "text", text: "", missing: true }, before.text));
+        }
+    return lines;
+  }
+
+  private changedSinceStart(file: string): boolean {
+    const st = fs.lstatSync(file, { throwIfNoEntry: false });
+    return st !== undefined && st.ctimeMs >= this.startedMs;
+  }
+
+  private commandWrote(file: string, now: RulesOnDisk, before: string | undefined): string[] {
+    if (RulesTrust.of(file)?.wroteByCommand(now)) return []; // said already: the checkpoints saw it
+    RulesTrust.commandWrote(file, now, before);
+    return [
+      `${file} was written by a command: a run started there keeps the rules it held before until you accept the change (aic rules accept)`,
+    ];
+  }
 }
 
 // ════════════════════════════════════════════════════════════════════════════
@@ -9070,6 +9144,7 @@ class GitGuard {
   private saidExhausted = false;
 
   constructor(private readonly where: GuardRoots) {
+    this.rulesFiles = new OtherRulesFiles(where.ownRules);
     this.enclosing = enclosingRepository(where.workDir.path);
     this.roots = [
       where.workDir,
@@ -9086,8 +9161,12 @@ class GitGuard {
     const found = this.search(false);
     for (const dir of found.dirs.filter(notAicsOwn)) this.dirs.set(dir.path, this.look(dir));
     for (const p of found.pointers) this.pointers.add(`${p.display}\0${fileSignature(p.at) ?? ""}`);
+    this.rulesFiles.look(found, false, true);
     found.close();
   }
+
+  /** The other rules files under the roots, and what each held when last seen. */
+  private readonly rulesFiles: OtherRulesFiles;
 
   /** The git dirs the jail keeps read-only: every one found at start. */
   get gitDirs(): string[] {
@@ -9112,6 +9191,7 @@ class GitGuard {
       for (const p of found.pointers) done.push(...this.auditPointer(p, known));
       for (const { parent, name } of found.special)
         done.push(...moveAside(parent.at(name), parent.display(name), `${parent.display(name)} (a FIFO or device)`));
+      notes.push(...this.rulesFiles.look(found, deep));
       for (const dir of found.dirs.filter(notAicsOwn)) {
         const judged: Judged = {};
         done.push(...this.disarm(dir, this.dirs.get(dir.path), judged));
@@ -9135,6 +9215,7 @@ class GitGuard {
       all.dirs.push(...found.dirs);
       all.pointers.push(...found.pointers);
       all.special.push(...found.special);
+      all.rules.push(...found.rules);
       all.exhausted ||= found.exhausted;
     }
     const enclosing = this.enclosing && HeldDirectory.tryOpen(this.enclosing.gitDir);
@@ -16975,6 +17056,9 @@ function allowLineFor(part: CommandPart): string | undefined {
 type RulesOnDisk =
   { kind: "text"; text: string; missing: boolean } | { kind: "unreadable"; why: string; identity: string };
 
+/** What a rules file holds, as one string to compare: its text's hash, or the identity of what cannot be read. */
+const rulesMarker = (now: RulesOnDisk) => (now.kind === "text" ? sha256(now.text) : `unreadable:${now.identity}`);
+
 function rulesOnDisk(file: string): RulesOnDisk {
   try {
     return { kind: "text", text: readOwnFile(file, MAX_RULES_BYTES).toString("utf8"), missing: false };
@@ -17034,8 +17118,7 @@ class RulesTrust {
 
   /** Whether what is on disk now is what a command left there (nothing the person did since). */
   wroteByCommand(now: RulesOnDisk): boolean {
-    if (this.byCommand === undefined) return false;
-    return this.byCommand === (now.kind === "text" ? sha256(now.text) : `unreadable:${now.identity}`);
+    return this.byCommand !== undefined && this.byCommand === rulesMarker(now);
   }
 
   static trust(rules: string, text: string): void {
@@ -17045,8 +17128,7 @@ class RulesTrust {
   /** A command left `now` in `rules`; `before`: the person's text there, when aic knows it and has no record yet. */
   static commandWrote(rules: string, now: RulesOnDisk, before?: string): void {
     const known = RulesTrust.of(rules);
-    const marker = now.kind === "text" ? sha256(now.text) : `unreadable:${now.identity}`;
-    RulesTrust.save(rules, { trusted: known?.trustedText ?? before ?? "", by_command: marker });
+    RulesTrust.save(rules, { trusted: known?.trustedText ?? before ?? "", by_command: rulesMarker(now) });
   }
 
   private static save(rules: string, doc: { trusted: string; by_command?: string }): void {
@@ -17649,7 +17731,9 @@ async function noteOtherRulesWritten(
 ): Promise<void> {
   for (const { file, before } of await checkpoints.rulesWritten(call, changed, RULES_FILE_NAME)) {
     if (path.resolve(file) === path.resolve(own)) continue;
-    RulesTrust.commandWrote(file, rulesOnDisk(file), before);
+    const now = rulesOnDisk(file);
+    if (RulesTrust.of(file)?.wroteByCommand(now)) continue; // said already: the repository guard saw it
+    RulesTrust.commandWrote(file, now, before);
     ctx.emit({
       type: "warning",
       text: `${file} was written by a command: a run started there keeps the rules it held before until you accept the change (aic rules accept)`,

@@ -292,32 +292,45 @@ describe("package caches", () => {
 // A subdirectory's rules file, which a run started there reads, rewritten by a command of a run in the project (the
 // fourth red team): at the next start there the rules from before stay in force until the person accepts.
 describe("rules files a command wrote, other than the run's own", () => {
-  test("a command widens sub/.aicrules: a later run in sub still refuses what it denied", async () => {
-    const { dir, env } = project();
-    writeFileSync(join(dir, ".aicrules"), "deny rm *\n");
-    mkdirSync(join(dir, "sub"));
-    writeFileSync(join(dir, "sub", ".aicrules"), "deny rm *\n");
-    writeFileSync(join(dir, "sub", "b.txt"), "keep me\n");
-    const first = fixtures.serve([bash("printf 'allow rm *\\n' > sub/.aicrules && echo widened", "w"), done]);
-    const run1 = await runAic(
-      [...headless(first.url), "--auto-approve", "--json", "--session", join(dir, "s1"), "go"],
-      {
-        cwd: dir,
+  // The fifth red team: one in a git-ignored directory, and one written in a run without checkpoints, were in
+  // force at the next start there (only the checkpoints' list of changed files noticed them); so was a deletion.
+  const cases: [label: string, sub: string, flags: string[], command: (sub: string) => string][] = [
+    ["a command widens sub/.aicrules", "sub", [], (d) => `printf 'allow rm *\\n' > ${d}/.aicrules && echo widened`],
+    ["in a git-ignored directory", "build", [], (d) => `printf 'allow rm *\\n' > ${d}/.aicrules && echo widened`],
+    [
+      "with --no-checkpoints",
+      "sub",
+      ["--no-checkpoints"],
+      (d) => `printf 'allow rm *\\n' > ${d}/.aicrules && echo widened`,
+    ],
+    ["deleted", "sub", [], (d) => `mv ${d}/.aicrules ${d}/old-rules && echo widened`],
+  ];
+  for (const [label, sub, flags, command] of cases)
+    test(`${label}: a later run there still refuses what it denied`, async () => {
+      const { dir, env } = project();
+      writeFileSync(join(dir, ".aicrules"), "deny rm *\n");
+      writeFileSync(join(dir, ".gitignore"), "build/\n");
+      mkdirSync(join(dir, sub));
+      writeFileSync(join(dir, sub, ".aicrules"), "deny rm *\n");
+      writeFileSync(join(dir, sub, "b.txt"), "keep me\n");
+      const first = fixtures.serve([bash(command(sub), "w"), done]);
+      const run1 = await runAic(
+        [...headless(first.url), "--auto-approve", "--json", ...flags, "--session", join(dir, "s1"), "go"],
+        { cwd: dir, env },
+      );
+      expect(run1.code).toBe(0);
+      expect(toolAnswer(first.requests.at(-1), "w")).toContain("widened");
+      const said = run1.stdout.split(`${join(dir, sub, ".aicrules")} was written by a command`).length - 1;
+      expect(said).toBeGreaterThan(0);
+      const second = fixtures.serve([bash("rm b.txt; echo rm=$?", "r"), done]);
+      const run2 = await runAic([...headless(second.url), "--auto-approve", "--json", "--no-session", "go"], {
+        cwd: join(dir, sub),
         env,
-      },
-    );
-    expect(run1.code).toBe(0);
-    expect(toolAnswer(first.requests.at(-1), "w")).toContain("widened");
-    expect(run1.stdout).toContain(`${join(dir, "sub", ".aicrules")} was written by a command`);
-    const second = fixtures.serve([bash("rm b.txt; echo rm=$?", "r"), done]);
-    const run2 = await runAic([...headless(second.url), "--auto-approve", "--json", "--no-session", "go"], {
-      cwd: join(dir, "sub"),
-      env,
+      });
+      expect(run2.code).toBe(0);
+      expect(run2.stdout + run2.stderr).toContain("changed by a command in the last run");
+      expect(existsSync(join(dir, sub, "b.txt"))).toBe(true);
     });
-    expect(run2.code).toBe(0);
-    expect(run2.stdout + run2.stderr).toContain("changed by a command in the last run");
-    expect(existsSync(join(dir, "sub", "b.txt"))).toBe(true);
-  });
 });
 
 describe("what git reads besides its config", () => {
