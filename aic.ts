@@ -2213,9 +2213,11 @@ function commandResultLines(e: Extract<AgentEvent, { type: "command_result" }>):
       ? `exit code ${e.exit_code}`
       : e.status === "not_started"
         ? `not started: ${e.output.split("\n")[0]}`
-        : e.exit_code === null
-          ? status
-          : `${status} (exit code ${e.exit_code})`;
+        : e.status === "runaway"
+          ? `stopped: it printed more than ${RUNAWAY_FACTOR} × --max-output-bytes, the runaway limit (exit code ${e.exit_code ?? "unknown"})`
+          : e.exit_code === null
+            ? status
+            : `${status} (exit code ${e.exit_code})`;
   const files = e.changed_files ? changedFilesNote(e.changed_files) : "";
   return [
     { tone: e.exit_code === 0 ? "ok" : "bad", text: `[${note}]` },
@@ -13499,18 +13501,32 @@ class OversizedFiles {
     const before = this.left.size;
     for (const rel of this.left.keys()) if ((this.sizeOf(rel) ?? 0) <= cap) this.left.delete(rel);
     let complete = true;
+    // Every directory is reached through descriptors that follow no link: a command may swap one for a link.
+    const held = new Map<string, HeldDirectory | undefined>([["", this.project]]);
+    const dirOf = (rel: string): HeldDirectory | undefined => {
+      if (held.has(rel)) return held.get(rel);
+      const parent = dirOf(path.posix.dirname(rel) === "." ? "" : path.posix.dirname(rel));
+      const d = parent?.child(path.posix.basename(rel));
+      held.set(rel, d);
+      return d;
+    };
     const look = (rel: string, depth: number) => {
       if (budget-- <= 0) return void (complete = false);
-      const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
+      const parent = dirOf(path.posix.dirname(rel) === "." ? "" : path.posix.dirname(rel));
+      const st = parent && fs.lstatSync(parent.at(path.posix.basename(rel)), { throwIfNoEntry: false });
       if (st?.isDirectory()) {
         if (depth >= 32) return void (complete = false);
-        for (const name of readDirectoryQuietly(this.project.at(rel))) look(`${rel}/${name}`, depth + 1);
+        for (const e of dirOf(rel)?.entries() ?? []) look(`${rel}/${e.name}`, depth + 1);
       } else if (st?.isFile() && st.size > cap && !this.left.has(rel)) {
         this.left.set(rel, st.size);
         fresh.push(rel);
       }
     };
-    for (const rel of written) look(rel, 0);
+    try {
+      for (const rel of written) look(rel, 0);
+    } finally {
+      for (const [rel, d] of held) if (rel) d?.close();
+    }
     if (this.left.size > MAX_LEFT_OUT)
       throw new Error(
         `more than ${MAX_LEFT_OUT.toLocaleString("en-US")} files are over the per-file cap of ${Math.round(cap / 1e6)} MB (AIC_CHECKPOINT_FILE_MAX_MB)`,
@@ -13518,6 +13534,12 @@ class OversizedFiles {
     if (fresh.length) this.warn(this.said(fresh, cap));
     if (fresh.length || this.left.size !== before) this.save();
     return { fresh, complete };
+  }
+
+  /** The files left out (relative to the start directory). */
+  names(): string[] {
+    this.load();
+    return [...this.left.keys()];
   }
 
   /** `:(exclude)` pathspecs for the files left out, as git names them (`prefix`: the start directory in the work tree). */
@@ -13547,9 +13569,22 @@ class OversizedFiles {
     }
   }
 
+  /** The size of a file left out, its directories reached without following a link; undefined when it is no file. */
   private sizeOf(rel: string): number | undefined {
-    const st = fs.lstatSync(this.project.at(rel), { throwIfNoEntry: false });
-    return st?.isFile() ? st.size : undefined;
+    const parts = rel.split("/");
+    let d: HeldDirectory | undefined = this.project;
+    const opened: HeldDirectory[] = [];
+    try {
+      for (const part of parts.slice(0, -1)) {
+        d = d.child(part);
+        if (!d) return undefined;
+        opened.push(d);
+      }
+      const st = fs.lstatSync(d.at(parts.at(-1)!), { throwIfNoEntry: false });
+      return st?.isFile() ? st.size : undefined;
+    } finally {
+      opened.forEach((o) => o.close());
+    }
   }
 
   private said(files: string[], cap: number): string {
@@ -13557,15 +13592,6 @@ class OversizedFiles {
     const named = files.slice(0, 5).map((rel) => `${this.project.display(rel)} (${gb(this.left.get(rel) ?? 0)})`);
     const more = files.length > 5 ? ` and ${files.length - 5} more` : "";
     return `left out of checkpoints, each over ${gb(cap)} (AIC_CHECKPOINT_FILE_MAX_MB): ${named.join(", ")}${more}; undo neither removes nor brings back these files`;
-  }
-}
-
-/** The names in a directory, none when it cannot be read. */
-function readDirectoryQuietly(dir: string): string[] {
-  try {
-    return fs.readdirSync(dir);
-  } catch {
-    return [];
   }
 }
 
@@ -14132,6 +14158,8 @@ interface RestoreReport {
   skipped: string[];
   /** Versions no snapshot held that the restore would have overwritten: moved aside first, each "path → where". */
   keptAside?: string[];
+  /** Files left out of checkpoints as too big, left as they are. */
+  leftOut?: string[];
 }
 
 /** The note every undo and redo ends with: what checkpoints cannot cover. */
@@ -14443,7 +14471,9 @@ class Checkpoints {
     const args = ["diff", "--no-ext-diff", "--no-textconv", `--color=${color ? "always" : "never"}`, ...relative];
     const text = await this.shadow.gitOk([...args, step.commit, step.after!, ...this.shadow.pathspec]);
     const changed = await this.changesOf(step);
-    const modesOnly = changed.modified.filter((f) => !text.includes(` b/${f}\n`));
+    // Read without colour: on a terminal the header's escape codes sit between the name and its line end.
+    const plain = color ? text.replace(/\x1b\[[0-9;]*m/g, "") : text;
+    const modesOnly = changed.modified.filter((f) => !plain.includes(` b/${f}\n`));
     const dirs = [...changed.created, ...changed.deleted].filter((f) => f.endsWith("/"));
     const notes = [
       ...modesOnly.map((f) => `(permissions of ${f} changed)`),
@@ -14573,6 +14603,7 @@ class Checkpoints {
       const goal = await s.snapshotOf(target);
       const theirs = left ? await s.changedPaths(left, now.commit) : new Set<string>();
       const report = await new TreeRestore(s, now, goal, theirs).run();
+      report.leftOut = s.oversized.names();
       s.ensureInPlace();
       const after = await s.snapshot(`restored ${target}`);
       if (after.tree !== goal.tree && !report.skipped.length) {
@@ -14911,6 +14942,7 @@ function restoreLines(report: RestoreReport, directory: string): string[] {
     ...list("removed", report.removed),
     ...list("kept aside, as no snapshot held them", report.keptAside ?? []),
     ...list("not put back", report.skipped),
+    ...list("left as they are, too big for checkpoints (AIC_CHECKPOINT_FILE_MAX_MB)", report.leftOut ?? []),
   ];
   return [...(lines.length ? lines : ["no file differed"]), undoLimits(directory)];
 }
@@ -14941,7 +14973,7 @@ async function undoCommands(
       : "The turn that proposed it is no longer in the conversation (compressed away), so the conversation is left as it is.";
   if (at <= 0) conversation.messages.push({ role: "user", content: undoneNote(what) });
   return [
-    `Undid ${what}: the files are as they were before it ran.`,
+    `Undid ${what}: the files are as they were before it ran${report.leftOut?.length ? ", but for those too big for checkpoints" : ""}.`,
     ...restoreLines(report, checkpoints.shadow.directory),
     conversationLine,
   ];

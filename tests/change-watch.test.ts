@@ -514,7 +514,7 @@ describe.skipIf(!has.git)("changes the watch must not miss", () => {
     expect(readFileSync(join(p.dir, "bulk/f7.txt"), "utf8")).toBe("7\n");
     await undo(p, "undo", "2");
     expect(readdirSync(join(p.dir, "bulk"))).toEqual(["seed.txt"]);
-  });
+  }, 300_000); // 20,000 files made by a shell loop, snapshotted and undone twice: minutes on a loaded machine
 
   // The session file lives in a subdirectory: its writes are aic's own, whatever the directory.
   test("a session file in a subdirectory (--session sub/s.json) never shows in changed_files", async () => {
@@ -573,7 +573,7 @@ describe.skipIf(!has.git)("a directory's watch must follow the directory at its 
     ]);
     await undo(p, "undo", "2");
     expect(tree(p.dir)).toEqual(treeOf({ "bulk/only.txt": "only\n" }));
-  });
+  }, 300_000); // as above: 20,000 files made by a shell loop
 
   // A job whose working directory is the directory keeps it alive after rm -rf: the kernel says the watch is gone
   // only when the job lets go of it, long after a new directory was made at the path.

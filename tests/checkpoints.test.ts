@@ -424,6 +424,10 @@ describe("one file over the per-file cap is left out of checkpoints", () => {
       const undo = await runAic(["undo", "--session", session], { cwd: dir, env });
       expect(undo.code).toBe(0);
       for (const gone of expected) expect(existsSync(join(dir, gone))).toBe(false);
+      // The report names what it left as it is, rather than say every file is as it was.
+      expect(undo.stdout).toContain(
+        "left as they are, too big for checkpoints (AIC_CHECKPOINT_FILE_MAX_MB) (1): huge.img",
+      );
     }
     expect(statSync(join(dir, "huge.img")).size).toBe(30_000_000_000);
   });

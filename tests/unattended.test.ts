@@ -304,3 +304,17 @@ describe("what the model's endpoint is told and shown", () => {
     }
   });
 });
+
+describe("a command stopped for printing too much", () => {
+  // The person is told why, not only the model: the plain line names the limit and the flag it follows.
+  test("the plain result line names the runaway limit and its flag", async () => {
+    const srv = fixtures.serve([bash("yes | head -c 3000000", "big"), { content: "TASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--max-output-bytes", "1000", "flood"], {
+      cwd: scratch(),
+    });
+    expect(run.code).toBe(0);
+    expect(run.stdout).toMatch(
+      /\[stopped: it printed more than 100 × --max-output-bytes, the runaway limit \(exit code \d+\)\]/,
+    );
+  });
+});

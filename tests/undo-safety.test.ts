@@ -22,7 +22,18 @@ import {
   writeFileSync,
 } from "node:fs";
 import { join } from "node:path";
-import { bash, has, headless, jsonLines, messagesOf, perTestFixtures, runAic, scratch, toolAnswer } from "./helpers.ts";
+import {
+  AIC,
+  bash,
+  has,
+  headless,
+  jsonLines,
+  messagesOf,
+  perTestFixtures,
+  runAic,
+  scratch,
+  toolAnswer,
+} from "./helpers.ts";
 
 const fixtures = perTestFixtures();
 const done = { content: "TASKCOMPLETE" };
@@ -339,6 +350,19 @@ describe("what each command changed is visible", () => {
       expect(diff.stdout).toMatch(/Binary files a\/blob.bin and b\/blob.bin differ/);
       expect(diff.stdout).toContain("deleted file mode");
       expect(diff.stdout).not.toContain("\u0000");
+      expect(diff.stdout).not.toContain("(permissions of");
+      // On a terminal the diff is coloured, and no file whose content changed is said to have changed its mode.
+      if (Bun.which("script")) {
+        const cmd = `${AIC} diff 2 --session ${session}`;
+        const tty = Bun.spawnSync(["script", "-qec", cmd, "/dev/null"], {
+          cwd: dir,
+          env: { ...process.env, ...env, NO_COLOR: "" },
+        });
+        const shown = tty.stdout.toString();
+        expect(shown).toContain("\x1b[");
+        expect(shown).toContain("a + b");
+        expect(shown).not.toContain("(permissions of");
+      }
       const last = await runAic(["diff", "--session", session], { cwd: dir, env });
       expect(last.stdout).toBe("# ls > /dev/null\n(no files changed)\n");
       const tooFar = await runAic(["diff", "3", "--session", session], { cwd: dir, env });
