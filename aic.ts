@@ -567,15 +567,6 @@ type FieldsNoFlagSets = Exclude<
 const everyFieldHasAFlag: Record<FieldsNoFlagSets, never> = {};
 void everyFieldHasAFlag;
 
-// ════════════════════════════════════════════════════════════════════════════
-// CLI: reading the command line
-// Owns: the command line and the environment into a Config (or help, version,
-// search, undo, redo, diff), every bad value refused with one line naming its
-// flag; and the model profile and prompt budget derived from it.
-// ════════════════════════════════════════════════════════════════════════════
-
-class UsageError extends Error {}
-
 /** --help fits a terminal 80 columns wide: longer lines wrap at a space, under their own column. */
 const HELP_WIDTH = 80;
 const HELP_COLUMN = 29;
@@ -612,6 +603,15 @@ const HELP_USAGE: [string, string][] = [
   ["aic diff [N] [--session PATH]", "show what the N-th last command changed (default 1)"],
   ["aic export --format atif [--session PATH]", "the session as an ATIF trajectory (JSON on stdout)"],
 ];
+
+// ════════════════════════════════════════════════════════════════════════════
+// CLI: reading the command line
+// Owns: the command line and the environment into a Config (or help, version,
+// search, undo, redo, diff), every bad value refused with one line naming its
+// flag; and the model profile and prompt budget derived from it.
+// ════════════════════════════════════════════════════════════════════════════
+
+class UsageError extends Error {}
 
 function helpText(): string {
   const lines = [
@@ -13260,6 +13260,21 @@ class ShadowStoreFiles {
     private readonly gitOk: (args: string[], opts?: GitOptions) => Promise<string>,
   ) {}
 
+  /** Removes a run's own store (see `of`), and those of runs that died without removing theirs. */
+  removeIfEphemeral(): void {
+    const runs = path.dirname(this.home);
+    if (path.basename(runs) !== "runs") return;
+    try {
+      fs.rmSync(this.home, { recursive: true, force: true });
+      for (const name of fs.readdirSync(runs)) {
+        const pid = Number(name.split("-")[0]);
+        if (pid > 0 && pid !== process.pid && !fs.existsSync(`/proc/${pid}`))
+          fs.rmSync(path.join(runs, name), { recursive: true, force: true });
+      }
+    } catch {
+      /* no runs directory, or one aic may not write: nothing of this run's is there */
+    }
+  }
   /** Where a tree checkpoints gave up on is remembered (see Checkpoints.start). */
   givenUpFile: string | undefined;
 
@@ -13536,6 +13551,24 @@ class OversizedFiles {
     return { fresh, complete };
   }
 
+  /** Files written past the per-file cap are left out from now on; a tracked one leaves the index too. */
+  async leaveOut(
+    shadow: Pick<ShadowRepository, "gitOk" | "relative" | "prefix" | "pathspec">,
+    written: string[] | "unknown" | undefined,
+    afterFirst: boolean,
+  ): Promise<void> {
+    let { fresh, complete } = this.update(Array.isArray(written) ? written : []);
+    // The kernel's record lost track, or a command wrote more than a look covers: git lists what an add would read.
+    if (afterFirst && (written === "unknown" || !complete)) {
+      const listed = await shadow.gitOk(["ls-files", "-z", "-o", "-m", "--exclude-standard", ...shadow.pathspec]);
+      const rels = listed.split("\0").flatMap((p) => (p ? (shadow.relative(p) ?? []) : []));
+      fresh = [...fresh, ...this.update(rels, Infinity).fresh];
+    }
+    if (fresh.length)
+      await shadow.gitOk(["update-index", "-z", "--force-remove", "--stdin"], {
+        input: `${fresh.map((rel) => `${shadow.prefix}${rel}`).join("\0")}\0`,
+      });
+  }
   /** The files left out (relative to the start directory). */
   names(): string[] {
     this.load();
@@ -13660,22 +13693,6 @@ class ShadowRepository {
     return this.project.path;
   }
 
-  /** Removes a run's own store (see `of`), and those of runs that died without removing theirs. */
-  removeIfEphemeral(): void {
-    const runs = path.dirname(this.home);
-    if (path.basename(runs) !== "runs") return;
-    try {
-      fs.rmSync(this.home, { recursive: true, force: true });
-      for (const name of fs.readdirSync(runs)) {
-        const pid = Number(name.split("-")[0]);
-        if (pid > 0 && pid !== process.pid && !fs.existsSync(`/proc/${pid}`))
-          fs.rmSync(path.join(runs, name), { recursive: true, force: true });
-      }
-    } catch {
-      /* no runs directory, or one aic may not write: nothing of this run's is there */
-    }
-  }
-
   /**
    * The shadow repository of the held start directory:
    * `$XDG_STATE_HOME/aic/checkpoints/<hash of its real path>`, or, for a run
@@ -13793,7 +13810,7 @@ class ShadowRepository {
       await this.confirmInPlace(undefined);
       return this.last;
     }
-    await this.leaveOutOversized();
+    await this.oversized.leaveOut(this, this.watch.written(), this.last !== undefined);
     // Only where something was written is looked at again (a directory's pathspec takes its whole subtree).
     const scope = this.last ? this.scopedPathspec(this.watch.scope()) : undefined;
     this.watch.restart();
@@ -13816,22 +13833,6 @@ class ShadowRepository {
       ...present.map((rel) => `:(top,literal)${this.prefix}${rel}`),
       ...this.oversized.excludes(this.prefix),
     ];
-  }
-
-  /** Files written past the per-file cap are left out from now on; a tracked one leaves the index too. */
-  private async leaveOutOversized(): Promise<void> {
-    const written = this.watch.written();
-    let { fresh, complete } = this.oversized.update(Array.isArray(written) ? written : []);
-    // The kernel's record lost track, or a command wrote more than a look covers: git lists what an add would read.
-    if (this.last && (written === "unknown" || !complete)) {
-      const listed = await this.gitOk(["ls-files", "-z", "-o", "-m", "--exclude-standard", ...this.pathspec]);
-      const rels = listed.split("\0").flatMap((p) => (p ? (this.relative(p) ?? []) : []));
-      fresh = [...fresh, ...this.oversized.update(rels, Infinity).fresh];
-    }
-    if (fresh.length)
-      await this.gitOk(["update-index", "-z", "--force-remove", "--stdin"], {
-        input: `${fresh.map((rel) => `${this.prefix}${rel}`).join("\0")}\0`,
-      });
   }
 
   private async snapshotWithGit(
@@ -14226,7 +14227,7 @@ class Checkpoints {
 
   /** The run ends: a store of the run's own (no session file) is removed; a directory's shared store stays. */
   dispose(): void {
-    this.shadow.removeIfEphemeral();
+    this.shadow.files.removeIfEphemeral();
   }
 
   adopt(record: CheckpointRecord | undefined): void {

@@ -134,6 +134,7 @@ async function steps(p: Project, commands: string[], cwd = p.dir): Promise<Chang
   const run = await runAic([...headless(srv.url), "--auto-approve", "--json", "--session", p.session, "go"], {
     cwd,
     env: p.env,
+    killAfterMs: 280_000, // a hang guard only: the 20,000-file steps take minutes on a loaded machine
   });
   expectClean(run);
   const got = results(run.stdout);
@@ -143,7 +144,8 @@ async function steps(p: Project, commands: string[], cwd = p.dir): Promise<Chang
 
 /** `aic undo [N]` or `aic redo` for the project's session; it must succeed. */
 async function undo(p: Project, ...args: string[]): Promise<string> {
-  const r = await runAic([...args, "--session", p.session], { cwd: p.dir, env: p.env });
+  // A hang guard only: undoing 20,000 files takes minutes on a loaded machine.
+  const r = await runAic([...args, "--session", p.session], { cwd: p.dir, env: p.env, killAfterMs: 280_000 });
   expect({ code: r.code, stderr: r.stderr }).toEqual({ code: 0, stderr: "" });
   return r.stdout;
 }
