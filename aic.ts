@@ -12416,6 +12416,22 @@ class JobTable {
     return `Stopped job ${id} (${job.command}).`;
   }
 
+  /**
+   * The ordinary way out, before stopAll: the same signals, but the event loop runs meanwhile, so the jail's
+   * word of how each job ended (its init reaps them) arrives before the job is recorded, as for a job that ends
+   * by itself. stopAll alone, blocking, may find the exit code already gone.
+   */
+  async stopAllAndWait(): Promise<void> {
+    if (this.running.length) this.poll(); // a job that ended by itself is reported as such, not as stopped
+    const running = this.running;
+    if (running.length === 0) return;
+    await killGroups(running.flatMap((job) => this.liveGroups(job)));
+    const deadline = Date.now() + JOB_EXIT_WAIT_MS;
+    while (Date.now() < deadline && running.some((job) => !this.exitKnown(job))) await Bun.sleep(KILL_POLL_MS);
+    reapAdoptedZombies();
+    for (const job of running) this.finish(job, "stopped_at_exit");
+  }
+
   /** On every way out: each running job's groups get SIGTERM, then SIGKILL 0.5 s later. Blocking, so it also works from an exit handler. */
   stopAll(): void {
     liveJobTables.delete(this);
@@ -19606,6 +19622,7 @@ async function runHeadless(config: Config, prepared: PreparedRun): Promise<numbe
   // (With --json the end event says so: stdout stays the one place a CI job reads.)
   if (outcome.status === "needs_approval" && !config.json)
     writeOut(2, "aic: a command needs approval but standard input has ended; use --auto-approve for unattended runs\n");
+  if (!config.keepJobs) await run.jobs.stopAllAndWait();
   return finish(outcome.exitCode, "process_exit");
 }
 
@@ -22435,6 +22452,7 @@ class Tui implements EventSink {
     // The last prompt typed is saved before the process ends (a save waits for the other aics' locks: bounded).
     await Promise.race([this.prompt.history.settled(), Bun.sleep(hungUp ? 0 : QUIT_RUN_WAIT_MS)]);
     const stopped = this.o.config.keepJobs ? [] : this.run.jobs.running.map(stoppedJobLine);
+    if (!this.o.config.keepJobs && !hungUp) await this.run.jobs.stopAllAndWait();
     this.closeRun(reason);
     this.shellTab.stop();
     try {
