@@ -309,30 +309,34 @@ describe("what checkpoints leave alone", () => {
   });
 
   // A tree of 60,000 files is not checkpointed: one warning says why, and the run goes on.
-  test.skipIf(!has.git)("60,000 files turn checkpoints off with the reason, and the run goes on", async () => {
-    const { dir, env } = project();
-    for (let d = 0; d < 60; d++) {
-      mkdirSync(join(dir, `d${d}`));
-      for (let f = 0; f < 1000; f++) writeFileSync(join(dir, `d${d}`, `f${f}`), "");
-    }
-    const session = join(dir, "s.json");
-    const srv = fixtures.serve([bash("echo ran > ran.txt", "r"), done]);
-    const result = await runAic([...headless(srv.url), "--auto-approve", "--json", "--session", session, "go"], {
-      cwd: dir,
-      env,
-    });
-    expect(result.code).toBe(0);
-    expect(readFileSync(join(dir, "ran.txt"), "utf8")).toBe("ran\n");
-    const warnings = jsonLines(result.stdout)
-      .filter((e) => e.type === "warning")
-      .map((e) => e.text);
-    expect(warnings).toEqual([
-      `checkpoints are off: ${dir} holds more than 50000 files that are not ignored; commands still run, but /undo and aic undo cannot put files back`,
-    ]);
-    const r = await runAic(["undo", "--session", session], { cwd: dir, env });
-    expect(r.code).toBe(1);
-    expect(r.stderr).toContain("records no checkpoint");
-  });
+  test.skipIf(!has.git)(
+    "60,000 files turn checkpoints off with the reason, and the run goes on",
+    async () => {
+      const { dir, env } = project();
+      for (let d = 0; d < 60; d++) {
+        mkdirSync(join(dir, `d${d}`));
+        for (let f = 0; f < 1000; f++) writeFileSync(join(dir, `d${d}`, `f${f}`), "");
+      }
+      const session = join(dir, "s.json");
+      const srv = fixtures.serve([bash("echo ran > ran.txt", "r"), done]);
+      const result = await runAic([...headless(srv.url), "--auto-approve", "--json", "--session", session, "go"], {
+        cwd: dir,
+        env,
+      });
+      expect(result.code).toBe(0);
+      expect(readFileSync(join(dir, "ran.txt"), "utf8")).toBe("ran\n");
+      const warnings = jsonLines(result.stdout)
+        .filter((e) => e.type === "warning")
+        .map((e) => e.text);
+      expect(warnings).toEqual([
+        `checkpoints are off: ${dir} holds more than 50000 files that are not ignored; commands still run, but /undo and aic undo cannot put files back`,
+      ]);
+      const r = await runAic(["undo", "--session", session], { cwd: dir, env });
+      expect(r.code).toBe(1);
+      expect(r.stderr).toContain("records no checkpoint");
+    },
+    300_000,
+  ); // a hang guard only: making 60,000 files takes minutes on a loaded machine
 
   // Without git on PATH checkpoints are off with the reason, and the run goes on.
   test("no git on PATH: checkpoints off, said once, the run goes on", async () => {
