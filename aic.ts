@@ -12592,10 +12592,13 @@ const CHECKPOINTS_KEPT = 200;
 /** The checkpoint store's cap, in MB, unless AIC_CHECKPOINT_STORE_MAX_MB says otherwise. */
 const CHECKPOINT_STORE_MAX_MB = 2048;
 
-function checkpointStoreCap(): number {
-  const given = Number(process.env.AIC_CHECKPOINT_STORE_MAX_MB);
-  return (Number.isFinite(given) && given > 0 ? given : CHECKPOINT_STORE_MAX_MB) * 1e6;
+/** A size in bytes from a variable in MB (a positive number), or `fallbackMb` when it is unset or not one. */
+function megabytesFromEnv(variable: string, fallbackMb: number): number {
+  const given = Number(process.env[variable]);
+  return (Number.isFinite(given) && given > 0 ? given : fallbackMb) * 1e6;
 }
+
+const checkpointStoreCap = () => megabytesFromEnv("AIC_CHECKPOINT_STORE_MAX_MB", CHECKPOINT_STORE_MAX_MB);
 const CHECKPOINT_REF = "refs/aic/cp/";
 const LAST_CHECKPOINT_REF = "refs/aic/last";
 
@@ -13493,9 +13496,42 @@ const OVERSIZE_LOOK_LIMIT = 5_000;
 /** More files than this over the cap and checkpoints go off, said, rather than keep a list without end. */
 const MAX_LEFT_OUT = 10_000;
 
-function checkpointFileCap(): number {
-  const given = Number(process.env.AIC_CHECKPOINT_FILE_MAX_MB);
-  return (Number.isFinite(given) && given > 0 ? given : CHECKPOINT_FILE_MAX_MB) * 1e6;
+const checkpointFileCap = () => megabytesFromEnv("AIC_CHECKPOINT_FILE_MAX_MB", CHECKPOINT_FILE_MAX_MB);
+
+/**
+ * Paths under a held directory, each of its directories reached through a
+ * descriptor that follows no link (a command may swap one for a link) and
+ * kept open for the next path, until `close`.
+ */
+class HeldTree {
+  private readonly held = new Map<string, HeldDirectory | undefined>();
+
+  constructor(root: HeldDirectory) {
+    this.held.set("", root);
+  }
+
+  /** The directory at `rel` ("" for the root), or undefined when a link or nothing is on the way. */
+  dir(rel: string): HeldDirectory | undefined {
+    if (this.held.has(rel)) return this.held.get(rel);
+    const d = this.dir(HeldTree.parentOf(rel))?.child(path.posix.basename(rel));
+    this.held.set(rel, d);
+    return d;
+  }
+
+  /** What is at `rel`, the last name not followed. */
+  lstat(rel: string): fs.Stats | undefined {
+    const parent = this.dir(HeldTree.parentOf(rel));
+    return parent && fs.lstatSync(parent.at(path.posix.basename(rel)), { throwIfNoEntry: false });
+  }
+
+  close(): void {
+    for (const [rel, d] of this.held) if (rel) d?.close();
+  }
+
+  private static parentOf(rel: string): string {
+    const up = path.posix.dirname(rel);
+    return up === "." ? "" : up;
+  }
 }
 
 /**
@@ -13504,10 +13540,11 @@ function checkpointFileCap(): number {
  * past its time limit, and turn checkpoints off for the run. Such a file is
  * left out (an exclude pathspec, so no name can escape it) and said once; a
  * tracked file that grows past the cap leaves the index, so an undo keeps
- * its big version aside rather than overwrite it. Only what the kernel saw
- * written is looked at: a first snapshot, or one after the record
- * overflowed, reads every file as before. The list is kept in the store, so
- * a later run (`aic undo`) leaves out the same files.
+ * its big version aside rather than overwrite it. What the kernel saw
+ * written is looked at; when its record lost track, git lists what a
+ * snapshot would read. A run's first snapshot reads every file as before.
+ * The list is kept in the store, so a later run (`aic undo`) leaves out the
+ * same files.
  */
 class OversizedFiles {
   /** Each file left out (relative to the start directory), with its size when last seen. */
@@ -13530,33 +13567,28 @@ class OversizedFiles {
     const cap = checkpointFileCap();
     const fresh: string[] = [];
     const before = this.left.size;
-    for (const rel of this.left.keys()) if ((this.sizeOf(rel) ?? 0) <= cap) this.left.delete(rel);
     let complete = true;
-    // Every directory is reached through descriptors that follow no link: a command may swap one for a link.
-    const held = new Map<string, HeldDirectory | undefined>([["", this.project]]);
-    const dirOf = (rel: string): HeldDirectory | undefined => {
-      if (held.has(rel)) return held.get(rel);
-      const parent = dirOf(path.posix.dirname(rel) === "." ? "" : path.posix.dirname(rel));
-      const d = parent?.child(path.posix.basename(rel));
-      held.set(rel, d);
-      return d;
-    };
+    const held = new HeldTree(this.project);
     const look = (rel: string, depth: number) => {
       if (budget-- <= 0) return void (complete = false);
-      const parent = dirOf(path.posix.dirname(rel) === "." ? "" : path.posix.dirname(rel));
-      const st = parent && fs.lstatSync(parent.at(path.posix.basename(rel)), { throwIfNoEntry: false });
+      const st = held.lstat(rel);
       if (st?.isDirectory()) {
         if (depth >= 32) return void (complete = false);
-        for (const e of dirOf(rel)?.entries() ?? []) look(`${rel}/${e.name}`, depth + 1);
+        for (const e of held.dir(rel)?.entries() ?? []) look(`${rel}/${e.name}`, depth + 1);
       } else if (st?.isFile() && st.size > cap && !this.left.has(rel)) {
         this.left.set(rel, st.size);
         fresh.push(rel);
       }
     };
     try {
+      // A file left out before that shrank or went is taken again.
+      for (const rel of this.left.keys()) {
+        const st = held.lstat(rel);
+        if (!st?.isFile() || st.size <= cap) this.left.delete(rel);
+      }
       for (const rel of written) look(rel, 0);
     } finally {
-      for (const [rel, d] of held) if (rel) d?.close();
+      held.close();
     }
     if (this.left.size > MAX_LEFT_OUT)
       throw new Error(
@@ -13615,24 +13647,6 @@ class OversizedFiles {
       else fs.rmSync(this.file, { force: true });
     } catch {
       /* a later run reads these files once more */
-    }
-  }
-
-  /** The size of a file left out, its directories reached without following a link; undefined when it is no file. */
-  private sizeOf(rel: string): number | undefined {
-    const parts = rel.split("/");
-    let d: HeldDirectory | undefined = this.project;
-    const opened: HeldDirectory[] = [];
-    try {
-      for (const part of parts.slice(0, -1)) {
-        d = d.child(part);
-        if (!d) return undefined;
-        opened.push(d);
-      }
-      const st = fs.lstatSync(d.at(parts.at(-1)!), { throwIfNoEntry: false });
-      return st?.isFile() ? st.size : undefined;
-    } finally {
-      opened.forEach((o) => o.close());
     }
   }
 
@@ -17820,16 +17834,12 @@ async function passApprovalGate(
   // Without a person, what the judgement cannot see through never runs while a deny rule it could hide holds
   // (one the kernel cannot enforce by refusing to execute a program).
   const unseen = ruled.unsure !== undefined && o.rules.hasDenyBeyond(o.sandbox.deniedPrograms, o.sandbox.heldAtExec);
-  // Read-only parts beside allowed ones run unasked too, unless the person asked to see every command.
-  const besideReads = o.config.askEveryCommand ? undefined : ruled.allowedBesideReads;
-  if (
-    ruling === "run" ||
-    besideReads ||
-    (ruled.readOnly && !o.config.askEveryCommand) ||
-    (ctx.autoApprove && !unseen)
-  ) {
-    const decision =
-      ruling === "run" || besideReads ? "allowed" : ruled.readOnly && !o.config.askEveryCommand ? "read_only" : "auto";
+  // What only reads runs unasked, alone or beside what a rule allows, unless the person asked to see every command.
+  const readsUnasked = !o.config.askEveryCommand;
+  const besideReads = readsUnasked ? ruled.allowedBesideReads : undefined;
+  const readOnly = readsUnasked && ruled.readOnly;
+  if (ruling === "run" || besideReads || readOnly || (ctx.autoApprove && !unseen)) {
+    const decision = ruling === "run" || besideReads ? "allowed" : readOnly ? "read_only" : "auto";
     const rule = ruling === "run" ? ruled.rule : besideReads;
     emit({ type: "approval", id, decision, rule: decision === "allowed" ? rule?.text : undefined });
     return { run: true, byHand: false };
