@@ -7608,16 +7608,61 @@ function aicStatePaths(home: string | undefined): string[] {
   return [...(state ? [state] : []), ...(home ? [path.join(home, ".aic_history")] : [])];
 }
 
-/** aic's state, and the saved outputs of every other run: the jail covers them all. */
+/**
+ * How many other runs' saved outputs the jail covers, newest first. Anyone who can write /tmp can make
+ * directories of that name, and each one covered is a mount: thousands of them must not stop a run.
+ */
+const MAX_COVERED_OUTPUT_DIRS = 256;
+
+/** aic's state, and the saved outputs of other runs of this user (the newest): the jail covers them. */
 function ownStatePaths(home: string | undefined, keepOutputs: string | undefined): string[] {
   const tmp = HeldDirectory.open(os.tmpdir());
-  const outputs = tmp
-    .entries()
-    .filter((e) => e.isDirectory() && e.name.startsWith(OUTPUT_DIR_PREFIX))
-    .map((e) => tmp.display(e.name))
-    .filter((dir) => dir !== keepOutputs);
+  const uid = process.getuid?.();
+  const outputs: { dir: string; at: number }[] = [];
+  for (const e of tmp.entries()) {
+    if (!e.isDirectory() || !e.name.startsWith(OUTPUT_DIR_PREFIX) || tmp.display(e.name) === keepOutputs) continue;
+    const st = fs.lstatSync(tmp.at(e.name), { throwIfNoEntry: false });
+    // Another user's are theirs to guard (aic makes them 0700): this user's commands cannot read them.
+    if (st?.isDirectory() && st.uid === uid) outputs.push({ dir: tmp.display(e.name), at: st.mtimeMs });
+  }
   tmp.close();
-  return [...aicStatePaths(home), ...outputs];
+  outputs.sort((a, b) => b.at - a.at);
+  return [...aicStatePaths(home), ...outputs.slice(0, MAX_COVERED_OUTPUT_DIRS).map((o) => o.dir)];
+}
+
+/**
+ * One argument may not pass 128 KB (the kernel's MAX_ARG_STRLEN): a plan larger than this goes to the
+ * launcher in a private file instead, named after `@`, which aic removes when it exits.
+ */
+const MAX_PLAN_ARGUMENT = 64 * 1024;
+
+function planArgument(plan: unknown): string {
+  const json = JSON.stringify(plan);
+  if (json.length <= MAX_PLAN_ARGUMENT) return json;
+  const state = aicStateDir();
+  let dir: HeldDirectory | undefined;
+  try {
+    if (state) dir = HeldDirectory.createPrivate(state, "plan-");
+  } catch {
+    /* a read-only home: /tmp instead, in a directory only this user can enter */
+  }
+  dir ??= HeldDirectory.createPrivate(os.tmpdir(), "aic-plan-");
+  const fd = dir.createExclusive("plan.json");
+  try {
+    writeAll(fd, json);
+  } finally {
+    fs.closeSync(fd);
+  }
+  dir.close();
+  // Kept while aic runs: a launcher started again (after the jail was refused) reads it again.
+  process.once("exit", () => fs.rmSync(dir.path, { recursive: true, force: true }));
+  return `@${path.join(dir.path, "plan.json")}`;
+}
+
+/** The plan a launcher was given: the argument itself, or the file `planArgument` wrote. */
+function readPlanArgument(arg: string | undefined): unknown {
+  if (!arg?.startsWith("@")) return JSON.parse(arg ?? "{}");
+  return JSON.parse(readOwnFile(arg.slice(1), MAX_OWN_FILE_BYTES).toString("utf8"));
 }
 
 /** The jail's half of the sandbox: whether it is used, and if not, why. */
@@ -7815,7 +7860,7 @@ function startLauncher(o: {
     outputs && o.plan.confineReads
       ? { ...o.plan, rules: [...o.plan.rules, { ...outputs, access: "r" as const }] }
       : o.plan;
-  const plain = [...o.self, SANDBOX_EXEC, JSON.stringify(plan), "--", ...o.self, SANDBOX_LAUNCHER];
+  const plain = [...o.self, SANDBOX_EXEC, planArgument(plan), "--", ...o.self, SANDBOX_LAUNCHER];
   const supervised = Boolean(plan.judgeExec?.length);
   if (o.jail.refused) {
     const launcher = new SandboxLauncher(plain, false, undefined, supervised);
@@ -7837,7 +7882,7 @@ function startLauncher(o: {
   });
   const unshare = [UNSHARE, "--user", "--map-current-user", "--keep-caps", "--mount", "--pid", "--ipc", "--fork"];
   const argv = [...unshare, "--kill-child", ...(o.jail.net ? ["--net"] : []), ...o.self, JAIL];
-  const plans = JSON.stringify({ jail: jailPlan, sandbox: plan });
+  const plans = planArgument({ jail: jailPlan, sandbox: plan });
   // Without its own network, commands have no fallback: they are refused rather than run on the network.
   const fallback = o.jail.net
     ? undefined
@@ -23505,11 +23550,11 @@ function metricsOf(raw: unknown): AtifMetrics | undefined {
 async function main(argv: string[]): Promise<number> {
   if (argv[0] === SANDBOX_EXEC) {
     const separator = argv.indexOf("--");
-    return sandboxExec(JSON.parse(argv[1] ?? "{}") as SandboxPlan, argv.slice(separator + 1));
+    return sandboxExec(readPlanArgument(argv[1]) as SandboxPlan, argv.slice(separator + 1));
   }
   if (argv[0] === JAIL) {
     const separator = argv.indexOf("--");
-    return jailInit(JSON.parse(argv[1] ?? "{}") as { jail: JailPlan; sandbox: SandboxPlan }, argv.slice(separator + 1));
+    return jailInit(readPlanArgument(argv[1]) as { jail: JailPlan; sandbox: SandboxPlan }, argv.slice(separator + 1));
   }
   if (argv[0] === SANDBOX_LAUNCHER) return await runSandboxLauncher();
   process.on("exit", rememberStreamFlags());

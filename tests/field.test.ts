@@ -613,3 +613,37 @@ describe("in a Docker container with Docker's default seccomp profile", () => {
     1_200_000,
   );
 });
+
+describe.skipIf(!LANDLOCK)("what others left in /tmp and the project does not stop a run", () => {
+  for (const mode of ["the jail", "Landlock alone"] as const) {
+    test(`${mode}: thousands of directories named like saved outputs, and hundreds of repositories, still let commands run`, async () => {
+      // Anyone who can write /tmp can make directories named as aic's saved outputs; each one the jail covers
+      // was an argument and a mount, and 10,000 of them made the launcher's argument list too long to start.
+      const tmp = fixtures.varTmp("aic-field-squat-tmp-");
+      for (let i = 0; i < 3000; i++) mkdirSync(join(tmp, `aic-out-squat${i}`));
+      // Hundreds of repositories: the guard pins each, and the plan passes what one argument may hold.
+      const cwd = fixtures.varTmp("aic-field-squat-");
+      for (let i = 0; i < 400; i++) {
+        mkdirSync(join(cwd, `r${i}`, ".git", "objects"), { recursive: true });
+        mkdirSync(join(cwd, `r${i}`, ".git", "refs"));
+        writeFileSync(join(cwd, `r${i}`, ".git", "HEAD"), "ref: refs/heads/main\n");
+      }
+      const state = fixtures.varTmp("aic-field-squat-state-");
+      const srv = fixtures.serve([bash("echo ran-despite-squatters", "c1"), done]);
+      const run = await startAic([...headless(srv.url), "--json", "--auto-approve", "run"], {
+        cwd,
+        env: {
+          TMPDIR: tmp,
+          XDG_STATE_HOME: state,
+          ...(mode === "Landlock alone" ? { AIC_NO_NAMESPACES: "1" } : {}),
+        },
+      }).done;
+      expect(run.code, run.stderr).toBe(0);
+      const answer = srv.requests.at(-1)!.body.messages.find((m: any) => m.role === "tool")?.content;
+      expect(answer).toContain("ran-despite-squatters");
+      // The plan's file is gone with the run.
+      const left = readdirSync(join(state, "aic")).filter((n) => n.startsWith("plan-"));
+      expect(left).toEqual([]);
+    }, 120_000);
+  }
+});
