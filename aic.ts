@@ -8614,7 +8614,7 @@ function runsCode(s: GitSetting): boolean {
 }
 
 /** A git dir's configs as the repository guard last judged them (what it left there). */
-type Judged = Partial<Pick<GitDirBaseline, "config" | "worktree">>;
+type Judged = Partial<Pick<GitDirBaseline, "config" | "worktree" | "links">>;
 
 /** The files a git dir's configs include, absolute (relative ones are relative to the git dir, as git reads them). */
 function includedConfigs(gitDir: string, configs: readonly (Buffer | undefined)[]): string[] {
@@ -9018,6 +9018,8 @@ interface GitDirBaseline {
   todos?: Map<string, string>;
   /** Where its `commondir` leads, if it has one. */
   commondir: string | undefined;
+  /** Its links (path inside it → where each points): git writes COMMIT_EDITMSG, reflogs and more through one. */
+  links?: Map<string, string>;
 }
 
 /** How many entries of a git dir are looked at for FIFOs and devices (its refs and loose objects among them). */
@@ -9034,15 +9036,21 @@ function gitReadFiles(gitDir: HeldDirectory): { files: [HeldDirectory, string][]
   const files: [HeldDirectory, string][] = [];
   let budget = GIT_DIR_ENTRIES_LOOKED_AT;
   const walk = (d: HeldDirectory, depth: number) => {
-    for (const e of d.entries()) {
+    const entries = d.entries();
+    // A directory's own entries before its subdirectories': thousands of loose objects cannot hide COMMIT_EDITMSG.
+    for (const e of entries) {
+      if (e.isDirectory()) continue;
       if (budget-- <= 0) return;
-      if (e.isDirectory()) {
-        const sub = depth < 16 ? d.child(e.name) : undefined;
-        if (sub) {
-          held.push(sub);
-          walk(sub, depth + 1);
-        }
-      } else if (!e.isFile() && !e.name.endsWith(".aic-disabled")) files.push([d, e.name]); // one aic took out stays
+      if (!e.isFile() && !e.name.endsWith(".aic-disabled")) files.push([d, e.name]); // one aic took out stays
+    }
+    for (const e of entries) {
+      if (!e.isDirectory()) continue;
+      if (budget-- <= 0) return;
+      const sub = depth < 16 ? d.child(e.name) : undefined;
+      if (sub) {
+        held.push(sub);
+        walk(sub, depth + 1);
+      }
     }
   };
   walk(gitDir, 0);
@@ -9072,6 +9080,15 @@ function commondirOf(gitDir: HeldDirectory): string | undefined {
     return realOrAsIs(`${gitDir.path}/${written}`, written);
   } catch {
     return "(unreadable)";
+  }
+}
+
+/** Where the link at `at` points, or undefined when it is no link. */
+function linkTarget(at: string): string | undefined {
+  try {
+    return fs.readlinkSync(at);
+  } catch {
+    return undefined;
   }
 }
 
@@ -9244,7 +9261,7 @@ class GitGuard {
         done.push(...this.disarm(dir, this.dirs.get(dir.path), judged));
         // The configs as aic judged (or left) them, never as read again: a job may plant a setting in between, and
         // a baseline that held it would let it stay for good.
-        this.dirs.set(dir.path, { ...this.look(dir), ...judged });
+        this.dirs.set(dir.path, { ...this.look(dir, false), ...judged });
       }
     } finally {
       found.close();
@@ -9352,7 +9369,8 @@ class GitGuard {
     return moveAside(p.at, p.display, `${p.display}, which sends git to ${target ?? "an unknown place"}`);
   }
 
-  private look(dir: HeldDirectory): GitDirBaseline {
+  /** What `dir` holds now; its links only with `links` (after an audit, the audit's walk has them). */
+  private look(dir: HeldDirectory, links = true): GitDirBaseline {
     const read = (name: string) => {
       try {
         return dir.read(name, MAX_GIT_CONFIG_BYTES);
@@ -9369,7 +9387,23 @@ class GitGuard {
         return sig ? [[t, sig] as [string, string]] : [];
       }),
     );
-    return { config, worktree, included, hooks: hooksOf(dir), commondir: commondirOf(dir), todos };
+    const baseline: GitDirBaseline = {
+      config,
+      worktree,
+      included,
+      hooks: hooksOf(dir),
+      commondir: commondirOf(dir),
+      todos,
+    };
+    if (!links) return baseline;
+    const reads = gitReadFiles(dir);
+    baseline.links = new Map();
+    for (const [holder, name] of reads.files) {
+      const link = linkTarget(holder.at(name));
+      if (link !== undefined) baseline.links.set(path.relative(dir.path, holder.display(name)), link);
+    }
+    reads.close();
+    return baseline;
   }
 
   private disarm(dir: HeldDirectory, before: GitDirBaseline | undefined, judged: Judged): string[] {
@@ -9409,9 +9443,18 @@ class GitGuard {
           ),
         );
     }
-    // A FIFO (or a link to one, or a device) where git reads its index, refs or rules stalls the person's git.
+    // A FIFO (or a link to one, or a device) where git reads its index, refs or rules stalls the person's git; a
+    // link a command made sends what git writes (COMMIT_EDITMSG at the next commit, a reflog) to any file at all.
     const reads = gitReadFiles(dir);
+    judged.links = new Map();
     for (const [holder, name] of reads.files) {
+      const rel = path.relative(dir.path, holder.display(name));
+      const link = linkTarget(holder.at(name));
+      if (link !== undefined && before?.links?.get(rel) !== link) {
+        done.push(...moveAside(holder.at(name), holder.display(name), `${holder.display(name)} (a link to ${link})`));
+        continue;
+      }
+      if (link !== undefined) judged.links.set(rel, link);
       let st: fs.Stats | undefined;
       try {
         st = fs.statSync(holder.at(name), { throwIfNoEntry: false }); // through a link too

@@ -5,7 +5,7 @@
  * by a .gitignore the command emptied; aic starts in a git worktree (a `.git` file).
  */
 import { describe, expect, test } from "bun:test";
-import { existsSync, mkdirSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, readdirSync, readlinkSync, symlinkSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import {
   bash,
@@ -396,6 +396,30 @@ describe("what git reads besides its config", () => {
       const log = Bun.spawnSync(["timeout", "10", "git", "log", "-1"], { cwd: dir, stdout: "pipe", stderr: "pipe" });
       expect(log.exitCode).not.toBe(124);
       expect(existsSync(join(dir, `${where}.aic-disabled`))).toBe(true);
+    },
+  );
+
+  // The sixth red team: a link in the git dir sends what git writes there (the message at the next commit) elsewhere.
+  test.skipIf(!has.git)(
+    "a link a command puts in the git dir is taken out: the person's next commit writes through none; a link they had stays",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q", "-b", "master");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      const victim = join(dir, "..", "victim.rc");
+      writeFileSync(victim, "the person's own file\n");
+      symlinkSync("../theirs.txt", join(dir, ".git", "their-link"));
+      const srv = fixtures.serve([
+        bash(`printf 'pay\\n' > .git/SQUASH_MSG && ln -sfn ${victim} .git/COMMIT_EDITMSG && echo planted`, "p"),
+        done,
+      ]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain(`.git/COMMIT_EDITMSG (a link to ${victim})`);
+      git(dir, "commit", "-q", "--allow-empty", "-m", "the person's commit");
+      expect(readFileSync(victim, "utf8")).toBe("the person's own file\n");
+      expect(existsSync(join(dir, ".git", "COMMIT_EDITMSG.aic-disabled"))).toBe(true);
+      expect(readlinkSync(join(dir, ".git", "their-link"))).toBe("../theirs.txt");
     },
   );
 
