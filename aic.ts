@@ -15042,9 +15042,20 @@ function copyOwnRange(from: number, start: number, to: number, length: number): 
 // from a shell.
 // ════════════════════════════════════════════════════════════════════════════
 
-/** Where the conversation is cut for an undo: the assistant turn that proposed `call`, or -1 when it is gone (compressed). */
-function turnOfCall(messages: readonly Message[], call: string): number {
-  return messages.findIndex((m) => m.role === "assistant" && m.tool_calls?.some((c) => c.id === call));
+/**
+ * Where the conversation is cut for an undo of `calls` (oldest first): the assistant turn that proposed the
+ * first of them, or -1 when one is gone (compressed). Found from the end, each before the next: servers
+ * number call ids per answer (call_1 again and again), so an id alone does not name one turn.
+ */
+function turnOfCalls(messages: readonly Message[], calls: readonly string[]): number {
+  let at = messages.length - 1;
+  const proposes = (m: Message, call: string) => m.role === "assistant" && m.tool_calls?.some((c) => c.id === call);
+  for (let i = calls.length - 1; i >= 0; i--) {
+    // One turn may propose several of them: the next one back may be in the same turn.
+    while (at >= 0 && !proposes(messages[at]!, calls[i]!)) at--;
+    if (at < 0) return -1;
+  }
+  return at;
 }
 
 /** The lines an undo or redo shows: what changed, and what checkpoints cannot cover. */
@@ -15079,7 +15090,10 @@ async function undoCommands(
   const problem = checkpoints.cannotUndo(n);
   if (problem) throw new Error(problem);
   const { report, steps, before, left } = await checkpoints.undo(n);
-  const at = turnOfCall(conversation.messages, steps[0]!.call);
+  const at = turnOfCalls(
+    conversation.messages,
+    steps.map((s) => s.call),
+  );
   const cut = at > 0 ? conversation.messages.splice(at) : [];
   checkpoints.redo.push({ commit: before, steps, messages: cut, left });
   const what =
@@ -22943,13 +22957,13 @@ async function jobsCommand(t: Tui, args: string): Promise<void> {
   for (const line of lines) t.agentPane.line(visibleControls(line), COLORS.info);
 }
 
-/** /clear: a new conversation and session; a running agent is interrupted first, and the person told. */
-async function clearConversation(t: Tui): Promise<void> {
-  if (t.runInFlight) {
-    t.agentPane.line("Stopping the agent to clear the conversation…", COLORS.warning);
-    t.agent.interrupt();
-    await t.runInFlight;
-  }
+/** /clear: a new conversation and session, only while the agent is stopped (a slip of the keys mid-run lost a long one). */
+function clearConversation(t: Tui): void {
+  if (t.runInFlight)
+    return t.agentPane.line(
+      "The agent is working: /clear does nothing now. Interrupt it first (Escape), then /clear.",
+      COLORS.warning,
+    );
   t.agent.clear();
   t.figures.step = 0;
   t.figures.tokens = 0;

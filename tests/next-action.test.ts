@@ -45,6 +45,32 @@ function project(): { dir: string; env: Record<string, string> } {
   return { dir, env: { XDG_STATE_HOME: join(root, "state") } };
 }
 
+describe("undo cuts the conversation where the command was proposed", () => {
+  // A new user's finding: servers number call ids per answer, so call_1 comes again; the undo cut the
+  // conversation back to the first turn that used the id, and the model forgot every step since.
+  test.skipIf(!has.git)("a call id used again: undo sets aside only the last command's turn", async () => {
+    const { dir, env } = project();
+    git(dir, "init", "-q");
+    const srv = fixtures.serve([
+      bash("echo v1 > f.txt", "call_1"),
+      bash("echo v2 > f.txt", "call_2"),
+      bash("echo v3 > f.txt", "call_1"),
+      done,
+    ]);
+    const session = join(dir, "s.json");
+    const run = await runAic([...headless(srv.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env });
+    expect(run.code).toBe(0);
+    const undo = await runAic(["undo", "--session", session], { cwd: dir, env });
+    expect(undo.code, undo.stderr).toBe(0);
+    expect(readFileSync(join(dir, "f.txt"), "utf8")).toBe("v2\n");
+    // The third turn, its answer and the last word go; the first two steps stay in the conversation.
+    expect(undo.stdout).toContain("(3 message(s) set aside");
+    const kept = JSON.stringify(JSON.parse(readFileSync(session, "utf8")).messages);
+    expect(kept).toContain("echo v2 > f.txt");
+    expect(kept).not.toContain("echo v3 > f.txt");
+  });
+});
+
 describe("undo keeps what a checkpoint never held", () => {
   test.skipIf(!has.git)(
     "a command empties .gitignore: undo puts it back and leaves the ignored files that were there before",
