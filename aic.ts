@@ -10564,7 +10564,7 @@ class OutputStore {
     /** Told the directory's path whenever it changes, so the session can record it. */
     private readonly onDirectory: (dir: string | undefined) => void = () => {},
   ) {
-    this.tag = tag;
+    this.tag = OutputStore.safeTag(tag);
     if (remembered) this.dir = OutputStore.adopt(remembered);
     this.announced = this.dir !== undefined;
     this.onDirectory(this.dir?.path);
@@ -10637,8 +10637,13 @@ class OutputStore {
     this.dir?.remove();
     this.dir = undefined;
     this.announced = false;
-    this.tag = newTag;
+    this.tag = OutputStore.safeTag(newTag);
     this.onDirectory(undefined);
+  }
+
+  /** A session id (hand-edited sessions hold any text, `../..` too) as one safe piece of a name in /tmp. */
+  private static safeTag(tag: string): string {
+    return tag.replace(/[^A-Za-z0-9_-]/g, "_").slice(0, 64) || "session";
   }
 
   /** At exit: a session keeps its outputs, and --keep-jobs the logs the end names; otherwise nothing refers to them. */

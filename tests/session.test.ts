@@ -342,6 +342,36 @@ describe("file format", () => {
   });
 
   // Keys a person added by hand are kept, unchanged, when aic rewrites the file.
+  // The red team's: a hand-edited (or planted) session id is any text; aic named its saved outputs' directory
+  // after it, so `x/../../elsewhere/ESCAPED` made aic itself, outside the jail, write output there.
+  test("a session id with slashes and dots names no directory outside aic's own", async () => {
+    const cwd = scratch();
+    const elsewhere = scratch();
+    const session = join(cwd, "sess.json");
+    const id = `x/../../../../../../../..${elsewhere}/ESCAPED`;
+    writeFileSync(
+      session,
+      JSON.stringify({
+        aic_session_version: 1,
+        session_id: id,
+        reason: "process_exit",
+        messages: [
+          { role: "system", content: "s" },
+          { role: "user", content: "old task" },
+        ],
+      }),
+    );
+    // Output long enough to be cut, so it is saved in the directory named after the id.
+    const srv = serve(session, [bash("seq 1 300000"), { content: "TASKCOMPLETE" }]);
+    const run = await runAic(sessionArgs(srv.url, "sess.json", "new task"), { cwd });
+    expect(run.code, run.stderr).toBe(0);
+    expect(readdirSync(elsewhere)).toEqual([]);
+    // In aic's own place for saved outputs, under a name that is one piece.
+    const saved: string = readJson(session).output_dir;
+    expect(saved).toMatch(/\/aic\/outputs\/aic-out-x_+[\w-]+$/);
+    expect(existsSync(saved)).toBe(true);
+  });
+
   test("unknown extra keys survive a rewrite", async () => {
     const cwd = scratch();
     const session = join(cwd, "sess.json");
