@@ -15190,6 +15190,18 @@ async function runUndo(kind: "undo" | "redo", count: number, sessionPath: string
 }
 
 /** `aic diff [N] [--session PATH]`: the unified diff of the N-th last command's changes. Reads the session, never writes it. */
+/**
+ * A diff for a terminal: git's colours kept, every other control character the files hold shown and never
+ * sent (a command's file could set the clipboard with OSC 52, or clear the screen over what changed). Piped
+ * to a file, the diff stays a patch, byte for byte.
+ */
+function diffForTerminal(text: string): string {
+  return text
+    .split(/(\x1b\[[0-9;]*m)/)
+    .map((piece, i) => (i % 2 ? piece : visibleControls(piece)))
+    .join("");
+}
+
 async function runDiff(count: number, sessionPath: string): Promise<number> {
   const fail = (message: string) => (writeOut(2, `aic: error: ${message}\n`), EXIT.failure);
   let project: HeldDirectory | undefined;
@@ -15214,7 +15226,8 @@ async function runDiff(count: number, sessionPath: string): Promise<number> {
     project = projectOfSession(path.resolve(sessionPath), record);
     const checkpoints = Checkpoints.forDirectory(project, sessionPath, () => {});
     checkpoints.adopt(record);
-    writeOut(1, await checkpoints.diffOf(count, useColor(process.stdout)));
+    const diff = await checkpoints.diffOf(count, useColor(process.stdout));
+    writeOut(1, process.stdout.isTTY ? diffForTerminal(diff) : diff);
     return EXIT.ok;
   } catch (error) {
     return fail((error as Error).message);
@@ -22903,12 +22916,18 @@ async function undoOrRedo(t: Tui, kind: "undo" | "redo", args: string): Promise<
 }
 
 /** /diff [N]: the unified diff of the N-th last command, coloured in the agent pane. */
+/** The most lines /diff puts in the agent pane. */
+const TUI_DIFF_LINES = 400;
+
 async function showDiff(t: Tui, args: string): Promise<void> {
   const n = args.trim() ? Number(args.trim()) : 1;
   if (!Number.isInteger(n) || n < 1)
     return t.agentPane.line("Usage: /diff [N], N a positive whole number", COLORS.warning);
   try {
-    for (const line of (await t.agent.history.diff(n)).replace(/\n$/, "").split("\n")) {
+    const lines = (await t.agent.history.diff(n)).replace(/\n$/, "").split("\n");
+    // A whole tree's diff would push the conversation out of the pane's scrollback.
+    const shown = lines.slice(0, TUI_DIFF_LINES);
+    for (const line of shown) {
       const color = line.startsWith("+")
         ? COLORS.ok
         : line.startsWith("-")
@@ -22918,6 +22937,11 @@ async function showDiff(t: Tui, args: string): Promise<void> {
             : COLORS.info;
       t.agentPane.line(visibleControls(line), color);
     }
+    if (lines.length > shown.length)
+      t.agentPane.line(
+        `… ${lines.length - shown.length} more line(s): \`aic diff${n > 1 ? ` ${n}` : ""}\` in a shell shows the whole diff`,
+        COLORS.warning,
+      );
   } catch (error) {
     t.agentPane.line(`/diff: ${(error as Error).message}`, COLORS.warning);
   }

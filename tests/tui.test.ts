@@ -1476,6 +1476,34 @@ describe("a TUI a person can trust (round 2)", () => {
     }
   });
 
+  // A new user's finding: /diff of a command that changed a whole tree pushed the conversation out of the pane.
+  test("/diff shows at most 400 lines and says how to see the rest", async () => {
+    const dir = scratch("aic-tui-diff-");
+    const home = process.cwd();
+    const state = process.env.XDG_STATE_HOME;
+    process.env.XDG_STATE_HOME = join(dir, ".state");
+    process.chdir(dir);
+    try {
+      const h = await openTui({
+        request: "run: seq 1 1000 > many.txt",
+        args: ["--auto-approve"],
+        checkpoints: true,
+        dir,
+      });
+      await h.idle(2);
+      await h.type("/diff");
+      const frame = await h.until((f) => unwrapped(f, "left").includes("more line(s): `aic diff` in a shell"));
+      const more = Number(/… (\d+) more line\(s\)/.exec(unwrapped(frame, "left"))?.[1]);
+      // 1,000 added lines and the diff's header: all but the first 400 left out.
+      expect(more).toBeGreaterThan(600);
+      expect(more).toBeLessThan(610);
+    } finally {
+      process.chdir(home);
+      if (state === undefined) delete process.env.XDG_STATE_HOME;
+      else process.env.XDG_STATE_HOME = state;
+    }
+  });
+
   test("the Ctrl+R line sits above the prompt, never over the panes' border", async () => {
     const h = await openTui({ history: ["find me later"] });
     h.s.mockInput.pressKey("\x12");

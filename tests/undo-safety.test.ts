@@ -370,6 +370,34 @@ describe("what each command changed is visible", () => {
     },
   );
 
+  // The red team's: a file a command wrote carries OSC 52 (sets the clipboard: the person's next paste runs it)
+  // and a screen clear; aic diff on a terminal sent them raw. Piped, the diff stays the patch it is.
+  test.skipIf(!has.git || !Bun.which("script"))(
+    "aic diff on a terminal shows the control characters a file holds and sends none; piped, it is the patch",
+    async () => {
+      const { dir, env } = world();
+      const srv = fixtures.serve([
+        bash("printf 'line\\033]52;c;ZWNobyBwd25lZA==\\007\\033[2J\\n' > notes.txt", "plant"),
+        done,
+      ]);
+      const session = join(dir, "s.json");
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--session", session, "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      const tty = Bun.spawnSync(["script", "-qec", `${AIC} diff --session ${session}`, "/dev/null"], {
+        cwd: dir,
+        env: { ...process.env, ...env, NO_COLOR: "" },
+      });
+      const shown = tty.stdout.toString();
+      expect(shown).toContain("notes.txt");
+      expect(shown).toContain("\u241b]52;c;ZWNobyBwd25lZA==");
+      expect(shown).not.toContain("\x1b]52");
+      expect(shown).not.toContain("\x1b[2J");
+      expect(shown).toContain("\x1b["); // git's own colours stay
+      const piped = await runAic(["diff", "--session", session], { cwd: dir, env });
+      expect(piped.stdout).toContain("+line\x1b]52;c;ZWNobyBwd25lZA==\x07\x1b[2J\n");
+    },
+  );
+
   test.skipIf(!has.git)(
     "without a session file, --json still lists changed files (and leaves no store behind)",
     async () => {
