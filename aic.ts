@@ -4851,6 +4851,29 @@ const MESSAGES_KEY = Buffer.from('"messages"');
  * no byte-order mark, valid JSON) gives undefined, and the file is then read
  * whole as before, so every repair is made and reported the same way.
  */
+/**
+ * Deeper than this, a session is refused as broken: nothing aic writes nests more than a few levels, and
+ * the repairs that walk a message (50,000 levels in 100 KB) would overflow the stack.
+ */
+const MAX_SESSION_NESTING = 1000;
+
+/** Whether JSON text nests `[` and `{` deeper than `limit` (strings skipped), without parsing it. */
+function nestedDeeperThan(text: string, limit: number): boolean {
+  let depth = 0;
+  let inString = false;
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    if (inString) {
+      if (c === 0x5c) i++;
+      else if (c === 0x22) inString = false;
+    } else if (c === 0x22) inString = true;
+    else if (c === 0x7b || c === 0x5b) {
+      if (++depth > limit) return true;
+    } else if (c === 0x7d || c === 0x5d) depth--;
+  }
+  return false;
+}
+
 class SessionReader {
   /** The slices still needed (from `needed` on), and where the first of them starts in the file. */
   private slices: Buffer[] = [];
@@ -4952,7 +4975,7 @@ class SessionReader {
       this.inString = true;
       this.stringStart = at;
     } else if (b === 0x7b || b === 0x5b) {
-      this.depth++;
+      if (++this.depth > MAX_SESSION_NESTING) return this.fail(); // read whole, and refused with the reason
       if (at === this.listStart) {
         try {
           this.head = this.text(0, at);
@@ -5590,6 +5613,10 @@ class SessionStore {
     }
     if (bytes) {
       const text = decodeSessionText(bytes, reports);
+      if (nestedDeeperThan(text, MAX_SESSION_NESTING)) {
+        const why = `it nests lists or objects deeper than ${MAX_SESSION_NESTING.toLocaleString("en-US")} levels`;
+        return reloading ? this.keepAsItIs(why) : this.keepBroken(brokenSessionLine(this.path, undefined, why));
+      }
       try {
         parsed = JSON.parse(text);
       } catch (error) {
@@ -19431,9 +19458,17 @@ class BrokenSession extends Error {}
 function createRun(config: Config, prepared: PreparedRun, front: FrontEnd, request: string): Run {
   const sessionPath = config.sessionPath;
   OutputStore.pruneOld();
-  const session = sessionPath
-    ? SessionStore.claim(sessionPath, { model: config.model, apiBase: config.apiBase }, front.sink)
-    : undefined;
+  let session: SessionStore | undefined;
+  try {
+    session = sessionPath
+      ? SessionStore.claim(sessionPath, { model: config.model, apiBase: config.apiBase }, front.sink)
+      : undefined;
+  } catch (error) {
+    // Every name taken (planted FIFOs, a thousand instances) or the file in use: one line, not a crash.
+    throw new BrokenSession(
+      `aic: error: ${(error as Error).message} (--session PATH names another, --no-session saves none)`,
+    );
+  }
   const loaded = session?.load(fullSystemPrompt(prepared));
   if (loaded?.broken && config.nogui) {
     session!.release();
@@ -23290,7 +23325,15 @@ async function runTui(config: Config, prepared: PreparedRun): Promise<number> {
     return EXIT.failure;
   }
   return new Promise<number>((resolve) => {
-    const tui = new Tui({ config, renderer, ot, Terminal, onExit: resolve, prepared });
+    let tui: Tui;
+    try {
+      tui = new Tui({ config, renderer, ot, Terminal, onExit: resolve, prepared });
+    } catch (error) {
+      if (!(error instanceof BrokenSession)) throw error;
+      renderer.destroy();
+      writeOut(2, `${error.message}\n`);
+      return resolve(EXIT.usage);
+    }
     onExitEvents(
       (code, reason) => {
         void tui.quit(code, reason);

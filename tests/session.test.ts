@@ -372,6 +372,34 @@ describe("file format", () => {
     expect(existsSync(saved)).toBe(true);
   });
 
+  // The red team's: what a command can leave in the project must not turn the next start into a crash.
+  test("a session nested 50,000 levels deep is refused in one line, and kept", async () => {
+    const cwd = scratch();
+    const n = 50_000;
+    const text = `{"messages":[{"role":"user","content":${"[".repeat(n)}${"]".repeat(n)}}]}`;
+    writeFileSync(join(cwd, "sess.json"), text);
+    const srv = serve(undefined, [{ content: "TASKCOMPLETE" }]);
+    const run = await runAic(sessionArgs(srv.url, "sess.json", "new task"), { cwd });
+    expect(run.code).toBe(2);
+    expect(run.stderr).toContain("it nests lists or objects deeper than 1,000 levels");
+    expect(run.stderr).not.toContain("internal error");
+    expect(readFileSync(join(cwd, "sess.json"), "utf8")).toBe(text);
+    const undo = await runAic(["undo", "--session", "sess.json"], { cwd });
+    expect(undo.stderr).toContain("deeper than 1,000 levels");
+  });
+
+  test.skipIf(!Bun.which("mkfifo"))("every session name taken by a FIFO: one line, exit 2, no crash", async () => {
+    const cwd = scratch();
+    const names = ["sess.json", ...Array.from({ length: 999 }, (_, i) => `sess.json${i + 2}`)];
+    Bun.spawnSync(["mkfifo", ...names], { cwd });
+    const srv = serve(undefined, [{ content: "TASKCOMPLETE" }]);
+    const run = await runAic(sessionArgs(srv.url, "sess.json", "task"), { cwd });
+    expect(run.code).toBe(2);
+    expect(run.stderr.trim().split("\n")).toEqual([
+      `aic: error: could not claim any session file next to ${join(cwd, "sess.json")} (--session PATH names another, --no-session saves none)`,
+    ]);
+  });
+
   test("unknown extra keys survive a rewrite", async () => {
     const cwd = scratch();
     const session = join(cwd, "sess.json");
