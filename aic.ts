@@ -12722,6 +12722,9 @@ const checkpointStoreCap = () => megabytesFromEnv("AIC_CHECKPOINT_STORE_MAX_MB",
 const CHECKPOINT_REF = "refs/aic/cp/";
 const LAST_CHECKPOINT_REF = "refs/aic/last";
 
+/** How many repositories inside the tree (and inside those) have their files listed for a snapshot. */
+const MAX_NESTED_REPOSITORIES = 1000;
+
 /**
  * The shadow repository's whole config (the person's and the system's are
  * shut out): no hooks, no fsmonitor, no filters, no line-ending changes, no
@@ -14160,31 +14163,46 @@ class ShadowRepository {
    * A repository inside the tree is recorded by `add -A` as a bare commit
    * pointer (useless for undo), or refused when it has no commit yet. Its
    * files are listed through the shadow git instead (its own config and
-   * hooks are never read, its .git never stored), after which `add -A`
-   * descends into it like any directory.
+   * hooks are never read, its .git never stored), and so are those of the
+   * repositories inside it, to any depth; `add -A` then descends into them
+   * like any directory. No pointer is left in the index: for one there, the
+   * next `add -A` runs `git status` inside that repository, with its config
+   * (a core.fsmonitor a command put there ran outside the sandbox).
    */
-  private async includeNestedRepositories(depth = 0): Promise<void> {
+  private async includeNestedRepositories(): Promise<void> {
     const found = new Set<string>();
     for (const entry of (await this.gitOk(["ls-files", "-s", "-z"])).split("\0"))
       if (entry.startsWith("160000 ")) found.add(entry.slice(entry.indexOf("\t") + 1));
     for (const p of (await this.gitOk(["ls-files", "-o", "--exclude-standard", "-z", ...this.pathspec])).split("\0"))
       if (p.endsWith("/")) found.add(p.slice(0, -1));
     if (found.size === 0) return;
-    await this.gitOk(["update-index", "-z", "--force-remove", "--stdin"], { input: `${[...found].join("\0")}\0` });
-    for (const dir of found) {
+    await this.dropGitlinks([...found]);
+    const queue = [...found];
+    for (let listed = 0; queue.length && listed < MAX_NESTED_REPOSITORIES; listed++) {
+      const dir = queue.shift()!;
       const index = path.join(this.home, `nested-${process.pid}.index`);
       const env = { ...this.env, GIT_WORK_TREE: path.join(this.workTree, dir), GIT_INDEX_FILE: index };
-      const files = (await this.gitOk(["ls-files", "-o", "--exclude-standard", "-z"], { env }))
-        .split("\0")
-        .filter((f) => f && !f.endsWith("/"));
+      const listing = (await this.gitOk(["ls-files", "-o", "--exclude-standard", "-z"], { env })).split("\0");
       fs.rmSync(index, { force: true });
+      // A repository inside this one is listed as its directory: its files are listed in turn.
+      for (const f of listing) if (f.endsWith("/")) queue.push(`${dir}/${f.slice(0, -1)}`);
+      const files = listing.filter((f) => f && !f.endsWith("/"));
       if (files.length)
         await this.gitOk(["update-index", "--add", "-z", "--stdin"], {
           input: `${files.map((f) => `${dir}/${f}`).join("\0")}\0`,
         });
     }
-    const again = await this.git(["add", "-A", "--ignore-errors", ...this.pathspec]);
-    if (again.code !== 0 && depth < 4) await this.includeNestedRepositories(depth + 1);
+    await this.git(["add", "-A", "--ignore-errors", ...this.pathspec]);
+    // What add made a pointer of again (past the limit, or a repository with no file) leaves the index.
+    const left = (await this.gitOk(["ls-files", "-s", "-z"]))
+      .split("\0")
+      .filter((e) => e.startsWith("160000 "))
+      .map((e) => e.slice(e.indexOf("\t") + 1));
+    if (left.length) await this.dropGitlinks(left);
+  }
+
+  private async dropGitlinks(paths: string[]): Promise<void> {
+    await this.gitOk(["update-index", "-z", "--force-remove", "--stdin"], { input: `${paths.join("\0")}\0` });
   }
 
   /** Drops all but the newest CHECKPOINTS_KEPT checkpoints and collects their objects, once they pile up. */

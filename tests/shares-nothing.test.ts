@@ -322,6 +322,35 @@ describe.skipIf(!jailUsable || !has.git)("git's other config files leave nothing
     expect(marks(where)).toEqual([]);
   });
 
+  // The sixth red team: a repository inside a repository inside the project stayed in the checkpoints' index as
+  // a commit pointer, and the next snapshot's `add -A` ran `git status` in it, with its core.fsmonitor, outside
+  // the sandbox; its files were never in a checkpoint either. Deeper than the guard's search after each
+  // command, which would take the setting out first.
+  for (const user of USERS)
+    test.skipIf(user.skip)(
+      `${user.label}: a repository two deep runs nothing in aic's own git, and its files are in the checkpoints`,
+      async () => {
+        const where = place(user);
+        expect(person(user, where, where.cwd, [GIT, "init", "-q"]).code).toBe(0);
+        const commit = "git add -A && git -c user.name=a -c user.email=a@a commit -q -m x";
+        const srv = fixtures.serve([
+          bash(
+            `mkdir -p a/b/c/d/e/f/g/sub && cd a/b/c/d/e/f/g/sub && git init -q && echo x > f && ${commit} && git init -q inner && cd inner && echo keep > precious.txt && ${commit} && git config core.fsmonitor ${touching(where, "PWN-nested")} && echo made`,
+            "plant",
+          ),
+          bash("echo z > new.txt", "s2"),
+          bash("echo z2 > new2.txt && rm a/b/c/d/e/f/g/sub/inner/precious.txt", "s3"),
+          done,
+        ]);
+        const run = await aicAs(user, where, srv.url, ["--auto-approve", "--json", "plant"]);
+        expect(run.code).toBe(0);
+        expect(toolResults(srv)[0]).toContain("made");
+        expect(marks(where)).toEqual([]);
+        const s3 = jsonLines(run.stdout).find((e) => e.type === "command_result" && e.id === "s3");
+        expect(s3?.changed_files?.deleted).toContain("a/b/c/d/e/f/g/sub/inner/precious.txt");
+      },
+    );
+
   const runs = [
     ...USERS.map((user) => ({ user, label: user.label, env: {} as Record<string, string> })),
     { user: USERS[0]!, label: `${USERS[0]!.label}, AIC_NO_NAMESPACES=1`, env: { AIC_NO_NAMESPACES: "1" } },
