@@ -6690,6 +6690,26 @@ function noteCommandWritable(dirs: readonly string[]): void {
 }
 
 /**
+ * For `aic undo`, `redo` and `diff`, which set up no sandbox: where a run's commands could have written by
+ * default (the session's directory, the package caches and the rest), so that their git, too, is never one a
+ * command planted on PATH (a virtualenv in ~/.cache, a project's .venv/bin).
+ */
+function noteWritableWithoutARun(session: string): void {
+  const home = homeDirectory();
+  const caches = home ? CACHE_DIRS.map((d) => path.join(home, d)) : [];
+  const xdg = process.env.XDG_CACHE_HOME;
+  if (xdg && path.isAbsolute(xdg)) caches.push(xdg);
+  const real = (p: string) => {
+    try {
+      return fs.realpathSync(p);
+    } catch {
+      return p;
+    }
+  };
+  noteCommandWritable([...new Set([path.dirname(path.resolve(session)), ...caches].flatMap((p) => [p, real(p)]))]);
+}
+
+/**
  * The PATH aic's own programs run with: the absolute entries of the PATH aic
  * started with that no command may write (a relative `node_modules/.bin`, a
  * directory in the project or a package cache such as PNPM_HOME is left
@@ -23718,8 +23738,10 @@ async function main(argv: string[]): Promise<number> {
         return await runSearch(parsed.query, parsed.maxResults);
       case "undo":
       case "redo":
+        noteWritableWithoutARun(parsed.session);
         return await runUndo(parsed.kind, parsed.count, parsed.session);
       case "diff":
+        noteWritableWithoutARun(parsed.session);
         return await runDiff(parsed.count, parsed.session);
       case "export":
         return runExport(parsed.session);

@@ -15,6 +15,7 @@ import {
   mkdirSync,
   readdirSync,
   readFileSync,
+  rmSync,
   statSync,
   writeFileSync,
 } from "node:fs";
@@ -128,14 +129,15 @@ describe.skipIf(!has.git)("aic's own git is never one a command wrote", () => {
   const plant = (where: Place, dir: string) =>
     `mkdir -p ${dir} && printf '#!/bin/sh\\ntouch ${join(where.marks, "PWN-git")}\\nexec ${GIT} "$@"\\n' > ${dir}/git && chmod +x ${dir}/git && echo planted`;
 
-  for (const [label, pathOf, binDir] of [
-    ["a relative node_modules/.bin first on PATH", () => "node_modules/.bin", "node_modules/.bin"],
-    ["a PATH entry inside the project", (where: Place) => join(where.cwd, "bin"), "bin"],
+  for (const [label, pathOf, binDirOf] of [
+    ["a relative node_modules/.bin first on PATH", () => "node_modules/.bin", (_: Place) => "node_modules/.bin"],
+    ["a PATH entry inside the project", (where: Place) => join(where.cwd, "bin"), (_: Place) => "bin"],
   ] as const) {
     test(`${label}: checkpoints, aic diff and aic undo never run the planted git`, async () => {
       const where = place();
       writeFileSync(join(where.cwd, "a.txt"), "one\n");
       const PATH = `${pathOf(where)}:${process.env.PATH}`;
+      const binDir = binDirOf(where);
       const srv = fixtures.serve([bash(plant(where, binDir), "plant"), bash("echo two >> a.txt", "edit"), done]);
       const session = join(where.cwd, ".aicsession");
       const run = await aicAs(USERS[0]!, where, srv.url, ["--auto-approve", "--json", "--session", session, "plant"], {
@@ -144,7 +146,7 @@ describe.skipIf(!has.git)("aic's own git is never one a command wrote", () => {
       expect(run.code).toBe(0);
       expect(toolAnswer(srv.requests[1], "plant")).toContain("planted");
       // The attack is real: a shell of the person's with this PATH would run it.
-      expect(existsSync(join(where.cwd, binDir, "git"))).toBe(true);
+      expect(existsSync(join(where.cwd, binDir, "git")) || existsSync(join(binDir, "git"))).toBe(true);
       // Checkpoints were taken (the edit is listed), by a git that is not the planted one.
       const edit = jsonLines(run.stdout).find((e) => e.type === "command_result" && e.id === "edit");
       expect(edit?.changed_files).not.toBeNull();
@@ -154,12 +156,59 @@ describe.skipIf(!has.git)("aic's own git is never one a command wrote", () => {
       expect(diff.code).toBe(0);
       expect(diff.stdout).toContain("+two");
       expect(marks(where)).toEqual([]);
+      // From a subdirectory of the project, naming the session there.
+      mkdirSync(join(where.cwd, "sub"), { recursive: true });
+      const below = await runAic(["diff", "--session", "../.aicsession"], { cwd: join(where.cwd, "sub"), env });
+      expect(below.stdout).toContain("+two");
+      expect(marks(where)).toEqual([]);
       const undo = await runAic(["undo", "--session", session], { cwd: where.cwd, env });
       expect(undo.code).toBe(0);
       expect(readFileSync(join(where.cwd, "a.txt"), "utf8")).toBe("one\n");
       expect(marks(where)).toEqual([]);
     });
   }
+});
+
+// The sixth red team: aic undo, redo and diff set up no sandbox, so their git left out only the start directory
+// and /tmp; a virtualenv in the package cache (XDG_CACHE_HOME, outside /tmp here), first on the person's PATH,
+// ran unconfined.
+describe.skipIf(!has.git || !has.root)("aic undo, redo and diff never run a git a command wrote", () => {
+  test("a virtualenv in the package cache on PATH, and the project's bin from a subdirectory", async () => {
+    const where = place();
+    const cache = `/run/${unique("aic-test-cache-")}`;
+    mkdirSync(cache, { mode: 0o755 });
+    cleanups.push(() => rmSync(cache, { recursive: true, force: true }));
+    const venv = join(cache, "pypoetry", "virtualenvs", "x", "bin");
+    writeFileSync(join(where.cwd, "a.txt"), "one\n");
+    const planted = (dir: string, mark: string) =>
+      `mkdir -p ${dir} && printf '#!/bin/sh\\ntouch ${join(where.marks, mark)}\\nexec ${GIT} "$@"\\n' > ${dir}/git && chmod +x ${dir}/git && echo planted`;
+    const srv = fixtures.serve([
+      bash(planted(venv, "PWN-venv"), "venv"),
+      bash(planted(".venv/bin", "PWN-dotvenv"), "dotvenv"),
+      bash("echo two >> a.txt", "edit"),
+      done,
+    ]);
+    const session = join(where.cwd, ".aicsession");
+    const env = { ...where.env, XDG_CACHE_HOME: cache };
+    const run = await aicAs(USERS[0]!, where, srv.url, ["--auto-approve", "--session", session, "plant"], env);
+    expect(run.code).toBe(0);
+    expect(toolResults(srv).slice(0, 2)).toEqual([
+      expect.stringContaining("planted"),
+      expect.stringContaining("planted"),
+    ]);
+    const PATH = `${venv}:${join(where.cwd, ".venv", "bin")}:${process.env.PATH}`;
+    mkdirSync(join(where.cwd, "sub"));
+    const diff = await runAic(["diff", "--session", "../.aicsession"], {
+      cwd: join(where.cwd, "sub"),
+      env: { ...env, PATH },
+    });
+    expect(diff.stdout).toContain("+two");
+    const undo = await runAic(["undo", "--session", session], { cwd: where.cwd, env: { ...env, PATH } });
+    expect(undo.code).toBe(0);
+    const redo = await runAic(["redo", "--session", session], { cwd: where.cwd, env: { ...env, PATH } });
+    expect(redo.code).toBe(0);
+    expect(marks(where)).toEqual([]);
+  });
 });
 
 // ---------------------------------------------------------------------------------------------------------------
