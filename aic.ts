@@ -15128,6 +15128,21 @@ function turnOfCalls(messages: readonly Message[], calls: readonly string[]): nu
   return at;
 }
 
+/**
+ * A rules file an undo or redo wrote holds a version a command made (the one it undoes, or its own): on
+ * record for `aic rules accept`, unless it is the person's own text. Written outside any run, it would
+ * otherwise pass for the person's edit at the next start (`allow *` then ruled).
+ */
+function recordRestoredRules(report: RestoreReport, directory: string): void {
+  for (const rel of [...report.restored, ...report.recreated, ...report.removed]) {
+    if (path.basename(rel) !== RULES_FILE_NAME) continue;
+    const file = path.join(directory, rel);
+    const now = rulesOnDisk(file);
+    if (now.kind === "text" && now.text === RulesTrust.of(file)?.trustedText) continue;
+    RulesTrust.commandWrote(file, now);
+  }
+}
+
 /** The lines an undo or redo shows: what changed, and what checkpoints cannot cover. */
 function restoreLines(report: RestoreReport, directory: string): string[] {
   const list = (label: string, files: string[]) =>
@@ -15160,6 +15175,7 @@ async function undoCommands(
   const problem = checkpoints.cannotUndo(n);
   if (problem) throw new Error(problem);
   const { report, steps, before, left } = await checkpoints.undo(n);
+  recordRestoredRules(report, checkpoints.shadow.directory);
   const at = turnOfCalls(
     conversation.messages,
     steps.map((s) => s.call),
@@ -15305,6 +15321,7 @@ async function runDiff(count: number, sessionPath: string): Promise<number> {
 async function redoCommands(checkpoints: Checkpoints, conversation: { messages: Message[] }): Promise<string[]> {
   if (checkpoints.redo.length === 0) throw new Error("nothing to redo");
   const { report, entry } = await checkpoints.redoLast();
+  recordRestoredRules(report, checkpoints.shadow.directory);
   conversation.messages.push(...entry.messages);
   return [
     `Redid ${entry.steps.length} command(s): the files are as they were before the undo.`,

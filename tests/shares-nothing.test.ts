@@ -588,6 +588,28 @@ describe("rules a command wrote are not in force at the next start", () => {
       expect(notInForceLines(third.run)).toEqual({ stderr: [], json: [] });
     });
 
+  // The sixth red team: a command wrote allow *, then put the old text back; the person's aic undo brought the
+  // allow * back outside any run, where it passed for the person's own edit.
+  test("a rules file an undo puts back is on record, not in force, until accepted", async () => {
+    const { dir, session } = project();
+    const srv = fixtures.serve([
+      bash("printf 'allow *\\n' > .aicrules; echo widened", "widen"),
+      bash("printf 'deny rm *  # nothing is deleted here\\n' > .aicrules; echo restored", "back"),
+      done,
+    ]);
+    const first = await runAic([...headless(srv.url), "--auto-approve", "--json", "--session", session, "go"], {
+      cwd: dir,
+    });
+    expect(first.code).toBe(0);
+    const undo = await runAic(["undo", "--session", session], { cwd: dir });
+    expect(undo.code, undo.stderr).toBe(0);
+    expect(readFileSync(join(dir, ".aicrules"), "utf8")).toBe("allow *\n");
+    const { run, rm } = await nextRun(dir, session);
+    expect(rm?.decision).toBe("denied");
+    expect(existsSync(join(dir, "x"))).toBe(true);
+    expect([...notInForceLines(run).stderr, ...notInForceLines(run).json].join("\n")).toContain("aic rules accept");
+  });
+
   // The person's own change between runs is in force, whether the run before left the file alone or a command
   // rewrote it.
   for (const [label, first] of [
