@@ -9130,6 +9130,46 @@ function commondirOf(gitDir: HeldDirectory): string | undefined {
   }
 }
 
+/**
+ * Files of a git dir that git reads whole for a plain `git status` or `git log`, and the most each may hold:
+ * a sparse 20 GB info/exclude a command made kept the person's git reading zeros for minutes, or out of memory.
+ */
+const GIT_FILES_READ_WHOLE: readonly [name: string, maxBytes: number][] = [
+  ["info/exclude", 64 << 20],
+  ["info/attributes", 64 << 20],
+  ["info/sparse-checkout", 64 << 20],
+  ["info/grafts", 64 << 20],
+  ["HEAD", 1 << 20],
+  ["ORIG_HEAD", 1 << 20],
+  ["FETCH_HEAD", 64 << 20],
+  ["MERGE_HEAD", 1 << 20],
+  ["MERGE_MSG", 64 << 20],
+  ["SQUASH_MSG", 64 << 20],
+  ["COMMIT_EDITMSG", 64 << 20],
+  ["packed-refs", 2 << 30],
+];
+
+/** A size as people read it: MB, or GB with one decimal. */
+const sizeInWords = (bytes: number) =>
+  bytes >= 1e9 ? `${(bytes / 1e9).toFixed(1)} GB` : `${Math.round(bytes / 1e6)} MB`;
+
+/** Each file of GIT_FILES_READ_WHOLE in `dir` that passes its size, moved aside; the report lines. */
+function oversizedGitFiles(dir: HeldDirectory): string[] {
+  const done: string[] = [];
+  for (const [name, max] of GIT_FILES_READ_WHOLE) {
+    const st = fs.lstatSync(dir.at(name), { throwIfNoEntry: false });
+    if (st?.isFile() && st.size > max)
+      done.push(
+        ...moveAside(
+          dir.at(name),
+          dir.display(name),
+          `${dir.display(name)} (${sizeInWords(st.size)}, which git would read whole)`,
+        ),
+      );
+  }
+  return done;
+}
+
 /** Where the link at `at` points, or undefined when it is no link. */
 function linkTarget(at: string): string | undefined {
   try {
@@ -9512,6 +9552,7 @@ class GitGuard {
         done.push(...moveAside(holder.at(name), holder.display(name), `${holder.display(name)} (a FIFO or device)`));
     }
     reads.close();
+    done.push(...oversizedGitFiles(dir));
     const hooks = dir.child("hooks");
     for (const [name, sig] of hooksOf(dir))
       if (before?.hooks.get(name) !== sig)
@@ -13794,7 +13835,7 @@ class OversizedFiles {
   }
 
   private said(files: string[], cap: number): string {
-    const gb = (bytes: number) => (bytes >= 1e9 ? `${(bytes / 1e9).toFixed(1)} GB` : `${Math.round(bytes / 1e6)} MB`);
+    const gb = sizeInWords;
     const named = files.slice(0, 5).map((rel) => `${this.project.display(rel)} (${gb(this.left.get(rel) ?? 0)})`);
     const more = files.length > 5 ? ` and ${files.length - 5} more` : "";
     return `left out of checkpoints, each over ${gb(cap)} (AIC_CHECKPOINT_FILE_MAX_MB): ${named.join(", ")}${more}; undo neither removes nor brings back these files`;

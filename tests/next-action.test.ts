@@ -425,6 +425,27 @@ describe("what git reads besides its config", () => {
     },
   );
 
+  // The sixth red team: git reads info/exclude whole; a sparse 20 GB one kept the person's git status for minutes.
+  test.skipIf(!has.git || !Bun.which("truncate") || !Bun.which("timeout"))(
+    "a giant sparse info/exclude is taken out: the person's git status does not read 20 GB",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q", "-b", "master");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      const srv = fixtures.serve([bash("truncate -s 20G .git/info/exclude && echo planted", "p"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain(".git/info/exclude (21.5 GB, which git would read whole)");
+      const st = Bun.spawnSync(["timeout", "20", "git", "status", "--short"], {
+        cwd: dir,
+        stdout: "pipe",
+        stderr: "pipe",
+      });
+      expect(st.exitCode).toBe(0);
+      expect(existsSync(join(dir, ".git", "info", "exclude.aic-disabled"))).toBe(true);
+    },
+  );
+
   // The sixth red team: a link in the git dir sends what git writes there (the message at the next commit) elsewhere.
   test.skipIf(!has.git)(
     "a link a command puts in the git dir is taken out: the person's next commit writes through none; a link they had stays",
