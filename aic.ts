@@ -18103,7 +18103,9 @@ async function passApprovalGate(
     case "no_input":
       emit({ type: "approval", id, decision: "no_input" });
       ctx.refusedForWantOfPerson();
-      return o.rules.present
+      // Only the project's rules (the team's, on purpose) make a run go on past a refusal: an "Always allow"
+      // clicked once in the TUI must not turn a CI run that needed a person from exit 4 into exit 0.
+      return o.rules.projectPresent
         ? refuse(needsPersonMessage(ruled, o.rules.path, o.rules.allowedPatterns()), "refused")
         : { run: false, answer: { kind: "no_input" }, status: "refused" };
     case "reject":

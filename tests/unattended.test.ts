@@ -9,7 +9,7 @@
  * Every test drives the compiled binary against the fake server.
  */
 import { describe, expect, test } from "bun:test";
-import { existsSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import {
   AIC,
@@ -316,5 +316,26 @@ describe("a command stopped for printing too much", () => {
     expect(run.stdout).toMatch(
       /\[stopped: it printed more than 100 × --max-output-bytes, the runaway limit \(exit code \d+\)\]/,
     );
+  });
+});
+
+// A new user's finding: one "Always allow" clicked in the TUI (the person's own rules, kept in aic's state) made a
+// CI run whose fix was refused for want of a person end "completed" with exit 0.
+describe("the person's own rules do not change what a refusal means", () => {
+  test("with only Always allow rules, a command that needs a person still ends the run with exit 4", async () => {
+    const dir = scratch("aic-own-rules-");
+    const state = join(dir, ".state");
+    const st = statSync(dir);
+    const own = join(state, "aic", "own-rules", `${st.dev}-${st.ino}.aicrules`);
+    mkdirSync(join(state, "aic", "own-rules"), { recursive: true });
+    writeFileSync(own, "allow npm ls *\n");
+    writeFileSync(join(dir, "README.md"), "aic\n");
+    const srv = fixtures.serve([bash("sed -i s/aic/AIC/ README.md", "fix"), { content: "Done. TASKCOMPLETE" }]);
+    const run = await runAic([...headless(srv.url), "--no-session", "capitalise aic"], {
+      cwd: dir,
+      env: { XDG_STATE_HOME: state },
+    });
+    expect(run.code).toBe(4);
+    expect(readFileSync(join(dir, "README.md"), "utf8")).toBe("aic\n");
   });
 });
