@@ -15265,7 +15265,9 @@ function projectOfSession(sessionFile: string, record: CheckpointRecord): HeldDi
 async function runUndo(kind: "undo" | "redo", count: number, sessionPath: string): Promise<number> {
   const fail = (message: string) => (writeOut(2, `aic: error: ${message}\n`), EXIT.failure);
   if (!fs.existsSync(sessionPath))
-    return fail(`there is no session file ${path.resolve(sessionPath)} (give --session PATH)`);
+    return fail(
+      `there is no session file ${path.resolve(sessionPath)} (give --session PATH; a --nogui run keeps one only when given --session)`,
+    );
   const sink: EventSink = {
     emit: (e) => {
       if (e.type === "warning") writeOut(2, `aic: warning: ${e.text}\n`);
@@ -18458,7 +18460,7 @@ class TokenLedger {
   private warned = false;
 
   constructor(
-    private readonly config: Pick<Config, "maxTokens" | "maxPromptLen">,
+    private readonly config: Pick<Config, "maxTokens" | "maxPromptLen" | "sessionPath">,
     private readonly emit: (event: AgentEvent) => void,
   ) {}
 
@@ -18476,7 +18478,7 @@ class TokenLedger {
     const max = this.config.maxTokens;
     if (max === undefined || this.spent + input <= max) return;
     throw new TokenBudgetError(
-      `the token budget is spent: ${this.spent} of --max-tokens ${max} used, and the next ${what} would send about ${input} more; stopped before it (the session is saved; a larger --max-tokens goes on from here)`,
+      `the token budget is spent: ${this.spent} of --max-tokens ${max} used, and the next ${what} would send about ${input} more; stopped before it (${this.config.sessionPath ? "the session is saved; a larger --max-tokens goes on from here" : "no session file keeps this run: --session PATH would let a larger --max-tokens go on"})`,
     );
   }
 

@@ -187,7 +187,7 @@ describe("undo and redo from the command line", () => {
     r = await runAic(["undo", "--session", join(dir, "missing.json")], { cwd: dir, env });
     expect([r.code, r.stderr]).toEqual([
       1,
-      `aic: error: there is no session file ${join(dir, "missing.json")} (give --session PATH)\n`,
+      `aic: error: there is no session file ${join(dir, "missing.json")} (give --session PATH; a --nogui run keeps one only when given --session)\n`,
     ]);
     r = await runAic(["undo", "x"], { cwd: dir, env });
     expect([r.code, r.stderr]).toEqual([

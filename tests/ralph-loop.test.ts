@@ -297,6 +297,25 @@ describe("token budget (--max-tokens) and the truncation watchdog", () => {
   // Each call reports 3,000 prompt tokens and 100 completion tokens. With a budget of 7,000 the third call
   // would pass it: the run stops before it with exit 5, and the session, resumed with a larger budget,
   // goes on from there.
+  // A new user's finding: without a session file the stop said "the session is saved".
+  test("without a session file, the budget's stop does not say the session is saved", async () => {
+    const step = (n: number): Turn => ({
+      ...bash(`echo step-${n}`),
+      usage: { prompt_tokens: 3000, completion_tokens: 100 },
+    });
+    const srv = fixtures.serve([step(1), step(2), step(3), done]);
+    const run = await runAic(
+      [...headless(srv.url), "--auto-approve", "--json", "--no-session", "--max-tokens", "7000", "go"],
+      {
+        cwd: scratch(),
+      },
+    );
+    expect(run.code).toBe(5);
+    const stop = jsonLines(run.stdout).find((e) => e.type === "warning");
+    expect(stop.text).not.toContain("the session is saved");
+    expect(stop.text).toContain("no session file keeps this run");
+  });
+
   test("the run stops before the call that would pass the budget, and resumes", async () => {
     const dir = scratch();
     const session = join(dir, "s.json");
@@ -318,6 +337,7 @@ describe("token budget (--max-tokens) and the truncation watchdog", () => {
     expect(events.find((e) => e.type === "end")).toMatchObject({ status: "token_budget", exit_code: 5 });
     const stop = events.find((e) => e.type === "warning");
     expect(stop.text).toStartWith("the token budget is spent: 6200 of --max-tokens 7000 used");
+    expect(stop.text).toContain("the session is saved");
     const saved = JSON.parse(readFileSync(session, "utf8"));
     expect(saved.messages.filter((m: any) => m.role === "tool")).toHaveLength(2);
 
