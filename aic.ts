@@ -20210,9 +20210,14 @@ function updateFigures(f: TuiFigures, e: AgentEvent, now = Date.now()): boolean 
     case "command":
       f.activity = { kind: "command", since: now, tokens: 0 };
       return true;
+    case "approval":
+      // The approval comes after the command's event: one that runs keeps its seconds counting from now.
+      f.activity = ["approved", "auto", "allowed", "read_only"].includes(e.decision)
+        ? { kind: "command", since: now, tokens: 0 }
+        : undefined;
+      return true;
     case "assistant":
     case "command_result":
-    case "approval":
     case "end":
       f.activity = undefined;
       return true;

@@ -1476,6 +1476,14 @@ describe("a TUI a person can trust (round 2)", () => {
     }
   });
 
+  // A new user's finding: while a command ran the footer said only "running" (the approval event, which comes
+  // after the command's, cleared its counter).
+  test("while an approved command runs, the footer counts its seconds", async () => {
+    const h = await openTui({ request: "run: sleep 3", args: ["--auto-approve"] });
+    const frame = await h.until((f) => /command running [1-9]\d*s/.test(footer(f)));
+    expect(footer(frame)).toMatch(/command running [1-9]\d*s/);
+  });
+
   // A new user's finding: /diff of a command that changed a whole tree pushed the conversation out of the pane.
   test("/diff shows at most 400 lines and says how to see the rest", async () => {
     const dir = scratch("aic-tui-diff-");
