@@ -1752,7 +1752,10 @@ function describeCommandResult(r: CommandResult, limits: CommandLimits): string 
     case "waiting_for_input":
       return `Command stopped: it was waiting for input from the terminal and nobody can answer it (exit code ${r.exitCode}). Re-run it non-interactively: use flags such as -y/--yes/--non-interactive, pipe answers with yes |, or feed a here-document.\nOutput before it was stopped:\n${r.output}`;
     case "runaway":
-      return `Command stopped: it printed more than ${limits.runawayBytes} bytes, the runaway-output limit (exit code ${r.exitCode}). Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`;
+      // A command that printed its last bytes and ended as the stop came (cat of a big file) was not stopped.
+      return r.exitCode === 0
+        ? `Command executed with exit code 0, but it printed more than ${limits.runawayBytes} bytes, the runaway-output limit, and what came after that limit is not kept. Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`
+        : `Command stopped: it printed more than ${limits.runawayBytes} bytes, the runaway-output limit (exit code ${r.exitCode}). Redirect big outputs to a file and read slices of it.\nOutput:\n${r.output}`;
     case "not_started":
       return `Command could not be started: ${r.output}. Nothing ran.`;
     case "interrupted":
@@ -2214,7 +2217,9 @@ function commandResultLines(e: Extract<AgentEvent, { type: "command_result" }>):
       : e.status === "not_started"
         ? `not started: ${e.output.split("\n")[0]}`
         : e.status === "runaway"
-          ? `stopped: it printed more than ${RUNAWAY_FACTOR} × --max-output-bytes, the runaway limit (exit code ${e.exit_code ?? "unknown"})`
+          ? e.exit_code === 0
+            ? `exit code 0; it printed more than ${RUNAWAY_FACTOR} × --max-output-bytes, the runaway limit, and the rest is not kept`
+            : `stopped: it printed more than ${RUNAWAY_FACTOR} × --max-output-bytes, the runaway limit (exit code ${e.exit_code ?? "unknown"})`
           : e.exit_code === null
             ? status
             : `${status} (exit code ${e.exit_code})`;
@@ -22147,9 +22152,11 @@ function commandStatusLine(e: Extract<AgentEvent, { type: "command_result" }>): 
   const how =
     e.status === "exited"
       ? `${e.exit_code === 0 ? "✓" : "✗"} exit ${e.exit_code}`
-      : still
-        ? `⌨ ${still}`
-        : `✗ ${e.status.replace(/_/g, " ")}${e.exit_code === null ? "" : ` (exit ${e.exit_code})`}`;
+      : e.status === "runaway" && e.exit_code === 0
+        ? "✓ exit 0 · output past the runaway limit not kept"
+        : still
+          ? `⌨ ${still}`
+          : `✗ ${e.status.replace(/_/g, " ")}${e.exit_code === null ? "" : ` (exit ${e.exit_code})`}`;
   const parts = [how];
   if (e.duration_ms > 0) parts.push(`${(e.duration_ms / 1000).toFixed(1)} s`);
   const files = e.changed_files ? changedFilesNote(e.changed_files) : "";
@@ -23851,7 +23858,9 @@ export {
   ModelClient,
   ModelError,
   StoppedError,
+  commandStatusLine,
   createRun,
+  describeCommandResult,
   prepareParts,
   SandboxLauncher,
   Checkpoints,

@@ -7,7 +7,7 @@
  * model-facing text (the texts live in aic.ts's section "What the model reads").
  */
 import { expect, test } from "bun:test";
-import { MODEL_TEXTS, sandboxOff } from "../aic.ts";
+import { MODEL_TEXTS, commandStatusLine, describeCommandResult, sandboxOff } from "../aic.ts";
 
 const T = MODEL_TEXTS;
 const limits = { timeoutSec: 120, maxOutputBytes: 10240, runawayBytes: 1024000, ciEnv: true, sshAgent: false };
@@ -144,4 +144,27 @@ test("the catalogue of model-facing texts is whole, and each text is as the snap
     expect(text.length).toBeGreaterThan(0);
     expect(text).toMatchSnapshot(name);
   }
+});
+
+// A new user's finding: `cat` of a 1 MB file passed the runaway limit but had ended by itself, exit 0; the model
+// was told "Command stopped" and the pane showed "✗ runaway (exit 0)".
+test("a command that passed the runaway limit and ended by itself with exit 0 is not said to be stopped", () => {
+  const limits = { timeoutSec: 60, maxOutputBytes: 1000, runawayBytes: 100_000, ciEnv: true } as never;
+  const ended = describeCommandResult({ exitCode: 0, status: "runaway", output: "…" }, limits);
+  expect(ended).toStartWith("Command executed with exit code 0, but it printed more than 100000 bytes");
+  expect(ended).not.toContain("Command stopped");
+  const stopped = describeCommandResult({ exitCode: 143, status: "runaway", output: "…" }, limits);
+  expect(stopped).toStartWith("Command stopped: it printed more than 100000 bytes");
+  const event = (exit_code: number) =>
+    ({
+      type: "command_result",
+      id: "c",
+      exit_code,
+      status: "runaway",
+      duration_ms: 0,
+      output: "",
+      changed_files: null,
+    }) as never;
+  expect(commandStatusLine(event(0))).toStartWith("✓ exit 0 · output past the runaway limit not kept");
+  expect(commandStatusLine(event(143))).toStartWith("✗ runaway (exit 143)");
 });
