@@ -15235,7 +15235,7 @@ async function undoCommands(
   const conversationLine =
     at > 0
       ? `The conversation is cut back to before the turn that proposed ${what} (${cut.length} message(s) set aside; redo puts them back).`
-      : "The turn that proposed it is no longer in the conversation (compressed away), so the conversation is left as it is.";
+      : "The turn that proposed it is no longer in the conversation (compressed away, or cleared with /clear), so the conversation is left as it is.";
   if (at <= 0) conversation.messages.push({ role: "user", content: undoneNote(what) });
   return [
     `Undid ${what}: the files are as they were before it ran${report.leftOut?.length ? ", but for those too big for checkpoints" : ""}.`,

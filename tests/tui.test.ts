@@ -1484,6 +1484,35 @@ describe("a TUI a person can trust (round 2)", () => {
     expect(footer(frame)).toMatch(/command running [1-9]\d*s/);
   });
 
+  // A new user's finding: /undo after /clear said the turn was "compressed away".
+  test("/undo after /clear puts the files back and names /clear as a reason the turn is gone", async () => {
+    const dir = scratch("aic-tui-undo-clear-");
+    const home = process.cwd();
+    const state = process.env.XDG_STATE_HOME;
+    process.env.XDG_STATE_HOME = join(dir, ".state");
+    writeFileSync(join(dir, "a.txt"), "original\n");
+    process.chdir(dir);
+    try {
+      const h = await openTui({
+        request: "run: echo changed > a.txt",
+        args: ["--auto-approve"],
+        checkpoints: true,
+        dir,
+      });
+      await h.idle(2);
+      await h.type("/clear");
+      await h.until((f) => unwrapped(f, "left").includes("cleared; new session"));
+      await h.type("/undo");
+      const frame = await h.until((f) => unwrapped(f, "left").includes("or cleared with /clear"));
+      expect(unwrapped(frame, "left")).toContain("Undid `echo changed > a.txt");
+      expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("original\n");
+    } finally {
+      process.chdir(home);
+      if (state === undefined) delete process.env.XDG_STATE_HOME;
+      else process.env.XDG_STATE_HOME = state;
+    }
+  });
+
   // A new user's finding: /diff of a command that changed a whole tree pushed the conversation out of the pane.
   test("/diff shows at most 400 lines and says how to see the rest", async () => {
     const dir = scratch("aic-tui-diff-");
