@@ -1766,7 +1766,7 @@ function describeCommandResult(r: CommandResult, limits: CommandLimits): string 
 }
 
 /** Why the sandbox, not file permissions, refused an operation on a path a failed command names. */
-type SandboxRefusal = "secret" | "write" | "exec";
+type SandboxRefusal = "secret" | "write" | "exec" | "gitconfig";
 
 /** One line per path the sandbox refused, so the model stops chasing "are you root?" or `--user` installs. */
 function sandboxRefusalMessage(refusals: { path: string; why: SandboxRefusal; detail: string }[]): string {
@@ -1775,6 +1775,7 @@ function sandboxRefusalMessage(refusals: { path: string; why: SandboxRefusal; de
       secret: `it is in a secret store commands may not read (${detail})`,
       write: `commands may write only under ${detail}; ask the person to rerun aic with --allow-write for this path, or work inside those directories`,
       exec: `a deny rule forbids running ${detail}`,
+      gitconfig: `the jail keeps a repository's config read-only (a setting there could make the person's own git run a program); for one command pass it as git -c NAME=VALUE, or tell the person what to set`,
     })[why];
   return refusals
     .map(
@@ -6632,7 +6633,10 @@ function sandboxOff(reason: string, keeper?: readonly string[]): Sandbox {
 
 /** What tools print when a file operation is refused: touch, cp, apt ("are you root?"), pip, npm, Python's errno text. */
 const REFUSAL_WORDS =
-  /permission denied|operation not permitted|read-only file system|\bEACCES\b|\bEPERM\b|are you root/i;
+  /permission denied|operation not permitted|read-only file system|\bEACCES\b|\bEPERM\b|are you root|could not (write|commit|lock) config file/i;
+/** git's words when the config it rewrites is the jail's read-only bind (the rename over it is EBUSY). */
+const GIT_CONFIG_REFUSED =
+  /could not (?:write|commit|lock) config file (.+?): (?:device or resource busy|read-only file system)/i;
 /** An absolute path in an error line: after a quote, a bracket, a space or `=`, up to a quote, bracket, comma or space. */
 const ERROR_LINE_PATH = /(?:^|[\s'"`(\[=‘“])(\/[^\s'"`()[\],;‘’“”]+)/g;
 
@@ -6654,6 +6658,12 @@ function sandboxRefusals(
   for (const line of output.split("\n", 5000)) {
     if (found.size >= 3 || !REFUSAL_WORDS.test(line)) continue;
     if (judgedAtExec && /operation not permitted/i.test(line)) continue;
+    const config = GIT_CONFIG_REFUSED.exec(line);
+    if (config) {
+      const p = path.resolve(cwd, config[1]!);
+      if (!found.has(p)) found.set(p, { path: p, why: "gitconfig", detail: "" });
+      continue;
+    }
     // "/bin/bash: line 1: /etc/x: Permission denied": the shell names itself first; the refused path follows.
     const said = line.replace(/^(\/\S*\/)?(ba|da|z|k|mk)?sh: (line \d+: )?/, "");
     for (const m of said.matchAll(ERROR_LINE_PATH)) {

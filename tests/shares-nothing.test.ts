@@ -211,6 +211,23 @@ describe.skipIf(!has.git || !has.root)("aic undo, redo and diff never run a git 
   });
 });
 
+// A new user's finding: `git config user.name x` failed with "Device or resource busy", and nothing said why.
+describe.skipIf(!jailUsable || !has.git)("the read-only .git/config is named when git cannot write it", () => {
+  test("git config in the project's repository: the tool result says the jail keeps it read-only and what to do", async () => {
+    const where = place();
+    expect(person(USERS[0]!, where, where.cwd, [GIT, "init", "-q"]).code).toBe(0);
+    const srv = fixtures.serve([bash("git config user.name someone; echo rc=$?", "cfg"), done]);
+    const run = await aicAs(USERS[0]!, where, srv.url, ["--auto-approve", "set the name"]);
+    expect(run.code).toBe(0);
+    const answer = toolAnswer(srv.requests.at(-1), "cfg");
+    expect(answer).toMatch(/could not (write|commit|lock) config file/);
+    expect(answer).toContain(
+      `[sandbox] The sandbox refused this, not file permissions or a missing root: ${join(where.cwd, ".git", "config")}: the jail keeps a repository's config read-only`,
+    );
+    expect(answer).toContain("git -c NAME=VALUE");
+  });
+});
+
 // ---------------------------------------------------------------------------------------------------------------
 // "Read-only" that is not
 
