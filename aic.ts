@@ -10,44 +10,48 @@
  * every section by its title; tests/build.test.ts holds it to that):
  *
  *   Constants and defaults → CLI: the configuration and its flags → CLI:
- *   reading the command line → CLI: settings kept between runs → Secrets → What
- *   the model reads → What the model reads: notes in tool results → Events →
- *   Events: how they are worded → Plain and JSON output → Messages and token
- *   accounting → Model failures → Model client → Model client: streaming a turn
- *   → Model client: the server's context window → Context compression → Own
- *   files on hostile ground → Own files: a directory aic holds → Session
- *   repairs → Session file writing → Session store: ids, state and locks →
- *   Session store → Session store: putting the file on disk → Session store:
- *   kept out of commits → Sandbox: what commands may touch → Sandbox: the
- *   programs and paths a run trusts → Sandbox: Landlock and capabilities →
- *   Sandbox: judging each program a command executes → Sandbox: the program an
- *   exec names, and the verdict → Sandbox: a run's sandbox → The jail → The
- *   jail: building it → Repository guard → Repository guard: finding
- *   repositories → Repository guard: the audit → PTY and process groups →
- *   Sandbox launcher → Sandbox launcher: aic's side → Output capture → Output
- *   capture: the terminal emulator → Waiting-for-input detection → Command
- *   runner → Background jobs: finding them → Background jobs: a job and its
- *   terminal → Background jobs: the job table → Checkpoints: snapshot settings
- *   and manifests → Checkpoints: what changed since the last snapshot →
- *   Checkpoints: what git does not record → Checkpoints: the shadow
- *   repository's own files → Checkpoints: files too big to keep → Checkpoints:
- *   the shadow repository → Checkpoints: what a session records of them →
- *   Checkpoints: undo and redo → Checkpoints: putting files back → Checkpoints:
- *   aic undo, redo and diff → Command rules: reading a command line → Command
- *   rules: what a command line runs → Command rules: wrappers and interpreters
- *   → Command rules: programs that run programs, and scripts a line runs →
- *   Command rules: find, sort, watch, flock, awk and sed → Command rules: the
- *   verdict → Command rules: read-only programs and always-allow → Command
- *   rules: the rules file → Tool calls: the approval gate and the command →
- *   Tool calls: keys for a waiting command → Model calls and their tokens →
- *   Agent loop: stalls → Agent loop: the conversation and its checkpoints →
- *   Agent loop: the agent → Run wiring → Headless front end → Web search → TUI
- *   parts: prompt history → TUI parts: figures, footer and banner → TUI parts:
- *   log panes → TUI parts: the shell's screen and its keys → TUI parts: the
- *   approval dialog and the Shell tab → TUI parts: how events look, the prompt,
- *   and the layout → TUI parts: the transcript, keys typed ahead, a program's
- *   screen → TUI parts: pacing → TUI app → TUI app: where keys go → TUI keys
- *   and slash commands → TUI start-up → Export: ATIF trajectories → Main
+ *   reading the command line → CLI: settings kept between runs → Secrets →
+ *   What the model reads → What the model reads: notes in tool results →
+ *   Events → Events: how they are worded → Plain and JSON output →
+ *   Messages and token accounting → Model failures → Model client → Model
+ *   client: streaming a turn → Model client: the server's context window →
+ *   Context compression → Own files on hostile ground → Own files: a
+ *   directory aic holds → Session repairs → Session file writing → Session
+ *   store: ids, state and locks → Session store → Session store: putting
+ *   the file on disk → Session store: kept out of commits → Sandbox: what
+ *   commands may touch → Sandbox: the programs and paths a run trusts →
+ *   Sandbox: Landlock and capabilities → Sandbox: judging each program a
+ *   command executes → Sandbox: the program an exec names, and the verdict
+ *   → Sandbox: a run's sandbox → The jail → The jail: building it →
+ *   Repository guard → Repository guard: finding repositories → Repository
+ *   guard: inside a git dir → Repository guard: what changed since the
+ *   last search → Repository guard: the audit → PTY and process groups →
+ *   Sandbox launcher → Sandbox launcher: aic's side → Output capture →
+ *   Output capture: the terminal emulator → Waiting-for-input detection →
+ *   Command runner → Background jobs: finding them → Background jobs: a
+ *   job and its terminal → Background jobs: the job table → Checkpoints:
+ *   snapshot settings and manifests → Checkpoints: what changed since the
+ *   last snapshot → Checkpoints: what git does not record → Checkpoints:
+ *   the shadow repository's own files → Checkpoints: files too big to keep
+ *   → Checkpoints: the shadow repository → Checkpoints: what a session
+ *   records of them → Checkpoints: undo and redo → Checkpoints: putting
+ *   files back → Checkpoints: aic undo, redo and diff → Command rules:
+ *   reading a command line → Command rules: what a command line runs →
+ *   Command rules: wrappers and interpreters → Command rules: programs
+ *   that run programs, and scripts a line runs → Command rules: find,
+ *   sort, watch, flock, awk and sed → Command rules: the verdict → Command
+ *   rules: read-only programs and always-allow → Command rules: the rules
+ *   file → Tool calls: the approval gate and the command → Tool calls:
+ *   keys for a waiting command → Model calls and their tokens → Agent
+ *   loop: stalls → Agent loop: the conversation and its checkpoints →
+ *   Agent loop: the agent → Run wiring → Headless front end → Web search →
+ *   TUI parts: prompt history → TUI parts: figures, footer and banner →
+ *   TUI parts: log panes → TUI parts: the shell's screen and its keys →
+ *   TUI parts: the approval dialog and the Shell tab → TUI parts: how
+ *   events look, the prompt, and the layout → TUI parts: the transcript,
+ *   keys typed ahead, a program's screen → TUI parts: pacing → TUI app →
+ *   TUI app: where keys go → TUI keys and slash commands → TUI start-up →
+ *   Export: ATIF trajectories → Main
  *
  * The agent core never touches the terminal: it emits typed events to a sink
  * and awaits an approval function. Plain text, JSON Lines and the TUI are
@@ -8811,8 +8815,7 @@ function realOrAsIs(p: string, written?: string): string {
 // Repository guard: finding repositories
 // Owns: the search of the tree for repositories a command may have made or
 // changed (listings remembered by inode and times, .git checked first in every
-// directory), git's index read in-process for its gitlinks, and where a
-// repository's hooks and common directory lie.
+// directory), and git's index read in-process for its gitlinks.
 // ════════════════════════════════════════════════════════════════════════════
 
 /** The git dirs and `.git` pointers a search found, held: `close` releases them. */
@@ -8874,8 +8877,22 @@ const LISTING_RACY_NS = 50_000_000n;
  */
 class ListingMemo {
   private readonly seen = new Map<string, { stamp: string; listing: GitListing }>();
+  /** The kernel's record of which directories changed (the guard's own memo only: see GuardWatch). */
+  readonly watch: GuardWatch | undefined;
+
+  constructor(watched = false) {
+    this.watch = watched ? GuardWatch.start() : undefined;
+  }
 
   listing(dir: HeldDirectory): GitListing {
+    // Watched before it is looked at: a change after this point is in the kernel's record.
+    const watched = this.watch?.watchHeld(dir);
+    const listing = this.listingNow(dir);
+    if (watched) this.watch!.listed(dir.path, listing);
+    return listing;
+  }
+
+  private listingNow(dir: HeldDirectory): GitListing {
     let st: fs.BigIntStats;
     try {
       st = fs.fstatSync(dir.descriptor, { bigint: true });
@@ -8915,8 +8932,17 @@ function gitListingOf(entries: readonly fs.Dirent[]): GitListing {
  * (its repositories matter as gitlinks, which the guard reads from the
  * index). Links are never followed.
  */
-function searchGitDirs(root: HeldDirectory, depth: number, limit: number, memo = new ListingMemo()): FoundGit {
+function searchGitDirs(
+  root: HeldDirectory,
+  depth: number,
+  limit: number,
+  memo = new ListingMemo(),
+  /** Trust the kernel's record that a directory is unchanged (after a command; never at the run's end). */
+  unchangedOk = false,
+): FoundGit {
   const found = new FoundGit();
+  const watch = unchangedOk ? memo.watch : undefined;
+  watch?.begin();
   let budget = limit;
   const take = (gitDir: HeldDirectory) => {
     found.dirs.push(gitDir);
@@ -8939,8 +8965,14 @@ function searchGitDirs(root: HeldDirectory, depth: number, limit: number, memo =
       }
     }
   };
-  const walk = (dir: HeldDirectory, left: number) => {
-    const listing = memo.listing(dir);
+  const walk = (reached: Reached, left: number) => {
+    const listing = reached.unchanged ?? (reached.get() ? memo.listing(reached.get()!) : undefined);
+    if (!listing) return;
+    const dir = {
+      path: reached.path,
+      child: (name: string) => reached.get()?.child(name),
+      childDespiteMode: (name: string) => reached.get()?.childDespiteMode(name),
+    };
     if (listing.pointer) {
       const parent = dir.child(".");
       if (parent) found.pointers.push({ parent, at: parent.at(".git"), display: parent.display(".git") });
@@ -8962,18 +8994,26 @@ function searchGitDirs(root: HeldDirectory, depth: number, limit: number, memo =
         continue;
       }
       if (name !== ".git" && left <= 1) continue;
+      const at = path.join(dir.path, name);
+      const unchanged = name === ".git" ? undefined : watch?.unchanged(at, dir.path);
+      if (unchanged && !unchanged.gitLike) {
+        const sub = new Reached(at, reached, name, unchanged);
+        walk(sub, left - 1);
+        sub.close();
+        continue;
+      }
       const sub = dir.child(name) ?? dir.childDespiteMode(name);
       if (!sub) continue;
       if (name === ".git" || memo.listing(sub).gitLike) take(sub);
       else {
-        walk(sub, left - 1);
+        walk(Reached.held(sub), left - 1);
         sub.close();
       }
     }
   };
   const self = memo.listing(root).gitLike ? root.child(".") : undefined;
   if (self) take(self);
-  else walk(root, depth);
+  else walk(Reached.held(root), depth);
   return found;
 }
 
@@ -9066,6 +9106,96 @@ function indexEntries(
   ended(at);
   return true;
 }
+
+/** The repository a directory is in, when its `.git` lies above it: its git dir and its top. */
+function enclosingRepository(dir: string): { gitDir: string; top: string } | undefined {
+  for (let d = path.dirname(dir); ; d = path.dirname(d)) {
+    const st = fs.lstatSync(path.join(d, ".git"), { throwIfNoEntry: false });
+    if (st?.isDirectory()) return { gitDir: path.join(d, ".git"), top: d };
+    if (st) return undefined; // a pointer (a worktree, a submodule): its git dir lies elsewhere
+    if (path.dirname(d) === d) return undefined;
+  }
+}
+
+/** Where the guard looks: the start directory, the --allow-write trees; `writable`: where commands may write. */
+interface GuardRoots {
+  workDir: HeldDirectory;
+  allowWrite: readonly string[];
+  writable: readonly string[];
+  /** The run's own rules file, which the rules themselves watch. */
+  ownRules: string;
+}
+
+/** Whether `dir` holds a `.git`, or is itself laid out as a git dir (HEAD, objects/, refs/), by lstat alone. */
+function gitFindsRepositoryAt(dir: string): boolean {
+  const is = (name: string, kind: "dir" | "any") => {
+    const st = fs.lstatSync(path.join(dir, name), { throwIfNoEntry: false });
+    return st !== undefined && (kind === "any" || st.isDirectory());
+  };
+  return is(".git", "any") || (is("HEAD", "any") && is("objects", "dir") && is("refs", "dir"));
+}
+
+/**
+ * The rules files other than the run's own (a subdirectory's `.aicrules`,
+ * read by a run started there) that a command made, changed or deleted: at
+ * such a start they are not in force until the person accepts them, as the
+ * run's own would not be. Seen by the guard's searches, so in an ignored
+ * directory and without checkpoints too; one first found after the start
+ * counts when it changed since the run began, and a deletion is known by
+ * the search of the whole tree at the end.
+ */
+class OtherRulesFiles {
+  private readonly seen = new Map<string, { mark: string; text: string }>();
+  private readonly startedMs = Date.now();
+
+  constructor(private readonly own: string) {}
+
+  /**
+   * Records what each found rules file holds; the lines saying which a command wrote since the last look
+   * (none at the first look, before any command ran: what is there then is the person's).
+   */
+  look(found: FoundGit, whole: boolean, first = false): string[] {
+    const lines: string[] = [];
+    const present = new Set<string>();
+    for (const { parent, name } of found.rules) {
+      const file = parent.display(name);
+      present.add(file);
+      if (path.resolve(file) === path.resolve(this.own)) continue;
+      const now = rulesOnDisk(parent.at(name));
+      const before = this.seen.get(file);
+      this.seen.set(file, { mark: rulesMarker(now), text: now.kind === "text" ? now.text : "" });
+      if (first || (before ? before.mark === rulesMarker(now) : !this.changedSinceStart(parent.at(name)))) continue;
+      lines.push(...this.commandWrote(file, now, before?.text));
+    }
+    if (whole)
+      for (const [file, before] of this.seen)
+        if (!present.has(file) && !somethingAt(file)) {
+          this.seen.delete(file);
+          lines.push(...this.commandWrote(file, { kind: "text", text: "", missing: true }, before.text));
+        }
+    return lines;
+  }
+
+  private changedSinceStart(file: string): boolean {
+    const st = fs.lstatSync(file, { throwIfNoEntry: false });
+    return st !== undefined && st.ctimeMs >= this.startedMs;
+  }
+
+  private commandWrote(file: string, now: RulesOnDisk, before: string | undefined): string[] {
+    if (RulesTrust.of(file)?.wroteByCommand(now)) return []; // said already: the checkpoints saw it
+    RulesTrust.commandWrote(file, now, before);
+    return [
+      `${file} was written by a command: a run started there keeps the rules it held before until you accept the change (aic rules accept)`,
+    ];
+  }
+}
+
+// ════════════════════════════════════════════════════════════════════════════
+// Repository guard: inside a git dir
+// Owns: what the guard remembers of each git dir, and what it looks at in one:
+// the files git opens (FIFOs, links, files too big to read whole), the hooks,
+// the commondir, and moving a planted file aside.
+// ════════════════════════════════════════════════════════════════════════════
 
 /** What one git dir held at the last look. */
 interface GitDirBaseline {
@@ -9204,86 +9334,167 @@ function moveAside(at: string, shown: string, what: string): string[] {
   }
 }
 
-/** The repository a directory is in, when its `.git` lies above it: its git dir and its top. */
-function enclosingRepository(dir: string): { gitDir: string; top: string } | undefined {
-  for (let d = path.dirname(dir); ; d = path.dirname(d)) {
-    const st = fs.lstatSync(path.join(d, ".git"), { throwIfNoEntry: false });
-    if (st?.isDirectory()) return { gitDir: path.join(d, ".git"), top: d };
-    if (st) return undefined; // a pointer (a worktree, a submodule): its git dir lies elsewhere
-    if (path.dirname(d) === d) return undefined;
+// ════════════════════════════════════════════════════════════════════════════
+// Repository guard: what changed since the last search
+// Owns: the kernel's record (inotify) of which directories of the guard's
+// search changed, so the search after each command opens only those, and the
+// directories it reaches without opening them.
+// ════════════════════════════════════════════════════════════════════════════
+
+/** Every inotify(7) event queued on `fd` (non-blocking), read through `buffer`, in order. */
+function readInotify(fd: number, buffer: Buffer, each: (wd: number, mask: number, name: string) => void): void {
+  for (;;) {
+    let got: number;
+    try {
+      got = fs.readSync(fd, buffer, 0, buffer.length, null);
+    } catch {
+      return; // EAGAIN: nothing more queued
+    }
+    if (got <= 0) return;
+    for (let at = 0; at + 16 <= got;) {
+      const length = buffer.readUInt32LE(at + 12);
+      each(
+        buffer.readInt32LE(at),
+        buffer.readUInt32LE(at + 4),
+        buffer.toString("utf8", at + 16, at + 16 + length).replace(/\0+$/, ""),
+      );
+      at += 16 + length;
+    }
   }
 }
 
-/** Where the guard looks: the start directory, the --allow-write trees; `writable`: where commands may write. */
-interface GuardRoots {
-  workDir: HeldDirectory;
-  allowWrite: readonly string[];
-  writable: readonly string[];
-  /** The run's own rules file, which the rules themselves watch. */
-  ownRules: string;
-}
+/** inotify(7) events that change what a directory lists, or whether aic may enter it. */
+const GUARD_EVENTS = 0x4 | 0x40 | 0x80 | 0x100 | 0x200 | 0x400 | 0x800; // ATTRIB MOVED_* CREATE DELETE* MOVE_SELF
+/** The most directories the guard watches; past them, the others are opened and looked at after each command. */
+const MAX_GUARD_WATCHES = 10_000;
 
-/** Whether `dir` holds a `.git`, or is itself laid out as a git dir (HEAD, objects/, refs/), by lstat alone. */
-function gitFindsRepositoryAt(dir: string): boolean {
-  const is = (name: string, kind: "dir" | "any") => {
-    const st = fs.lstatSync(path.join(dir, name), { throwIfNoEntry: false });
-    return st !== undefined && (kind === "any" || st.isDirectory());
-  };
-  return is(".git", "any") || (is("HEAD", "any") && is("objects", "dir") && is("refs", "dir"));
+/**
+ * Which directories of the guard's search are as at their last listing, from the kernel's own record
+ * (inotify, on the inode each held descriptor names), so the search after each command opens only the
+ * directories something changed. A directory is taken as unchanged only when the kernel says so of it
+ * and of its parent: the parent, itself unchanged or opened just now, had no entry created, removed or
+ * renamed since the child was last opened through it, so its name still leads to the inode watched; and
+ * the child had none since its listing. An overflow counts as a change everywhere. The search at the
+ * end of a run does not use it: it opens every directory, as before.
+ */
+class GuardWatch {
+  private clock = 0;
+  private overflowAt = 0;
+  /** Each watch: its path and the clock of the last event on it. */
+  private readonly byWd = new Map<number, { path: string; lastEvent: number; setAt: number }>();
+  /** Each watched path: its watch, its listing and when it was taken, and when the path last led to it. */
+  private readonly byPath = new Map<string, { wd: number; listing?: GitListing; listedAt: number; mappedAt: number }>();
+  /** The paths known, in this search, to lead to the inode their watch is on. */
+  private readonly verified = new Set<string>();
+  private readonly buffer = Buffer.alloc(64 * 1024);
+
+  private constructor(private readonly fd: number) {}
+
+  static start(): GuardWatch | undefined {
+    const c = libc()?.symbols;
+    const fd = c ? c.inotify_init1(IN_NONBLOCK | O_CLOEXEC) : -1;
+    return fd >= 0 ? new GuardWatch(fd) : undefined;
+  }
+
+  /** A search begins: the record read up to now, and no path yet known to lead where it did. */
+  begin(): void {
+    this.verified.clear();
+    readInotify(this.fd, this.buffer, (wd, mask) => {
+      const clock = ++this.clock;
+      if (mask & IN_Q_OVERFLOW) this.overflowAt = clock;
+      const watch = this.byWd.get(wd);
+      if (!watch) return;
+      watch.lastEvent = clock;
+      if (mask & IN_IGNORED) {
+        this.byWd.delete(wd);
+        if (this.byPath.get(watch.path)?.wd === wd) this.byPath.delete(watch.path);
+      }
+    });
+  }
+
+  /** Watches the directory `dir` holds, by its descriptor; false when it cannot be watched. */
+  watchHeld(dir: HeldDirectory): boolean {
+    const known = this.byPath.get(dir.path);
+    if (!known && this.byPath.size >= MAX_GUARD_WATCHES) return false;
+    // By the descriptor's own path: the inode aic holds, whatever a command did to the name since.
+    const wd = libc()!.symbols.inotify_add_watch(
+      this.fd,
+      Buffer.from(`/proc/self/fd/${dir.descriptor}\0`),
+      GUARD_EVENTS | IN_ONLYDIR,
+    );
+    if (wd < 0) return false;
+    const watch = this.byWd.get(wd);
+    // A watch the kernel had under another path (the directory was renamed) starts over under this one.
+    if (!watch || watch.path !== dir.path) {
+      const clock = ++this.clock;
+      this.byWd.set(wd, { path: dir.path, lastEvent: clock, setAt: clock });
+    }
+    if (known && known.wd !== wd) this.byWd.delete(known.wd);
+    this.byPath.set(dir.path, { wd, listedAt: 0, mappedAt: 0 });
+    return true;
+  }
+
+  /** `dir`, just watched and opened through its verified parent, lists `listing`. */
+  listed(dir: string, listing: GitListing): void {
+    const rec = this.byPath.get(dir);
+    if (!rec) return;
+    rec.listing = listing;
+    rec.listedAt = rec.mappedAt = ++this.clock;
+    this.verified.add(dir);
+  }
+
+  /** The listing of `dir` (a subdirectory of `parent`) when the kernel's record says it is as it was; else undefined. */
+  unchanged(dir: string, parent: string): GitListing | undefined {
+    if (!this.verified.has(parent)) return undefined;
+    const rec = this.byPath.get(dir);
+    const up = this.byPath.get(parent);
+    const watch = rec && this.byWd.get(rec.wd);
+    const upWatch = up && this.byWd.get(up.wd);
+    if (!rec?.listing || !watch || watch.path !== dir || !upWatch || upWatch.path !== parent) return undefined;
+    const last = (w: { lastEvent: number }) => Math.max(w.lastEvent, this.overflowAt);
+    if (last(watch) >= rec.listedAt || watch.setAt > rec.listedAt) return undefined;
+    if (last(upWatch) >= rec.mappedAt || upWatch.setAt > rec.mappedAt) return undefined;
+    this.verified.add(dir);
+    return rec.listing;
+  }
 }
 
 /**
- * The rules files other than the run's own (a subdirectory's `.aicrules`,
- * read by a run started there) that a command made, changed or deleted: at
- * such a start they are not in force until the person accepts them, as the
- * run's own would not be. Seen by the guard's searches, so in an ignored
- * directory and without checkpoints too; one first found after the start
- * counts when it changed since the run began, and a deletion is known by
- * the search of the whole tree at the end.
+ * A directory the guard's search reached: opened only when something needs it open (a listing to read,
+ * a file to hold), which a directory the kernel's record says is unchanged seldom does.
  */
-class OtherRulesFiles {
-  private readonly seen = new Map<string, { mark: string; text: string }>();
-  private readonly startedMs = Date.now();
+class Reached {
+  private opened: HeldDirectory | undefined;
+  private tried = false;
 
-  constructor(private readonly own: string) {}
+  constructor(
+    readonly path: string,
+    private readonly parent: Reached | undefined,
+    private readonly name: string,
+    /** Its listing, when the kernel's record says it is as at that listing (undefined: read it). */
+    readonly unchanged: GitListing | undefined,
+    private readonly own = true,
+  ) {}
 
-  /**
-   * Records what each found rules file holds; the lines saying which a command wrote since the last look
-   * (none at the first look, before any command ran: what is there then is the person's).
-   */
-  look(found: FoundGit, whole: boolean, first = false): string[] {
-    const lines: string[] = [];
-    const present = new Set<string>();
-    for (const { parent, name } of found.rules) {
-      const file = parent.display(name);
-      present.add(file);
-      if (path.resolve(file) === path.resolve(this.own)) continue;
-      const now = rulesOnDisk(parent.at(name));
-      const before = this.seen.get(file);
-      this.seen.set(file, { mark: rulesMarker(now), text: now.kind === "text" ? now.text : "" });
-      if (first || (before ? before.mark === rulesMarker(now) : !this.changedSinceStart(parent.at(name)))) continue;
-      lines.push(...this.commandWrote(file, now, before?.text));
+  /** One the search already holds (its root, or one it opened): never closed here. */
+  static held(dir: HeldDirectory): Reached {
+    const r = new Reached(dir.path, undefined, "", undefined, false);
+    r.opened = dir;
+    r.tried = true;
+    return r;
+  }
+
+  get(): HeldDirectory | undefined {
+    if (!this.tried) {
+      this.tried = true;
+      const up = this.parent?.get();
+      this.opened = up?.child(this.name) ?? up?.childDespiteMode(this.name);
     }
-    if (whole)
-      for (const [file, before] of this.seen)
-        if (!present.has(file) && !somethingAt(file)) {
-          this.seen.delete(file);
-          lines.push(...this.commandWrote(file, { kind: "text", text: "", missing: true }, before.text));
-        }
-    return lines;
+    return this.opened;
   }
 
-  private changedSinceStart(file: string): boolean {
-    const st = fs.lstatSync(file, { throwIfNoEntry: false });
-    return st !== undefined && st.ctimeMs >= this.startedMs;
-  }
-
-  private commandWrote(file: string, now: RulesOnDisk, before: string | undefined): string[] {
-    if (RulesTrust.of(file)?.wroteByCommand(now)) return []; // said already: the checkpoints saw it
-    RulesTrust.commandWrote(file, now, before);
-    return [
-      `${file} was written by a command: a run started there keeps the rules it held before until you accept the change (aic rules accept)`,
-    ];
+  close(): void {
+    if (this.own) this.opened?.close();
   }
 }
 
@@ -9306,7 +9517,7 @@ class GitGuard {
   private readonly enclosing: { gitDir: string; top: string } | undefined;
   private readonly roots: HeldDirectory[];
   private indexSeen: string | undefined;
-  private readonly listings = new ListingMemo();
+  private readonly listings = new ListingMemo(true);
   private saidExhausted = false;
 
   constructor(private readonly where: GuardRoots) {
@@ -9377,7 +9588,7 @@ class GitGuard {
     for (const root of this.roots) {
       const found = deep
         ? searchGitDirs(root, Number.MAX_SAFE_INTEGER, GIT_DEEP_SEARCH_LIMIT, this.listings)
-        : searchGitDirs(root, GIT_SEARCH_DEPTH, GIT_SEARCH_LIMIT, this.listings);
+        : searchGitDirs(root, GIT_SEARCH_DEPTH, GIT_SEARCH_LIMIT, this.listings, true);
       all.dirs.push(...found.dirs);
       all.pointers.push(...found.pointers);
       all.special.push(...found.special);
@@ -13179,42 +13390,28 @@ class ChangeWatch {
   }
 
   private drain(): void {
-    for (;;) {
-      let got: number;
-      try {
-        got = fs.readSync(this.fd, this.buffer, 0, this.buffer.length, null);
-      } catch {
-        return; // EAGAIN: nothing more queued
+    readInotify(this.fd, this.buffer, (wd, mask, name) => {
+      if (mask & IN_Q_OVERFLOW) this.changed = this.whole = this.namesWhole = true;
+      const rel = this.watched.get(wd);
+      if (mask & IN_IGNORED) {
+        if (rel !== undefined && this.byPath.get(rel)?.wd === wd) this.byPath.delete(rel);
+        this.watched.delete(wd);
+        return;
       }
-      if (got <= 0) return;
-      for (let at = 0; at + 16 <= got;) {
-        const wd = this.buffer.readInt32LE(at);
-        const mask = this.buffer.readUInt32LE(at + 4);
-        const length = this.buffer.readUInt32LE(at + 12);
-        const name = this.buffer.toString("utf8", at + 16, at + 16 + length).replace(/\0+$/, "");
-        at += 16 + length;
-        if (mask & IN_Q_OVERFLOW) this.changed = this.whole = this.namesWhole = true;
-        const rel = this.watched.get(wd);
-        if (mask & IN_IGNORED) {
-          if (rel !== undefined && this.byPath.get(rel)?.wd === wd) this.byPath.delete(rel);
-          this.watched.delete(wd);
-          continue;
-        }
-        // A directory moved away: its watch goes with it, and its path is watched anew at the next cover.
-        if (mask & IN_MOVE_SELF && rel !== undefined && this.byPath.get(rel)?.wd === wd) this.byPath.delete(rel);
-        if (name && rel !== undefined && rel.startsWith("..")) {
-          // Above the start directory only ignore rules matter, and they may change what any directory holds.
-          if (name === ".gitignore") this.changed = this.whole = true;
-          continue;
-        }
-        const inTree = rel ? `${rel}/${name}` : name;
-        if (name && this.own.some((re) => re.test(inTree))) continue;
-        this.changed = true;
-        if (rel === undefined) this.whole = this.namesWhole = true;
-        else this.dirty.add(rel);
-        if (rel !== undefined && name) this.names.add(inTree);
+      // A directory moved away: its watch goes with it, and its path is watched anew at the next cover.
+      if (mask & IN_MOVE_SELF && rel !== undefined && this.byPath.get(rel)?.wd === wd) this.byPath.delete(rel);
+      if (name && rel !== undefined && rel.startsWith("..")) {
+        // Above the start directory only ignore rules matter, and they may change what any directory holds.
+        if (name === ".gitignore") this.changed = this.whole = true;
+        return;
       }
-    }
+      const inTree = rel ? `${rel}/${name}` : name;
+      if (name && this.own.some((re) => re.test(inTree))) return;
+      this.changed = true;
+      if (rel === undefined) this.whole = this.namesWhole = true;
+      else this.dirty.add(rel);
+      if (rel !== undefined && name) this.names.add(inTree);
+    });
   }
 }
 

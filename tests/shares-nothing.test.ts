@@ -211,6 +211,58 @@ describe.skipIf(!has.git || !has.root)("aic undo, redo and diff never run a git 
   });
 });
 
+// The search after each command opens only the directories the kernel's record says changed: each way a
+// command can put a repository into a part of the tree that was already looked at is still found after it.
+describe.skipIf(!jailUsable || !has.git)(
+  "the guard's search after each command finds repositories in unchanged trees",
+  () => {
+    for (const user of USERS)
+      test.skipIf(user.skip)(
+        `${user.label}: made in place, moved in, under a directory swapped or made unreadable`,
+        async () => {
+          const where = place(user);
+          for (const d of ["a/b/c", "d/e", "f/g/h", "k/l", "m/n/o"]) mkdirSync(join(where.cwd, d), { recursive: true });
+          where.own();
+          const fsm = (name: string) => `git config core.fsmonitor ${touching(where, name)}`;
+          const outside = `/tmp/${unique("aic-guard-src-")}`;
+          const srv = fixtures.serve([
+            bash("echo looked", "warm"),
+            bash(`cd a/b/c && git init -q deep && cd deep && ${fsm("PWN-inplace")} && echo made`, "inplace"),
+            bash(
+              `mkdir -p ${outside} && cd ${outside} && git init -q r && cd r && ${fsm("PWN-moved")} && mv ${outside}/r ${where.cwd}/d/e/r && echo made`,
+              "moved",
+            ),
+            bash(
+              `mv f/g f/g.old && mkdir -p f/g/h && cd f/g/h && git init -q && ${fsm("PWN-swapped")} && echo made`,
+              "swapped",
+            ),
+            bash(
+              `cd k/l && git init -q r && cd r && ${fsm("PWN-hidden")} && chmod 0311 ${where.cwd}/k/l && echo made`,
+              "hidden",
+            ),
+            // The same path grown again under a new top: the old directories, moved away whole, saw no change.
+            bash(
+              `mv m m.old && mkdir -p m/n/o && cd m/n/o && git init -q && ${fsm("PWN-regrown")} && echo made`,
+              "regrown",
+            ),
+            done,
+          ]);
+          const run = await aicAs(user, where, srv.url, ["--auto-approve", "--no-checkpoints", "plant"]);
+          expect(run.code).toBe(0);
+          const [, inplace, moved, swapped, hidden, regrown] = toolResults(srv);
+          for (const r of [inplace, moved, swapped, hidden, regrown]) {
+            expect(r).toContain("made");
+            expect(r).toContain("aic took out");
+          }
+          for (const dir of ["a/b/c/deep", "d/e/r", "f/g/h", "m/n/o"])
+            person(user, where, join(where.cwd, dir), [GIT, "status"]);
+          expect(marks(where)).toEqual([]);
+          rmSync(outside, { recursive: true, force: true });
+        },
+      );
+  },
+);
+
 // A new user's finding: `git config user.name x` failed with "Device or resource busy", and nothing said why.
 describe.skipIf(!jailUsable || !has.git)("the read-only .git/config is named when git cannot write it", () => {
   test("git config in the project's repository: the tool result says the jail keeps it read-only and what to do", async () => {
