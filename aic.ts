@@ -9365,8 +9365,11 @@ function readInotify(fd: number, buffer: Buffer, each: (wd: number, mask: number
 
 /** inotify(7) events that change what a directory lists, or whether aic may enter it. */
 const GUARD_EVENTS = 0x4 | 0x40 | 0x80 | 0x100 | 0x200 | 0x400 | 0x800; // ATTRIB MOVED_* CREATE DELETE* MOVE_SELF
-/** The most directories the guard watches; past them, the others are opened and looked at after each command. */
-const MAX_GUARD_WATCHES = 10_000;
+/**
+ * The most directories the guard watches; past them, the others are opened and looked at after each command.
+ * Watches count against the user's inotify limit (8,192 on older kernels), shared with editors and the checkpoints.
+ */
+const MAX_GUARD_WATCHES = 4096;
 
 /**
  * Which directories of the guard's search are as at their last listing, from the kernel's own record
