@@ -225,6 +225,7 @@ describe.skipIf(!jailUsable || !has.git)(
           where.own();
           const fsm = (name: string) => `git config core.fsmonitor ${touching(where, name)}`;
           const outside = `/tmp/${unique("aic-guard-src-")}`;
+          cleanups.push(() => rmSync(outside, { recursive: true, force: true }));
           const srv = fixtures.serve([
             bash("echo looked", "warm"),
             bash(`cd a/b/c && git init -q deep && cd deep && ${fsm("PWN-inplace")} && echo made`, "inplace"),
@@ -257,7 +258,6 @@ describe.skipIf(!jailUsable || !has.git)(
           for (const dir of ["a/b/c/deep", "d/e/r", "f/g/h", "m/n/o"])
             person(user, where, join(where.cwd, dir), [GIT, "status"]);
           expect(marks(where)).toEqual([]);
-          rmSync(outside, { recursive: true, force: true });
         },
       );
   },
