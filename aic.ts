@@ -9230,13 +9230,29 @@ function gitReadFiles(gitDir: HeldDirectory): { files: [HeldDirectory, string][]
   const walk = (d: HeldDirectory, depth: number) => {
     const entries = d.entries();
     // A directory's own entries before its subdirectories': thousands of loose objects cannot hide COMMIT_EDITMSG.
+    // Regular files cost nothing here (their type is in the listing) and do not count: 20,001 empty files in .git
+    // would otherwise use up the look before logs/ and refs/, where a link or a FIFO then stayed.
     for (const e of entries) {
-      if (e.isDirectory()) continue;
+      if (e.isDirectory() || e.isFile()) continue;
       if (budget-- <= 0) return;
-      if (!e.isFile() && !e.name.endsWith(".aic-disabled")) files.push([d, e.name]); // one aic took out stays
+      if (!e.name.endsWith(".aic-disabled")) files.push([d, e.name]); // one aic took out stays
     }
-    for (const e of entries) {
-      if (!e.isDirectory()) continue;
+    // git's own directories first: made-up ones cannot use up the look before them.
+    const mine = new Set([
+      "logs",
+      "refs",
+      "info",
+      "objects",
+      "modules",
+      "worktrees",
+      "rebase-merge",
+      "rebase-apply",
+      "sequencer",
+    ]);
+    const dirs = entries
+      .filter((e) => e.isDirectory())
+      .sort((a, b) => Number(mine.has(b.name)) - Number(mine.has(a.name)));
+    for (const e of dirs) {
       if (budget-- <= 0) return;
       const sub = depth < 16 ? d.child(e.name) : undefined;
       if (sub) {
@@ -9291,7 +9307,9 @@ const GIT_FILES_READ_WHOLE: readonly [name: string, maxBytes: number][] = [
   ["MERGE_MSG", 64 << 20],
   ["SQUASH_MSG", 64 << 20],
   ["COMMIT_EDITMSG", 64 << 20],
-  ["packed-refs", 2 << 30],
+  ["objects/info/alternates", 64 << 20],
+  // Not 2 << 30: a shift is on 32 bits, and that one is negative.
+  ["packed-refs", 2 * 1024 ** 3],
 ];
 
 /** A size as people read it: MB, or GB with one decimal. */
@@ -15530,15 +15548,30 @@ async function runUndo(kind: "undo" | "redo", count: number, sessionPath: string
 
 /** `aic diff [N] [--session PATH]`: the unified diff of the N-th last command's changes. Reads the session, never writes it. */
 /**
- * A diff for a terminal: git's colours kept, every other control character the files hold shown and never
+ * A diff for a terminal: every control character the files hold shown and never
  * sent (a command's file could set the clipboard with OSC 52, or clear the screen over what changed). Piped
  * to a file, the diff stays a patch, byte for byte.
  */
-function diffForTerminal(text: string): string {
+function diffForTerminal(text: string, color: boolean): string {
+  // Coloured here, by each line's start, from git's plain diff: a file's own colour codes (conceal, black on
+  // black) could otherwise hide an added line.
+  const paint = (line: string) => {
+    if (!color) return line;
+    const code = /^(diff |index |--- |\+\+\+ )/.test(line)
+      ? "1"
+      : line.startsWith("+")
+        ? "32"
+        : line.startsWith("-")
+          ? "31"
+          : line.startsWith("@@")
+            ? "36"
+            : "";
+    return code ? `\x1b[${code}m${line}\x1b[m` : line;
+  };
   return text
-    .split(/(\x1b\[[0-9;]*m)/)
-    .map((piece, i) => (i % 2 ? piece : visibleControls(piece)))
-    .join("");
+    .split("\n")
+    .map((line) => paint(visibleControls(line)))
+    .join("\n");
 }
 
 async function runDiff(count: number, sessionPath: string): Promise<number> {
@@ -15565,8 +15598,8 @@ async function runDiff(count: number, sessionPath: string): Promise<number> {
     project = projectOfSession(path.resolve(sessionPath), record);
     const checkpoints = Checkpoints.forDirectory(project, sessionPath, () => {});
     checkpoints.adopt(record);
-    const diff = await checkpoints.diffOf(count, useColor(process.stdout));
-    writeOut(1, process.stdout.isTTY ? diffForTerminal(diff) : diff);
+    const diff = await checkpoints.diffOf(count, false);
+    writeOut(1, process.stdout.isTTY ? diffForTerminal(diff, useColor(process.stdout)) : diff);
     return EXIT.ok;
   } catch (error) {
     return fail((error as Error).message);

@@ -446,6 +446,50 @@ describe("what git reads besides its config", () => {
     },
   );
 
+  // The re-attack of the fix above: its bound for packed-refs was 2 << 30, negative in JS, so every repository's
+  // packed-refs was moved aside after the first command and the person's branches and tags were gone.
+  test.skipIf(!has.git)(
+    "packed-refs of an ordinary size stays: the person's branches and tags are all there",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q", "-b", "master");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      git(dir, "tag", "v1");
+      git(dir, "pack-refs", "--all");
+      expect(existsSync(join(dir, ".git", "packed-refs"))).toBe(true);
+      const srv = fixtures.serve([bash("echo hi", "p"), done]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).not.toContain("packed-refs");
+      expect(existsSync(join(dir, ".git", "packed-refs"))).toBe(true);
+      expect(git(dir, "tag").trim()).toBe("v1");
+      expect(git(dir, "log", "--oneline").trim().split("\n")).toHaveLength(1);
+    },
+  );
+
+  test.skipIf(!has.git)(
+    "20,001 empty files in the git dir do not hide a link a command put in its logs",
+    async () => {
+      const { dir, env } = project();
+      git(dir, "init", "-q", "-b", "master");
+      git(dir, "commit", "-q", "--allow-empty", "-m", "first");
+      const victim = join(dir, "..", "victim.rc");
+      writeFileSync(victim, "mine\n");
+      const srv = fixtures.serve([
+        bash(
+          `cd .git && for i in $(seq 20001); do : > j$i; done; mkdir -p logs/refs && ln -s ${victim} logs/refs/stash && echo planted`,
+          "p",
+        ),
+        done,
+      ]);
+      const run = await runAic([...headless(srv.url), "--auto-approve", "--no-session", "go"], { cwd: dir, env });
+      expect(run.code).toBe(0);
+      expect(toolAnswer(srv.requests.at(-1), "p")).toContain(`.git/logs/refs/stash (a link to ${victim})`);
+      expect(existsSync(join(dir, ".git", "logs", "refs", "stash.aic-disabled"))).toBe(true);
+    },
+    120_000,
+  );
+
   // The sixth red team: a link in the git dir sends what git writes there (the message at the next commit) elsewhere.
   test.skipIf(!has.git)(
     "a link a command puts in the git dir is taken out: the person's next commit writes through none; a link they had stays",

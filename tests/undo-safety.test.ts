@@ -377,7 +377,8 @@ describe("what each command changed is visible", () => {
     async () => {
       const { dir, env } = world();
       const srv = fixtures.serve([
-        bash("printf 'line\\033]52;c;ZWNobyBwd25lZA==\\007\\033[2J\\n' > notes.txt", "plant"),
+        // And the red team's re-attack: SGR 8 (conceal) hid an added line, since colour codes passed as git's.
+        bash("printf 'line\\033]52;c;ZWNobyBwd25lZA==\\007\\033[2J\\n\\033[8mhidden\\n' > notes.txt", "plant"),
         done,
       ]);
       const session = join(dir, "s.json");
@@ -392,9 +393,11 @@ describe("what each command changed is visible", () => {
       expect(shown).toContain("\u241b]52;c;ZWNobyBwd25lZA==");
       expect(shown).not.toContain("\x1b]52");
       expect(shown).not.toContain("\x1b[2J");
-      expect(shown).toContain("\x1b["); // git's own colours stay
+      expect(shown).not.toContain("\x1b[8m");
+      expect(shown).toContain("\u241b[8mhidden");
+      expect(shown).toContain("\x1b[32m+line"); // coloured by aic, by the line's start
       const piped = await runAic(["diff", "--session", session], { cwd: dir, env });
-      expect(piped.stdout).toContain("+line\x1b]52;c;ZWNobyBwd25lZA==\x07\x1b[2J\n");
+      expect(piped.stdout).toContain("+line\x1b]52;c;ZWNobyBwd25lZA==\x07\x1b[2J\n+\x1b[8mhidden\n");
     },
   );
 
