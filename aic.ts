@@ -14919,7 +14919,7 @@ class Checkpoints {
   }
 
   /** The unified diff of what the N-th last command changed (binary files named, not dumped). */
-  async diffOf(n: number, color: boolean): Promise<string> {
+  async diffOf(n: number): Promise<string> {
     const withAfter = this.done.filter((s) => s.after);
     const step = withAfter[withAfter.length - n];
     if (!step)
@@ -14931,12 +14931,10 @@ class Checkpoints {
           : `only ${withAfter.length} command(s) have a recorded change`,
       );
     const relative = this.shadow.prefix ? [`--relative=${this.shadow.prefix}`] : [];
-    const args = ["diff", "--no-ext-diff", "--no-textconv", `--color=${color ? "always" : "never"}`, ...relative];
+    const args = ["diff", "--no-ext-diff", "--no-textconv", "--color=never", ...relative];
     const text = await this.shadow.gitOk([...args, step.commit, step.after!, ...this.shadow.pathspec]);
     const changed = await this.changesOf(step);
-    // Read without colour: on a terminal the header's escape codes sit between the name and its line end.
-    const plain = color ? text.replace(/\x1b\[[0-9;]*m/g, "") : text;
-    const modesOnly = changed.modified.filter((f) => !plain.includes(` b/${f}\n`));
+    const modesOnly = changed.modified.filter((f) => !text.includes(` b/${f}\n`));
     const dirs = [...changed.created, ...changed.deleted].filter((f) => f.endsWith("/"));
     const notes = [
       ...modesOnly.map((f) => `(permissions of ${f} changed)`),
@@ -15598,7 +15596,7 @@ async function runDiff(count: number, sessionPath: string): Promise<number> {
     project = projectOfSession(path.resolve(sessionPath), record);
     const checkpoints = Checkpoints.forDirectory(project, sessionPath, () => {});
     checkpoints.adopt(record);
-    const diff = await checkpoints.diffOf(count, false);
+    const diff = await checkpoints.diffOf(count);
     writeOut(1, process.stdout.isTTY ? diffForTerminal(diff, useColor(process.stdout)) : diff);
     return EXIT.ok;
   } catch (error) {
@@ -19072,7 +19070,7 @@ class Conversation {
   /** /diff N: the unified diff of what the N-th last command changed. */
   async diff(n: number): Promise<string> {
     if (!this.o.checkpoints) throw new Error("checkpoints are off (--no-checkpoints)");
-    return this.o.checkpoints.diffOf(n, false);
+    return this.o.checkpoints.diffOf(n);
   }
 
   /** /redo: the newest undo undone, files and conversation. */

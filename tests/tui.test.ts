@@ -212,6 +212,22 @@ async function openTui(
   return h;
 }
 
+/** Runs `fn` in a fresh directory with its own state home (checkpoints and sessions there), both put back after. */
+async function inProjectDirectory(prefix: string, fn: (dir: string) => Promise<void>): Promise<void> {
+  const dir = scratch(prefix);
+  const home = process.cwd();
+  const state = process.env.XDG_STATE_HOME;
+  process.env.XDG_STATE_HOME = join(dir, ".state");
+  process.chdir(dir);
+  try {
+    await fn(dir);
+  } finally {
+    process.chdir(home);
+    if (state === undefined) delete process.env.XDG_STATE_HOME;
+    else process.env.XDG_STATE_HOME = state;
+  }
+}
+
 afterEach(async () => {
   const h = open;
   open = undefined;
@@ -1431,13 +1447,8 @@ describe("a TUI a person can trust (round 2)", () => {
   // /undo and /redo in the TUI: the files go back and forth, the conversation is cut and restored, and the
   // model's next request no longer holds the undone turn.
   test("/undo puts the files back and cuts the conversation; /redo restores both", async () => {
-    const dir = scratch("aic-tui-undo-");
-    const home = process.cwd();
-    const state = process.env.XDG_STATE_HOME;
-    process.env.XDG_STATE_HOME = join(dir, ".state");
-    writeFileSync(join(dir, "a.txt"), "original\n");
-    process.chdir(dir);
-    try {
+    await inProjectDirectory("aic-tui-undo-", async (dir) => {
+      writeFileSync(join(dir, "a.txt"), "original\n");
       const h = await openTui({
         request: "run: echo changed > a.txt; rm -f b.txt; echo new > c.txt",
         args: ["--auto-approve"],
@@ -1469,11 +1480,7 @@ describe("a TUI a person can trust (round 2)", () => {
       expect(sent.map((m: any) => m.role)).toEqual(["system", "user", "user"]);
       // The request stays (the person asked it); the turn that ran the command and its result are gone.
       expect(sent.some((m: any) => m.tool_calls || m.role === "tool")).toBe(false);
-    } finally {
-      process.chdir(home);
-      if (state === undefined) delete process.env.XDG_STATE_HOME;
-      else process.env.XDG_STATE_HOME = state;
-    }
+    });
   });
 
   // A new user's finding: while a command ran the footer said only "running" (the approval event, which comes
@@ -1486,13 +1493,8 @@ describe("a TUI a person can trust (round 2)", () => {
 
   // A new user's finding: /undo after /clear said the turn was "compressed away".
   test("/undo after /clear puts the files back and names /clear as a reason the turn is gone", async () => {
-    const dir = scratch("aic-tui-undo-clear-");
-    const home = process.cwd();
-    const state = process.env.XDG_STATE_HOME;
-    process.env.XDG_STATE_HOME = join(dir, ".state");
-    writeFileSync(join(dir, "a.txt"), "original\n");
-    process.chdir(dir);
-    try {
+    await inProjectDirectory("aic-tui-undo-clear-", async (dir) => {
+      writeFileSync(join(dir, "a.txt"), "original\n");
       const h = await openTui({
         request: "run: echo changed > a.txt",
         args: ["--auto-approve"],
@@ -1506,21 +1508,12 @@ describe("a TUI a person can trust (round 2)", () => {
       const frame = await h.until((f) => unwrapped(f, "left").includes("or cleared with /clear"));
       expect(unwrapped(frame, "left")).toContain("Undid `echo changed > a.txt");
       expect(readFileSync(join(dir, "a.txt"), "utf8")).toBe("original\n");
-    } finally {
-      process.chdir(home);
-      if (state === undefined) delete process.env.XDG_STATE_HOME;
-      else process.env.XDG_STATE_HOME = state;
-    }
+    });
   });
 
   // A new user's finding: /diff of a command that changed a whole tree pushed the conversation out of the pane.
   test("/diff shows at most 400 lines and says how to see the rest", async () => {
-    const dir = scratch("aic-tui-diff-");
-    const home = process.cwd();
-    const state = process.env.XDG_STATE_HOME;
-    process.env.XDG_STATE_HOME = join(dir, ".state");
-    process.chdir(dir);
-    try {
+    await inProjectDirectory("aic-tui-diff-", async (dir) => {
       const h = await openTui({
         request: "run: seq 1 1000 > many.txt",
         args: ["--auto-approve"],
@@ -1534,11 +1527,7 @@ describe("a TUI a person can trust (round 2)", () => {
       // 1,000 added lines and the diff's header: all but the first 400 left out.
       expect(more).toBeGreaterThan(600);
       expect(more).toBeLessThan(610);
-    } finally {
-      process.chdir(home);
-      if (state === undefined) delete process.env.XDG_STATE_HOME;
-      else process.env.XDG_STATE_HOME = state;
-    }
+    });
   });
 
   test("the Ctrl+R line sits above the prompt, never over the panes' border", async () => {
